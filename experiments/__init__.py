@@ -1,0 +1,1 @@
+"""Scripts that measure forge-jax and reproduce the paper's tables."""

@@ -1,0 +1,64 @@
+"""forge-jax: FORGE (Fused On-Register Gradient Elimination) for JAX and Flax.
+
+The backward pass of each linear layer computes its weight gradient tile by
+tile in float32 registers and applies the optimizer to that tile right there,
+so the full gradient never exists in device memory.
+
+Public API:
+
+* optimizers with optax's names, signatures and defaults: :func:`adam`,
+  :func:`adamw`, :func:`nadam`, :func:`nadamw`, :func:`radam`, :func:`lion`,
+  :func:`rmsprop`, :func:`adagrad`, :func:`sgd`. Each returns a
+  :class:`ForgeOptimizer`, a real ``optax.GradientTransformationExtraArgs``
+  that also carries its :class:`ElementwiseRule` for the kernels.
+"""
+
+from forge_jax._optimizers import ForgeOptimizer
+from forge_jax._optimizers import adagrad
+from forge_jax._optimizers import adam
+from forge_jax._optimizers import adamw
+from forge_jax._optimizers import apply_rule
+from forge_jax._optimizers import as_forge_optimizer
+from forge_jax._optimizers import lion
+from forge_jax._optimizers import nadam
+from forge_jax._optimizers import nadamw
+from forge_jax._optimizers import radam
+from forge_jax._optimizers import rmsprop
+from forge_jax._optimizers import sgd
+from forge_jax._rules import AdagradState
+from forge_jax._rules import AdamState
+from forge_jax._rules import CenteredRMSPropMomentumState
+from forge_jax._rules import CenteredRMSPropState
+from forge_jax._rules import ElementwiseRule
+from forge_jax._rules import LionState
+from forge_jax._rules import RMSPropMomentumState
+from forge_jax._rules import RMSPropState
+from forge_jax._rules import SGDMomentumState
+from forge_jax._rules import SGDState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdagradState",
+    "AdamState",
+    "CenteredRMSPropMomentumState",
+    "CenteredRMSPropState",
+    "ElementwiseRule",
+    "ForgeOptimizer",
+    "LionState",
+    "RMSPropMomentumState",
+    "RMSPropState",
+    "SGDMomentumState",
+    "SGDState",
+    "adagrad",
+    "adam",
+    "adamw",
+    "apply_rule",
+    "as_forge_optimizer",
+    "lion",
+    "nadam",
+    "nadamw",
+    "radam",
+    "rmsprop",
+    "sgd",
+]

@@ -1,0 +1,585 @@
+"""Elementwise optimizer rules: the one definition of each update.
+
+Every optimizer FORGE can fuse is *elementwise*: the new value of one weight
+depends only on that weight, its gradient and its own optimizer-state slots,
+plus a handful of scalars that depend on the step count alone (learning rate,
+bias corrections, RAdam's rectification). A rule therefore has two parts:
+
+* ``scalars(count)``: the per-step scalars, computed once per step outside any
+  kernel (schedules and powers are evaluated here), as a ``NamedTuple`` of
+  float32 0-d arrays;
+* ``update(g, w, slots, s, *, decay=True)``: plain ``jnp`` arithmetic on one
+  element or one tile. ``g`` is the gradient, ``w`` the weight (``None`` for
+  rules that never read it), ``slots`` the state slots in the order of
+  ``state_cls._fields[1:]`` and ``s`` the scalars. It returns the update ``u``
+  (the weight becomes ``w + u``, as in ``optax.apply_updates``) and the new
+  slots. No pytree operations and no Python branching on values, so a Pallas
+  kernel epilogue can call it on a register tile.
+
+The arithmetic mirrors optax 0.2.8 operation by operation (same association,
+same divisions), so the optax-protocol path in :mod:`forge_jax._optimizers`
+matches ``optax`` to float32 rounding and the kernels match the XLA reference.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax import _math
+
+Array = jax.Array
+ScalarOrSchedule = Union[float, jax.Array, Callable[[jax.Array], jax.Array]]
+
+_F32 = jnp.float32
+
+
+def safe_increment(count: Array) -> Array:
+  """``count + 1`` that saturates at the dtype's maximum (as optax's)."""
+  count = jnp.asarray(count)
+  max_value = jnp.array(jnp.iinfo(count.dtype).max, count.dtype)
+  return jnp.where(count < max_value, count + 1, max_value)
+
+
+def _schedule_value(value: ScalarOrSchedule, count: Array) -> Array:
+  return value(count) if callable(value) else value
+
+
+def _f32_tuple(cls, **fields):
+  return cls(**{k: jnp.asarray(v, _F32) for k, v in fields.items()})
+
+
+# ----------------------------------------------------------------------------
+# State containers: `count` first, then the slots, in optax's naming.
+# ----------------------------------------------------------------------------
+
+
+class AdamState(NamedTuple):
+  """State of adam, adamw, nadam, nadamw and radam (optax's ``ScaleByAdamState``)."""
+
+  count: Array  # shape=(), dtype=int32
+  mu: Any
+  nu: Any
+
+
+class LionState(NamedTuple):
+  """State of lion (optax's ``ScaleByLionState``)."""
+
+  count: Array
+  mu: Any
+
+
+class RMSPropState(NamedTuple):
+  """State of plain rmsprop (optax's ``ScaleByRmsState`` + the schedule count)."""
+
+  count: Array
+  nu: Any
+
+
+class RMSPropMomentumState(NamedTuple):
+  """State of rmsprop with momentum (``nu`` plus optax's ``TraceState.trace``)."""
+
+  count: Array
+  nu: Any
+  trace: Any
+
+
+class CenteredRMSPropState(NamedTuple):
+  """State of centered rmsprop (optax's ``ScaleByRStdDevState``)."""
+
+  count: Array
+  mu: Any
+  nu: Any
+
+
+class CenteredRMSPropMomentumState(NamedTuple):
+  """State of centered rmsprop with momentum."""
+
+  count: Array
+  mu: Any
+  nu: Any
+  trace: Any
+
+
+class AdagradState(NamedTuple):
+  """State of adagrad (optax's ``ScaleByRssState``)."""
+
+  count: Array
+  sum_of_squares: Any
+
+
+class SGDState(NamedTuple):
+  """State of plain sgd: only the step count (for schedules)."""
+
+  count: Array
+
+
+class SGDMomentumState(NamedTuple):
+  """State of sgd with momentum (optax's ``TraceState``)."""
+
+  count: Array
+  trace: Any
+
+
+# ----------------------------------------------------------------------------
+# The rule interface.
+# ----------------------------------------------------------------------------
+
+
+class ElementwiseRule(abc.ABC):
+  """An optimizer written as an elementwise update plus per-step scalars."""
+
+  state_cls: ClassVar[type]
+  name: ClassVar[str]
+
+  @property
+  def slot_names(self) -> tuple[str, ...]:
+    return self.state_cls._fields[1:]
+
+  @property
+  def uses_weight(self) -> bool:
+    """Whether ``update`` reads ``w`` (weight decay)."""
+    return False
+
+  def slot_dtypes(self, param_dtype) -> tuple[Any, ...]:
+    """Storage dtype of each slot for a parameter of ``param_dtype``."""
+    return tuple(param_dtype for _ in self.slot_names)
+
+  def slot_init_values(self) -> tuple[float, ...]:
+    """The value every element of each slot starts at."""
+    return tuple(0.0 for _ in self.slot_names)
+
+  def init_slots(self, w: Array) -> tuple[Array, ...]:
+    """The initial slots of one parameter array."""
+    return tuple(
+        jnp.full(jnp.shape(w), v, dtype)
+        for v, dtype in zip(self.slot_init_values(), self.slot_dtypes(w.dtype))
+    )
+
+  @abc.abstractmethod
+  def scalars(self, count: Array) -> NamedTuple:
+    """Per-step scalars from the step count *before* this step's increment."""
+
+  @abc.abstractmethod
+  def update(self, g, w, slots, s, *, decay: bool = True):
+    """Elementwise update: returns ``(u, new_slots)``; the weight becomes ``w + u``."""
+
+
+def _check_learning_rate(learning_rate):
+  if learning_rate is None:
+    raise ValueError(
+        "learning_rate=None (no scaling) is not supported by forge_jax: pass a "
+        "float or an optax schedule."
+    )
+
+
+def _check_dtype(name: str, dtype):
+  if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+    raise ValueError(f"{name}={dtype!r} must be a floating dtype or None.")
+
+
+# ----------------------------------------------------------------------------
+# Adam family: adam, adamw, nadam, nadamw.
+# ----------------------------------------------------------------------------
+
+
+class AdamScalars(NamedTuple):
+  neg_lr: Array
+  weight_decay: Array
+  b1: Array
+  one_minus_b1: Array
+  b2: Array
+  one_minus_b2: Array
+  eps: Array
+  eps_root: Array
+  bc1: Array  # 1 - b1**t
+  bc2: Array  # 1 - b2**t
+  bc1_next: Array  # 1 - b1**(t+1), for Nesterov
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamRule(ElementwiseRule):
+  """Adam, with optional decoupled weight decay and Nesterov momentum.
+
+  ``weight_decay=None`` is plain Adam (the rule never reads the weight).
+  """
+
+  learning_rate: ScalarOrSchedule
+  b1: Any = 0.9
+  b2: Any = 0.999
+  eps: Any = 1e-8
+  eps_root: Any = 0.0
+  mu_dtype: Any = None
+  weight_decay: Optional[ScalarOrSchedule] = None
+  nesterov: bool = False
+
+  state_cls: ClassVar[type] = AdamState
+  name: ClassVar[str] = "adam"
+
+  def __post_init__(self):
+    _check_learning_rate(self.learning_rate)
+    _check_dtype("mu_dtype", self.mu_dtype)
+
+  @property
+  def uses_weight(self) -> bool:
+    return self.weight_decay is not None
+
+  def slot_dtypes(self, param_dtype):
+    mu = param_dtype if self.mu_dtype is None else jnp.dtype(self.mu_dtype)
+    return (mu, param_dtype)
+
+  def scalars(self, count):
+    count_inc = safe_increment(count)
+    b1, b2 = self.b1, self.b2
+    wd = 0.0 if self.weight_decay is None else _schedule_value(self.weight_decay, count)
+    return _f32_tuple(
+        AdamScalars,
+        neg_lr=-1 * _schedule_value(self.learning_rate, count),
+        weight_decay=wd,
+        b1=b1,
+        one_minus_b1=1 - b1,
+        b2=b2,
+        one_minus_b2=1 - b2,
+        eps=self.eps,
+        eps_root=self.eps_root,
+        bc1=1 - b1**count_inc,
+        bc2=1 - b2**count_inc,
+        bc1_next=1 - b1 ** safe_increment(count_inc),
+    )
+
+  def update(self, g, w, slots, s, *, decay=True):
+    mu, nu = slots
+    mu = s.one_minus_b1 * g + s.b1 * mu
+    nu = s.one_minus_b2 * (g * g) + s.b2 * nu
+    mu_hat = _adam_mu_hat(mu, g, s, self.nesterov)
+    nu_hat = nu / s.bc2
+    u = mu_hat / (_math.sqrt(nu_hat + s.eps_root) + s.eps)
+    if self.weight_decay is not None and decay:
+      u = u + s.weight_decay * w
+    return s.neg_lr * u, (mu, nu)
+
+
+def _adam_mu_hat(mu, g, s, nesterov: bool):
+  if nesterov:
+    return s.b1 * (mu / s.bc1_next) + s.one_minus_b1 * (g / s.bc1)
+  return mu / s.bc1
+
+
+# ----------------------------------------------------------------------------
+# RAdam.
+# ----------------------------------------------------------------------------
+
+
+class RAdamScalars(NamedTuple):
+  neg_lr: Array
+  b1: Array
+  one_minus_b1: Array
+  b2: Array
+  one_minus_b2: Array
+  eps: Array
+  eps_root: Array
+  bc1: Array
+  bc2: Array
+  bc1_next: Array
+  rectify: Array  # 1.0 where rho_t >= threshold, else 0.0
+  r: Array  # the rectification factor (0 where not rectified)
+
+
+@dataclasses.dataclass(frozen=True)
+class RAdamRule(ElementwiseRule):
+  """Rectified Adam (Liu et al., 2020), as ``optax.radam``."""
+
+  learning_rate: ScalarOrSchedule
+  b1: Any = 0.9
+  b2: Any = 0.999
+  eps: Any = 1e-8
+  eps_root: Any = 0.0
+  threshold: Any = 5.0
+  nesterov: bool = False
+
+  state_cls: ClassVar[type] = AdamState
+  name: ClassVar[str] = "radam"
+
+  def __post_init__(self):
+    _check_learning_rate(self.learning_rate)
+
+  def scalars(self, count):
+    b1, b2 = self.b1, self.b2
+    count_inc = safe_increment(count)
+    ro_inf = 2.0 / (1.0 - b2) - 1.0
+    b2t = b2**count_inc
+    ro = ro_inf - 2 * count_inc * b2t / (1 - b2t)
+    rectify = ro >= self.threshold
+    r = jnp.sqrt(
+        (ro - 4.0) * (ro - 2.0) * ro_inf / ((ro_inf - 4.0) * (ro_inf - 2.0) * ro)
+    )
+    return _f32_tuple(
+        RAdamScalars,
+        neg_lr=-1 * _schedule_value(self.learning_rate, count),
+        b1=b1,
+        one_minus_b1=1 - b1,
+        b2=b2,
+        one_minus_b2=1 - b2,
+        eps=self.eps,
+        eps_root=self.eps_root,
+        bc1=1 - b1**count_inc,
+        bc2=1 - b2**count_inc,
+        bc1_next=1 - b1 ** safe_increment(count_inc),
+        rectify=jnp.where(rectify, 1.0, 0.0),
+        r=jnp.where(rectify, r, 0.0),
+    )
+
+  def update(self, g, w, slots, s, *, decay=True):
+    del w, decay
+    mu, nu = slots
+    mu = s.one_minus_b1 * g + s.b1 * mu
+    nu = s.one_minus_b2 * (g * g) + s.b2 * nu
+    mu_hat = _adam_mu_hat(mu, g, s, self.nesterov)
+    nu_hat = nu / s.bc2
+    rectified = s.r * mu_hat / (_math.sqrt(nu_hat + s.eps_root) + s.eps)
+    u = jnp.where(s.rectify > 0.5, rectified, mu_hat)
+    return s.neg_lr * u, (mu, nu)
+
+
+# ----------------------------------------------------------------------------
+# Lion.
+# ----------------------------------------------------------------------------
+
+
+class LionScalars(NamedTuple):
+  neg_lr: Array
+  weight_decay: Array
+  b1: Array
+  one_minus_b1: Array
+  b2: Array
+  one_minus_b2: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LionRule(ElementwiseRule):
+  """Lion (Chen et al., 2023), as ``optax.lion``."""
+
+  learning_rate: ScalarOrSchedule
+  b1: Any = 0.9
+  b2: Any = 0.99
+  mu_dtype: Any = None
+  weight_decay: Optional[ScalarOrSchedule] = 1e-3
+
+  state_cls: ClassVar[type] = LionState
+  name: ClassVar[str] = "lion"
+
+  def __post_init__(self):
+    _check_learning_rate(self.learning_rate)
+    _check_dtype("mu_dtype", self.mu_dtype)
+
+  @property
+  def uses_weight(self) -> bool:
+    return self.weight_decay is not None
+
+  def slot_dtypes(self, param_dtype):
+    return (param_dtype if self.mu_dtype is None else jnp.dtype(self.mu_dtype),)
+
+  def scalars(self, count):
+    wd = 0.0 if self.weight_decay is None else _schedule_value(self.weight_decay, count)
+    return _f32_tuple(
+        LionScalars,
+        neg_lr=-1 * _schedule_value(self.learning_rate, count),
+        weight_decay=wd,
+        b1=self.b1,
+        one_minus_b1=1.0 - self.b1,
+        b2=self.b2,
+        one_minus_b2=1 - self.b2,
+    )
+
+  def update(self, g, w, slots, s, *, decay=True):
+    (mu,) = slots
+    u = jnp.sign(s.one_minus_b1 * g + s.b1 * mu)
+    mu = s.one_minus_b2 * g + s.b2 * mu
+    if self.weight_decay is not None and decay:
+      u = u + s.weight_decay * w
+    return s.neg_lr * u, (mu,)
+
+
+# ----------------------------------------------------------------------------
+# RMSProp (plain, centered, momentum, Nesterov, bias correction).
+# ----------------------------------------------------------------------------
+
+
+class RMSPropScalars(NamedTuple):
+  neg_lr: Array
+  decay: Array
+  one_minus_decay: Array
+  eps: Array
+  bc: Array  # 1 - decay**t, or 1 when bias_correction is off
+  momentum: Array
+
+
+_RMSPROP_STATES = {
+    (False, False): RMSPropState,
+    (False, True): RMSPropMomentumState,
+    (True, False): CenteredRMSPropState,
+    (True, True): CenteredRMSPropMomentumState,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RMSPropRule(ElementwiseRule):
+  """RMSProp in optax's formulation (``eps`` inside the root by default)."""
+
+  learning_rate: ScalarOrSchedule
+  decay: Any = 0.9
+  eps: Any = 1e-8
+  initial_scale: Any = 0.0
+  eps_in_sqrt: bool = True
+  centered: bool = False
+  momentum: Any = None
+  nesterov: bool = False
+  bias_correction: bool = False
+
+  name: ClassVar[str] = "rmsprop"
+
+  def __post_init__(self):
+    _check_learning_rate(self.learning_rate)
+
+  @property
+  def state_cls(self):  # type: ignore[override]
+    return _RMSPROP_STATES[(self.centered, self.momentum is not None)]
+
+  def slot_init_values(self):
+    values = {"mu": 0.0, "nu": self.initial_scale, "trace": 0.0}
+    return tuple(values[n] for n in self.slot_names)
+
+  def scalars(self, count):
+    bc = 1 - self.decay ** safe_increment(count) if self.bias_correction else 1.0
+    return _f32_tuple(
+        RMSPropScalars,
+        neg_lr=-1 * _schedule_value(self.learning_rate, count),
+        decay=self.decay,
+        one_minus_decay=1 - self.decay,
+        eps=self.eps,
+        bc=bc,
+        momentum=0.0 if self.momentum is None else self.momentum,
+    )
+
+  def update(self, g, w, slots, s, *, decay=True):
+    del w, decay
+    named = dict(zip(self.slot_names, slots))
+    nu = s.one_minus_decay * (g * g) + s.decay * named["nu"]
+    nu_hat = nu / s.bc if self.bias_correction else nu
+    new = {"nu": nu}
+    if self.centered:
+      mu = s.one_minus_decay * g + s.decay * named["mu"]
+      mu_hat = mu / s.bc if self.bias_correction else mu
+      nu_hat = nu_hat - mu_hat * mu_hat
+      new["mu"] = mu
+    if self.eps_in_sqrt:
+      scaling = jax.lax.rsqrt(nu_hat + s.eps)
+    else:
+      scaling = 1 / (_math.sqrt(nu_hat) + s.eps)
+    u = s.neg_lr * (scaling * g)
+    if self.momentum is not None:
+      u, new["trace"] = _trace(u, named["trace"], s.momentum, self.nesterov)
+    return u, tuple(new[n] for n in self.slot_names)
+
+
+def _trace(u, trace, momentum, nesterov: bool):
+  """optax.trace: ``t = u + m * t``; Nesterov returns ``u + m * t``."""
+  trace = u + momentum * trace
+  return (u + momentum * trace if nesterov else trace), trace
+
+
+# ----------------------------------------------------------------------------
+# Adagrad.
+# ----------------------------------------------------------------------------
+
+
+class AdagradScalars(NamedTuple):
+  neg_lr: Array
+  eps: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class AdagradRule(ElementwiseRule):
+  """AdaGrad (Duchi et al., 2011), as ``optax.adagrad``."""
+
+  learning_rate: ScalarOrSchedule
+  initial_accumulator_value: Any = 0.1
+  eps: Any = 1e-7
+
+  state_cls: ClassVar[type] = AdagradState
+  name: ClassVar[str] = "adagrad"
+
+  def __post_init__(self):
+    _check_learning_rate(self.learning_rate)
+
+  def slot_init_values(self):
+    return (self.initial_accumulator_value,)
+
+  def scalars(self, count):
+    return _f32_tuple(
+        AdagradScalars,
+        neg_lr=-1 * _schedule_value(self.learning_rate, count),
+        eps=self.eps,
+    )
+
+  def update(self, g, w, slots, s, *, decay=True):
+    del w, decay
+    (sum_of_squares,) = slots
+    sum_of_squares = g * g + sum_of_squares
+    scaling = jnp.where(sum_of_squares > 0, jax.lax.rsqrt(sum_of_squares + s.eps), 0.0)
+    return s.neg_lr * (scaling * g), (sum_of_squares,)
+
+
+# ----------------------------------------------------------------------------
+# SGD.
+# ----------------------------------------------------------------------------
+
+
+class SGDScalars(NamedTuple):
+  neg_lr: Array
+  momentum: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SGDRule(ElementwiseRule):
+  """SGD with optional (Nesterov) momentum, as ``optax.sgd``."""
+
+  learning_rate: ScalarOrSchedule
+  momentum: Any = None
+  nesterov: bool = False
+  accumulator_dtype: Any = None
+
+  name: ClassVar[str] = "sgd"
+
+  def __post_init__(self):
+    _check_learning_rate(self.learning_rate)
+    _check_dtype("accumulator_dtype", self.accumulator_dtype)
+
+  @property
+  def state_cls(self):  # type: ignore[override]
+    return SGDState if self.momentum is None else SGDMomentumState
+
+  def slot_dtypes(self, param_dtype):
+    if self.momentum is None:
+      return ()
+    dtype = self.accumulator_dtype
+    return (param_dtype if dtype is None else jnp.dtype(dtype),)
+
+  def scalars(self, count):
+    return _f32_tuple(
+        SGDScalars,
+        neg_lr=-1 * _schedule_value(self.learning_rate, count),
+        momentum=0.0 if self.momentum is None else self.momentum,
+    )
+
+  def update(self, g, w, slots, s, *, decay=True):
+    del w, decay
+    if self.momentum is None:
+      return s.neg_lr * g, ()
+    # optax: trace first, then scale by the learning rate.
+    u, trace = _trace(g, slots[0], s.momentum, self.nesterov)
+    return s.neg_lr * u, (trace,)
