@@ -11,8 +11,13 @@ Public API:
   :func:`rmsprop`, :func:`adagrad`, :func:`sgd`. Each returns a
   :class:`ForgeOptimizer`, a real ``optax.GradientTransformationExtraArgs``
   that also carries its :class:`ElementwiseRule` for the kernels.
+* :func:`fused_linear_update`: one layer's weight update from ``x`` and ``dy``
+  without materializing ``dW`` (backends ``"pallas"``, ``"interpret"``,
+  ``"xla"``, ``"auto"``).
 """
 
+from forge_jax._fused import BACKENDS
+from forge_jax._fused import fused_linear_update
 from forge_jax._optimizers import ForgeOptimizer
 from forge_jax._optimizers import adagrad
 from forge_jax._optimizers import adam
@@ -39,6 +44,7 @@ from forge_jax._rules import SGDState
 __version__ = "0.1.0"
 
 __all__ = [
+    "BACKENDS",
     "AdagradState",
     "AdamState",
     "CenteredRMSPropMomentumState",
@@ -55,6 +61,7 @@ __all__ = [
     "adamw",
     "apply_rule",
     "as_forge_optimizer",
+    "fused_linear_update",
     "lion",
     "nadam",
     "nadamw",

@@ -1,0 +1,145 @@
+"""``fused_linear_update``: one linear layer's weight update without its gradient.
+
+For a layer ``y = x @ w`` with output cotangent ``dy``, the weight gradient is
+``x.T @ dy``. This entry point hands ``x``, ``dy``, ``w`` and ``w``'s optimizer
+state to a backend that computes that product tile by tile and applies the
+optimizer's elementwise rule to each tile as soon as it is complete:
+
+* ``"pallas"``: the Pallas kernel lowered through Triton (any CUDA GPU);
+* ``"interpret"``: the same kernel in Pallas interpret mode (CPU tests);
+* ``"xla"``: the reference: one float32 dot plus the same rule, fused by XLA
+  as it sees fit (the default on CPU, and the baseline in benchmarks);
+* ``"auto"``: ``"pallas"`` on GPUs, ``"xla"`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax import _optimizers
+from forge_jax import _rules
+from pallas_kernels import fused_dw as _fused_dw
+
+BACKENDS = ("auto", "xla", "pallas", "interpret")
+
+
+def _resolve_backend(backend: str) -> str:
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r} is not one of {BACKENDS}.")
+  platform = jax.default_backend()
+  if backend == "auto":
+    return "pallas" if platform == "gpu" else "xla"
+  if backend == "pallas" and platform != "gpu":
+    raise ValueError(
+        f"backend='pallas' needs a GPU, but jax's default backend is {platform!r}: "
+        "use backend='xla' (the reference) or 'interpret' (the kernel in Pallas "
+        "interpret mode) here."
+    )
+  return backend
+
+
+def _run_backend(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
+                 compute_grad_sq_norm):
+  if backend == "xla":
+    return _fused_dw.fused_dw_update_reference(
+        x, dy, w, slots, scalars, update_fn, layer=layer,
+        compute_grad_sq_norm=compute_grad_sq_norm,
+    )
+  return _fused_dw.fused_dw_update(
+      x, dy, w, slots, scalars, update_fn, layer=layer, config=config,
+      compute_grad_sq_norm=compute_grad_sq_norm, interpret=backend == "interpret",
+  )
+
+
+def _check_inputs(x, dy, w, state, rule, layer):
+  w_ndim = 2 if layer is None else 3
+  if w.ndim != w_ndim:
+    what = "a [K, N] weight" if layer is None else "stacked [L, K, N] weights with `layer`"
+    raise ValueError(f"expected {what}, got w of shape {w.shape}.")
+  k, n = w.shape[-2:]
+  if x.ndim < 2 or dy.ndim < 2:
+    raise ValueError(
+        f"x and dy need a token axis: got x {x.shape} and dy {dy.shape}; "
+        "pass x as [..., K] and dy as [..., N] with the same leading dims."
+    )
+  if x.shape[-1] != k or dy.shape[-1] != n or x.shape[:-1] != dy.shape[:-1]:
+    raise ValueError(
+        f"shapes do not match a linear layer y = x @ w: x {x.shape}, dy {dy.shape}, "
+        f"w {w.shape}; need x [..., {k}] and dy [..., {n}] with equal leading dims."
+    )
+  for name, a in (("x", x), ("dy", dy), ("w", w)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"{name} has dtype {a.dtype}; FORGE needs floating inputs.")
+  if not isinstance(state, rule.state_cls):
+    raise ValueError(
+        f"state is a {type(state).__name__}, but this {rule.name} optimizer's state "
+        f"is a {rule.state_cls.__name__}: pass optimizer.init(w)."
+    )
+  for name, slot in zip(rule.slot_names, state[1:]):
+    if not hasattr(slot, "shape") or slot.shape != w.shape:
+      raise ValueError(
+          f"state.{name} has shape {getattr(slot, 'shape', type(slot))}, expected the "
+          f"weight's {w.shape}: pass optimizer.init(w) for this very weight."
+      )
+
+
+def fused_linear_update(
+    x: jax.Array,
+    dy: jax.Array,
+    w: jax.Array,
+    state: Any,
+    optimizer: _optimizers.ForgeOptimizer,
+    backend: str = "auto",
+    *,
+    layer: Optional[jax.Array] = None,
+    decay: bool = True,
+    config: Any = None,
+    return_grad_sq_norm: bool = False,
+):
+  """Applies one optimizer step to ``w`` from ``x`` and ``dy``, never forming ``dW``.
+
+  Equivalent to ``g = x.T @ dy`` (float32) followed by
+  ``updates, state = optimizer.update(g, state, w); w = apply_updates(w, updates)``,
+  except that the gradient exists only one tile at a time inside the kernel.
+
+  Args:
+    x: the layer input, [..., K] (leading dims are flattened into tokens).
+    dy: the cotangent of the layer output, [..., N].
+    w: the weight [K, N] (float32 or bfloat16), or stacked weights [L, K, N]
+      with ``layer`` selecting the one to update.
+    state: ``optimizer.init(w)``: ``count`` plus slots shaped like ``w``.
+    optimizer: a forge_jax optimizer (``forge_jax.adamw(...)``, ...).
+    backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
+    layer: int32 scalar index into stacked ``w`` and slots. The returned
+      ``count`` is then left unchanged: advance it once per step, after the
+      last layer.
+    decay: apply weight decay to this weight (the optimizer's ``mask``).
+    config: the kernel's tile configuration (``None``: per-shape default).
+    return_grad_sq_norm: also return ``sum(dW**2)`` (float32), accumulated
+      tile by tile inside the kernel.
+
+  Returns:
+    ``(new_w, new_state)``, or ``(new_w, new_state, grad_sq_norm)``.
+  """
+  opt = _optimizers.as_forge_optimizer(optimizer)
+  rule = opt.rule
+  _check_inputs(x, dy, w, state, rule, layer)
+  x2 = x.reshape(-1, x.shape[-1])
+  dy2 = dy.reshape(-1, dy.shape[-1])
+  scalars = rule.scalars(state.count)
+  update_fn = functools.partial(rule.update, decay=decay)
+  new_w, new_slots, sq = _run_backend(
+      _resolve_backend(backend), x2, dy2, w, tuple(state[1:]), scalars, update_fn,
+      layer=layer, config=config, compute_grad_sq_norm=return_grad_sq_norm,
+  )
+  # A stack's layers are updated one call each within one step: the caller
+  # advances the shared count once, after the last layer.
+  count = state.count if layer is not None else _rules.safe_increment(state.count)
+  new_state = rule.state_cls(count, *new_slots)
+  if return_grad_sq_norm:
+    return new_w, new_state, sq
+  return new_w, new_state
