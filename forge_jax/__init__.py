@@ -14,8 +14,14 @@ Public API:
 * :func:`fused_linear_update`: one layer's weight update from ``x`` and ``dy``
   without materializing ``dW`` (backends ``"pallas"``, ``"interpret"``,
   ``"xla"``, ``"auto"``).
+* :class:`Dense`: a Flax linen Dense whose backward pass updates its kernel
+  and optimizer state in place; :class:`TrainState` and :func:`train_step`
+  run a whole in-place training step.
 """
 
+from forge_jax._dense import FORGE_STATE
+from forge_jax._dense import Dense
+from forge_jax._dense import KernelState
 from forge_jax._fused import BACKENDS
 from forge_jax._fused import fused_linear_update
 from forge_jax._optimizers import ForgeOptimizer
@@ -40,11 +46,16 @@ from forge_jax._rules import RMSPropMomentumState
 from forge_jax._rules import RMSPropState
 from forge_jax._rules import SGDMomentumState
 from forge_jax._rules import SGDState
+from forge_jax._train import TrainState
+from forge_jax._train import train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "Dense",
+    "FORGE_STATE",
+    "KernelState",
     "AdagradState",
     "AdamState",
     "CenteredRMSPropMomentumState",
@@ -56,6 +67,7 @@ __all__ = [
     "RMSPropState",
     "SGDMomentumState",
     "SGDState",
+    "TrainState",
     "adagrad",
     "adam",
     "adamw",
@@ -68,4 +80,5 @@ __all__ = [
     "radam",
     "rmsprop",
     "sgd",
+    "train_step",
 ]

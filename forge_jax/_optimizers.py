@@ -46,8 +46,16 @@ class ForgeOptimizer(optax.GradientTransformationExtraArgs):
     mask: the weight-decay mask given to the alias (or ``None``).
   """
 
-  rule: ElementwiseRule
-  mask: MaskOrFn
+  # The rule and mask ride on the `update` function object: libraries rebuild
+  # NamedTuples field by field (flax does for module attributes), which would
+  # drop anything stored on the instance itself.
+  @property
+  def rule(self) -> ElementwiseRule:
+    return self.update.forge_rule
+
+  @property
+  def mask(self) -> MaskOrFn:
+    return self.update.forge_mask
 
   def decay_mask(self, params) -> Any:
     """A pytree of Python bools, one per leaf of ``params``: apply weight decay?"""
@@ -71,7 +79,7 @@ def _make(rule: ElementwiseRule, mask: MaskOrFn = None) -> ForgeOptimizer:
         )
     per_leaf = jax.tree.map(rule.init_slots, params)
     slots = [
-        jax.tree.map(lambda _, s: s[i], params, per_leaf, is_leaf=lambda x: x is None)
+        jax.tree.map(lambda _, s: s[i], params, per_leaf)
         for i in range(len(rule.slot_names))
     ]
     return rule.state_cls(jnp.zeros([], jnp.int32), *slots)
@@ -108,9 +116,9 @@ def _make(rule: ElementwiseRule, mask: MaskOrFn = None) -> ForgeOptimizer:
     )
     return treedef.unflatten(new_u), new_state
 
+  update_fn.forge_rule = rule
+  update_fn.forge_mask = mask
   opt = ForgeOptimizer(init_fn, update_fn)
-  opt.rule = rule
-  opt.mask = mask
   return opt
 
 

@@ -1,0 +1,176 @@
+"""``forge_jax.Dense``: a Flax linen Dense whose backward pass updates its kernel.
+
+Forward: an ordinary matmul. Backward (``jax.custom_vjp``): ``dX = dY @ W.T``
+with the old weight, then :func:`forge_jax.fused_linear_update` computes the
+weight gradient tile by tile and applies the optimizer to each tile, in place.
+
+How the new weight leaves the backward pass ("overwrite with gradient", as in
+``flax.linen.fp8_ops``): the cotangent that autodiff returns for a FORGE
+kernel *is the new kernel*, and the cotangent of the layer's entry in the
+``"forge_state"`` collection is its new optimizer state (plus the squared norm
+of the gradient it consumed). No gradient-sized buffer exists at any point;
+:func:`forge_jax.train_step` knows which entries to overwrite instead of
+handing them to optax. A plain ``jax.grad`` of a loss through FORGE layers
+therefore returns *new weights* at the FORGE kernels, not gradients.
+
+Without a ``"forge_state"`` collection (e.g. ``model.apply({"params": p}, x)``
+for evaluation) the layer is an ordinary ``nn.Dense``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen import dtypes as flax_dtypes
+
+from forge_jax import _fused
+from forge_jax import _optimizers
+
+FORGE_STATE = "forge_state"
+
+default_kernel_init = nn.initializers.lecun_normal()
+
+
+class KernelState(NamedTuple):
+  """What the ``"forge_state"`` collection holds for one FORGE kernel.
+
+  Attributes:
+    opt: the optimizer state of the kernel (``optimizer.init(kernel)``).
+    grad_sq_norm: float32 scalar; its cotangent is ``sum(dW**2)`` of the step,
+      accumulated inside the kernel (the stored value itself is unused).
+  """
+
+  opt: Any
+  grad_sq_norm: jax.Array
+
+
+def init_kernel_state(optimizer, kernel) -> KernelState:
+  return KernelState(optimizer.init(kernel), jnp.zeros((), jnp.float32))
+
+
+def _float0_like(x):
+  return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def forge_matmul(optimizer, dtype, precision, backend, decay, config, x, kernel, kstate):
+  """``x @ kernel`` whose VJP updates ``kernel`` and ``kstate`` (see module doc)."""
+  del optimizer, backend, decay, config, kstate
+  return _dot(x, kernel.astype(dtype), precision)
+
+
+def _dot(x, kernel, precision):
+  return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+
+
+def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, x, kernel, kstate):
+  y = _dot(x, kernel.astype(dtype), precision)
+  return y, (x, kernel, kstate)
+
+
+def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, res, dy):
+  x, kernel, kstate = res
+  dx = jax.lax.dot_general(
+      dy, kernel.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
+  )
+  # The kernel below overwrites `kernel` in place: every read of the old weight
+  # (the dX product) must be ordered before it, or XLA protects the buffer
+  # with a defensive copy.
+  dx, kernel, opt_state = jax.lax.optimization_barrier((dx, kernel, kstate.opt))
+  new_kernel, new_opt, sq = _fused.fused_linear_update(
+      x, dy, kernel, opt_state, optimizer, backend, decay=decay, config=config,
+      return_grad_sq_norm=True,
+  )
+  new_opt = new_opt._replace(count=_float0_like(new_opt.count))
+  return dx.astype(x.dtype), new_kernel, KernelState(new_opt, sq)
+
+
+forge_matmul.defvjp(_forge_matmul_fwd, _forge_matmul_bwd)
+
+
+class Dense(nn.Module):
+  """A linear transformation trained by FORGE (same parameters as ``nn.Dense``).
+
+  Attributes:
+    features: the number of output features.
+    use_bias: whether to add a bias (trained by the optimizer's optax form).
+    dtype: the dtype of the computation (default: inferred from inputs and params).
+    param_dtype: the dtype of the parameters (float32 or bfloat16 for the kernel).
+    precision: numerical precision of the forward and dX matmuls.
+    kernel_init: initializer for the weight matrix.
+    bias_init: initializer for the bias.
+    optimizer: the forge_jax optimizer the kernel is trained with; must be the
+      one given to :class:`forge_jax.TrainState`.
+    decay: apply the optimizer's weight decay to the kernel. (An optimizer
+      ``mask`` governs the parameters optax updates; see TrainState.)
+    backend: the fused-update backend (``"auto"``, ``"xla"``, ``"pallas"``,
+      ``"interpret"``).
+    tile_config: the kernel's tile configuration (``None``: per-shape default).
+  """
+
+  features: int
+  use_bias: bool = True
+  dtype: Optional[Any] = None
+  param_dtype: Any = jnp.float32
+  precision: Any = None
+  kernel_init: Callable = default_kernel_init
+  bias_init: Callable = nn.initializers.zeros_init()
+  optimizer: Optional[_optimizers.ForgeOptimizer] = None
+  decay: bool = True
+  backend: str = "auto"
+  tile_config: Any = None
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if self.optimizer is None:
+      raise ValueError(
+          f"forge_jax.Dense {self._path()} needs `optimizer=` (the forge_jax "
+          "optimizer that trains it); use flax.linen.Dense for a plain layer."
+      )
+    _optimizers.as_forge_optimizer(self.optimizer)
+    kernel = self.param(
+        "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
+    )
+    bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+    dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias, dtype=self.dtype)
+    inputs = jnp.asarray(inputs, dtype)
+    if self.has_variable(FORGE_STATE, "kernel") or self.is_mutable_collection(FORGE_STATE):
+      self._count_call()
+      kstate = self.variable(
+          FORGE_STATE, "kernel", init_kernel_state, self.optimizer, kernel
+      ).value
+      y = forge_matmul(
+          self.optimizer, dtype, self.precision, self.backend, self.decay,
+          self.tile_config, inputs, kernel, kstate,
+      )
+    else:  # no optimizer state given: evaluation, an ordinary Dense
+      y = _dot(inputs, kernel.astype(dtype), self.precision)
+    if bias is not None:
+      y = y + jnp.reshape(bias.astype(dtype), (1,) * (y.ndim - 1) + (-1,))
+    return y
+
+  def _path(self) -> str:
+    try:
+      return "/".join(self.scope.path) or "(root)"
+    except AttributeError:
+      return "(unbound)"
+
+  def _count_call(self):
+    # FORGE updates the kernel inside this call's backward pass; a second call
+    # in the same apply would make autodiff *sum* two new kernels. Shared or
+    # tied weights cannot be fused: refuse instead of computing nonsense.
+    calls = getattr(self, "_forge_calls", 0)
+    if calls:
+      raise ValueError(
+          f"forge_jax.Dense {self._path()} was called {calls + 1} times in one "
+          "apply. FORGE updates a weight inside its single backward pass, so a "
+          "weight used more than once per step (tied or shared weights, a layer "
+          "reused in a loop) cannot be fused: use flax.linen.Dense for that "
+          "layer (optax will update it) or give each use its own weights."
+      )
+    object.__setattr__(self, "_forge_calls", calls + 1)

@@ -1,0 +1,197 @@
+"""TrainState and the in-place train step for models with FORGE layers.
+
+One call of :func:`train_step` runs forward and backward. During the backward
+pass every FORGE layer has already written its new kernel and optimizer state
+(see :mod:`forge_jax._dense`); the step then takes those as they are,
+applies the same optimizer's optax form to the parameters FORGE does not
+manage (embeddings, norms, biases, tied heads), and returns the loss and
+metrics. The state is donated, so the whole update happens in place.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from flax import traverse_util
+
+from forge_jax import _dense
+from forge_jax import _optimizers
+from forge_jax import _rules
+
+FORGE_STATE = _dense.FORGE_STATE
+
+
+def _unfreeze(tree):
+  return flax.core.unfreeze(tree) if isinstance(tree, flax.core.FrozenDict) else tree
+
+
+def forge_paths(forge_state) -> frozenset:
+  """Paths (tuples of names) of the params that FORGE manages."""
+  flat = traverse_util.flatten_dict(_unfreeze(forge_state))
+  return frozenset(flat)
+
+
+def _split(params, paths):
+  """(forge-managed params as a flat dict, the rest with None at those paths)."""
+  flat = traverse_util.flatten_dict(_unfreeze(params))
+  missing = [p for p in paths if p not in flat]
+  if missing:
+    raise ValueError(
+        f"the forge_state collection has entries with no matching parameter: {missing}"
+    )
+  managed = {p: flat[p] for p in paths}
+  rest = traverse_util.unflatten_dict({p: (None if p in paths else v) for p, v in flat.items()})
+  return managed, rest
+
+
+def _merge(rest, managed):
+  flat = traverse_util.flatten_dict(rest, keep_empty_nodes=False)
+  flat = {p: v for p, v in flat.items() if v is not None}
+  flat.update(managed)
+  return traverse_util.unflatten_dict(flat)
+
+
+class TrainState(struct.PyTreeNode):
+  """Everything a FORGE training step reads and rewrites.
+
+  Attributes:
+    step: the number of steps taken (int32).
+    apply_fn: the model's apply function (usually ``model.apply``).
+    optimizer: the forge_jax optimizer: FORGE layers run its elementwise rule
+      inside their backward pass; the other parameters get its optax form.
+    params: the ``"params"`` collection, FORGE kernels included.
+    forge_state: the ``"forge_state"`` collection: per FORGE kernel its
+      optimizer state (:class:`forge_jax.KernelState`).
+    opt_state: the optax-form state of the parameters FORGE does not manage.
+    model_state: any other variable collections (passed to apply unchanged).
+  """
+
+  step: jax.Array
+  apply_fn: Callable = struct.field(pytree_node=False)
+  optimizer: _optimizers.ForgeOptimizer = struct.field(pytree_node=False)
+  params: Any = None
+  forge_state: Any = None
+  opt_state: Any = None
+  model_state: Any = None
+
+  @classmethod
+  def create(cls, apply_fn: Callable, variables: Any, optimizer) -> "TrainState":
+    """Builds the state from ``model.init(...)``'s variables.
+
+    Raises:
+      ValueError: if the variables hold no ``"forge_state"`` (initialize the
+        model with its FORGE layers given the optimizer), or if the
+        optimizer's weight-decay mask excludes a FORGE kernel.
+    """
+    optimizer = _optimizers.as_forge_optimizer(optimizer)
+    variables = _unfreeze(variables)
+    if "params" not in variables:
+      raise ValueError("variables must hold a 'params' collection (from model.init).")
+    forge_state = variables.get(FORGE_STATE, {})
+    paths = forge_paths(forge_state)
+    managed, rest = _split(variables["params"], paths)
+    _check_decay_mask(optimizer, variables["params"], paths)
+    model_state = {k: v for k, v in variables.items() if k not in ("params", FORGE_STATE)}
+    return cls(
+        step=jnp.zeros([], jnp.int32),
+        apply_fn=apply_fn,
+        optimizer=optimizer,
+        params=variables["params"],
+        forge_state=forge_state,
+        opt_state=optimizer.init(rest),
+        model_state=model_state,
+    )
+
+  @property
+  def variables(self) -> dict:
+    """The variables to pass to ``apply_fn``."""
+    return {"params": self.params, FORGE_STATE: self.forge_state, **self.model_state}
+
+
+def _check_decay_mask(optimizer, params, paths):
+  if optimizer.mask is None or not paths:
+    return
+  mask = traverse_util.flatten_dict(_unfreeze(optimizer.decay_mask(params)))
+  excluded = sorted("/".join(p) for p in paths if not mask.get(p, True))
+  if excluded:
+    raise ValueError(
+        f"the optimizer's weight-decay mask excludes FORGE kernels {excluded}. The "
+        "mask governs the parameters optax updates; a FORGE kernel decays when its "
+        "forge_jax.Dense has decay=True (the default): set decay=False on those "
+        "layers and leave them True in the mask."
+    )
+
+
+def _tree_sq_norm(tree) -> jax.Array:
+  leaves = [x for x in jax.tree.leaves(tree) if x is not None]
+  return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.zeros((), jnp.float32))
+
+
+def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
+  paths = forge_paths(state.forge_state)
+
+  def loss_of(params, forge_state):
+    variables = {"params": params, FORGE_STATE: forge_state, **state.model_state}
+    return loss_fn(variables, batch)
+
+  if has_aux:
+    loss, vjp_fn, aux = jax.vjp(loss_of, state.params, state.forge_state, has_aux=True)
+  else:
+    loss, vjp_fn = jax.vjp(loss_of, state.params, state.forge_state)
+    aux = None
+  ct_params, ct_forge = vjp_fn(jnp.ones_like(loss))
+
+  # FORGE kernels: the cotangent is the new kernel (already updated in place).
+  new_managed, grads_rest = _split(ct_params, paths)
+  _, params_rest = _split(state.params, paths)
+  updates, opt_state = state.optimizer.update(grads_rest, state.opt_state, params_rest)
+  params_rest = optax.apply_updates(params_rest, updates)
+  new_params = _merge(params_rest, new_managed)
+
+  flat_ct = traverse_util.flatten_dict(_unfreeze(ct_forge))
+  flat_old = traverse_util.flatten_dict(_unfreeze(state.forge_state))
+  new_forge, forge_sq = {}, jnp.zeros((), jnp.float32)
+  for p, ct in flat_ct.items():
+    old = flat_old[p]
+    opt = ct.opt._replace(count=_rules.safe_increment(old.opt.count))
+    new_forge[p] = _dense.KernelState(opt, old.grad_sq_norm)
+    forge_sq = forge_sq + jnp.sum(ct.grad_sq_norm)
+  grad_norm = jnp.sqrt(forge_sq + _tree_sq_norm(grads_rest))
+  metrics = {"loss": loss, "grad_norm": grad_norm}
+  if has_aux:
+    metrics["aux"] = aux
+  new_state = state.replace(
+      step=_rules.safe_increment(state.step),
+      params=new_params,
+      forge_state=traverse_util.unflatten_dict(new_forge),
+      opt_state=opt_state,
+  )
+  return new_state, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn", "has_aux"), donate_argnums=(0,))
+def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False):
+  """One FORGE training step: forward, backward with fused updates, optax for the rest.
+
+  Args:
+    state: the :class:`TrainState` (donated: its buffers are updated in place;
+      do not use the old state after the call).
+    batch: any pytree, passed to ``loss_fn``.
+    loss_fn: ``loss_fn(variables, batch) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux=True``); call ``state.apply_fn(variables, ...)`` inside. It must
+      be hashable (a module-level function or a ``functools.partial``), as it
+      is a static argument of the jitted step.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+  Returns:
+    ``(new_state, metrics)`` with ``metrics["loss"]``, ``metrics["grad_norm"]``
+    (the exact global gradient norm: the FORGE kernels' part is accumulated
+    tile by tile inside the fused kernels) and ``metrics["aux"]`` if any.
+  """
+  return _train_step(state, batch, loss_fn, has_aux)
