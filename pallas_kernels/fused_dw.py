@@ -18,17 +18,138 @@ Stacked weights: ``w`` and the slots may carry a leading layer axis
 ([L, K, N]); then ``layer`` (an int32 scalar) selects the one slice that is
 read and rewritten, and every other slice is left untouched, so a loop over
 layers can update a stacked parameter in place without slicing copies.
+
+The Triton-lowered kernel (:func:`fused_dw_update`):
+
+* grid ``(cdiv(K, block_k), cdiv(N, block_n))``; each program runs a
+  ``fori_loop`` over T in steps of ``block_t``, so T can be any length (64k+
+  tokens) with a fixed register and shared-memory footprint;
+* every array is passed whole (no BlockSpec) and indexed inside the kernel:
+  tails of T, K and N are handled by masked loads (zeros) and masked stores,
+  never by padded copies in device memory; stacked weights are addressed by
+  the ``layer`` scalar the same way;
+* ``w`` and the slots are aliased to the outputs (``input_output_aliases``),
+  so under a jit that donates them the update is in place;
+* ``scalars`` (any pytree of 0-d floats) travels as one small float32 vector
+  and is rebuilt with its treedef inside the kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 Array = jax.Array
 UpdateFn = Callable[..., tuple[Array, tuple[Array, ...]]]
+
+# Triton's tl.dot needs at least 16 in each of M, N and K.
+_MIN_BLOCK = 16
+_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# jax >= 0.11 warns on every lowering of a Triton pallas_call (the backend is
+# deprecated in favour of Mosaic GPU). This kernel uses it on purpose until
+# the Mosaic GPU kernel (fused_dw_mosaic.py) is faster, so exactly that
+# message is silenced, and nothing else.
+_TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+
+# ----------------------------------------------------------------------------
+# Tile configuration.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Static tiling of :func:`fused_dw_update`.
+
+  Attributes:
+    block_k: rows of the weight tile one program owns (the K axis).
+    block_n: columns of the weight tile (the N axis).
+    block_t: tokens consumed per step of the accumulation loop.
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining stages of the token loop.
+  """
+
+  block_k: int = 128
+  block_n: int = 128
+  block_t: int = 64
+  num_warps: int = 8
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_k", "block_n", "block_t"):
+      value = getattr(self, name)
+      if value < _MIN_BLOCK or value & (value - 1):
+        raise ValueError(
+            f"TileConfig.{name}={value} must be a power of two >= {_MIN_BLOCK} "
+            "(Triton's dot needs power-of-two tiles of at least 16 in each dim)."
+        )
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"TileConfig.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16.")
+    if self.num_stages < 1:
+      raise ValueError(f"TileConfig.num_stages={self.num_stages} must be >= 1.")
+
+  def replace(self, **changes) -> "TileConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def shape_class(t: int, k: int, n: int) -> str:
+  """The key of :data:`TUNED_TILES` a problem of T x K x N falls in.
+
+  Only T separates the classes for now: it sets how long the token loop runs
+  against the fixed cost of the optimizer epilogue, which is what moved the
+  best tile in the first measurements (128x128 at T <= 4096, 128x256 at 16k).
+  """
+  del k, n
+  if t <= 2048:
+    return "t<=2048"
+  if t <= 8192:
+    return "t<=8192"
+  return "t>8192"
+
+
+# Best tile per shape class for bf16 x/dy with fp32 w and AdamW slots.
+# Source: /work/shared/FINDINGS.md, "H200 measurements, 2026-11-29" (the best
+# of 7 configs of a first Triton kernel). To be replaced by the "table" entry
+# of runs/tune_fused_dw.json written by experiments/tune_fused_dw.py.
+TUNED_TILES: dict[str, TileConfig] = {
+    "t<=2048": TileConfig(block_k=128, block_n=128, block_t=64, num_warps=8, num_stages=3),
+    "t<=8192": TileConfig(block_k=128, block_n=128, block_t=64, num_warps=8, num_stages=3),
+    "t>8192": TileConfig(block_k=128, block_n=256, block_t=64, num_warps=8, num_stages=3),
+}
+
+
+def _fit(block: int, dim: int) -> int:
+  """Shrinks a tile edge to the smallest power of two covering ``dim``."""
+  return min(block, max(_MIN_BLOCK, pl.next_power_of_2(dim)))
+
+
+def default_tile_config(t: int, k: int, n: int, dtype=jnp.bfloat16) -> TileConfig:
+  """The tile :func:`fused_dw_update` uses for T x K x N inputs of ``dtype``.
+
+  Starts from :data:`TUNED_TILES`; tiles are shrunk for dims smaller than the
+  tile (less masked work), and float32 inputs take half the token step
+  (twice the bytes per token in shared memory).
+  """
+  cfg = TUNED_TILES[shape_class(t, k, n)]
+  block_t = cfg.block_t
+  if jnp.dtype(dtype).itemsize > 2:
+    block_t = max(_MIN_BLOCK, block_t // 2)
+  return cfg.replace(
+      block_k=_fit(cfg.block_k, k), block_n=_fit(cfg.block_n, n), block_t=_fit(block_t, t)
+  )
+
+
+# ----------------------------------------------------------------------------
+# Helpers shared by every backend.
+# ----------------------------------------------------------------------------
 
 
 def store_cast(value: Array, dtype) -> Array:
@@ -38,6 +159,300 @@ def store_cast(value: Array, dtype) -> Array:
   here (one definition for every backend).
   """
   return value.astype(dtype)
+
+
+
+# ----------------------------------------------------------------------------
+# The Triton-lowered kernel.
+# ----------------------------------------------------------------------------
+
+
+def _edge_mask(start, block: int, dim: int) -> Optional[Array]:
+  """``start + arange(block) < dim``, or None when no tile can overhang.
+
+  Static: a dim that is a multiple of the tile gets no mask at all, so the
+  hot loop of aligned shapes carries no compares.
+  """
+  if dim % block == 0:
+    return None
+  return start + jnp.arange(block, dtype=jnp.int32) < dim
+
+
+def _tile_mask(
+    row_mask: Optional[Array], col_mask: Optional[Array], shape: tuple[int, int]
+) -> Optional[Array]:
+  """The 2-d in-bounds mask of a tile from its row and column masks."""
+  if row_mask is None and col_mask is None:
+    return None
+  if row_mask is None:
+    return jnp.broadcast_to(col_mask[None, :], shape)
+  if col_mask is None:
+    return jnp.broadcast_to(row_mask[:, None], shape)
+  return row_mask[:, None] & col_mask[None, :]
+
+
+def _load(view, mask: Optional[Array]) -> Array:
+  """Loads a tile; masked-off elements read as 0 (and touch no memory)."""
+  if mask is None:
+    return pltriton.load(view)
+  return pltriton.load(view, mask=mask, other=0)
+
+
+def _store(view, value: Array, mask: Optional[Array]) -> None:
+  if mask is None:
+    pltriton.store(view, value)
+  else:
+    pltriton.store(view, value, mask=mask)
+
+
+def _accumulate_grad(
+    x_ref, dy_ref, k0, n0, k_mask, n_mask, *, t: int, config: TileConfig, compute_dtype, precision
+) -> Array:
+  """``x[:, tile_k].T @ dy[:, tile_n]`` in float32, ``block_t`` tokens a step."""
+  bk, bn, bt = config.block_k, config.block_n, config.block_t
+
+  def body(i, acc):
+    t0 = i * bt
+    t_mask = _edge_mask(t0, bt, t)
+    x_blk = _load(x_ref.at[pl.ds(t0, bt), pl.ds(k0, bk)], _tile_mask(t_mask, k_mask, (bt, bk)))
+    dy_blk = _load(dy_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], _tile_mask(t_mask, n_mask, (bt, bn)))
+    # Contracting dim 0 of both: Triton transposes the x tile in shared
+    # memory, no transposed copy of x is ever made.
+    return acc + lax.dot_general(
+        x_blk.astype(compute_dtype), dy_blk.astype(compute_dtype),
+        (((0,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+
+  return lax.fori_loop(0, pl.cdiv(t, bt), body, jnp.zeros((bk, bn), jnp.float32))
+
+
+def _fused_dw_kernel(
+    # Inputs: x [T, K], dy [T, N], packed scalars [S], (layer [1]), w, *slots.
+    x_ref, dy_ref, scalars_ref, *refs,
+    # Outputs (w and slots aliased to the inputs), then (grad_sq [gk, gn]).
+    t: int,
+    k: int,
+    n: int,
+    num_slots: int,
+    stacked: bool,
+    with_norm: bool,
+    scalars_treedef: Any,
+    update_fn: UpdateFn,
+    config: TileConfig,
+    compute_dtype: Any,
+    precision: Any,
+):
+  """One (block_k, block_n) weight tile: gradient, update, write-back."""
+  layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
+  w_ref, slot_refs, refs = refs[0], refs[1 : 1 + num_slots], refs[1 + num_slots :]
+  w_out_ref, slot_out_refs = refs[0], refs[1 : 1 + num_slots]
+  norm_ref = refs[1 + num_slots] if with_norm else None
+
+  pid_k, pid_n = pl.program_id(0), pl.program_id(1)
+  k0, n0 = pid_k * config.block_k, pid_n * config.block_n
+  k_mask = _edge_mask(k0, config.block_k, k)
+  n_mask = _edge_mask(n0, config.block_n, n)
+  g = _accumulate_grad(
+      x_ref, dy_ref, k0, n0, k_mask, n_mask,
+      t=t, config=config, compute_dtype=compute_dtype, precision=precision,
+  )
+
+  # The weight tile of this program, in the selected layer if stacked.
+  tile = (pl.ds(k0, config.block_k), pl.ds(n0, config.block_n))
+  if stacked:
+    tile = (layer_ref[0],) + tile
+  mask = _tile_mask(k_mask, n_mask, (config.block_k, config.block_n))
+  w32 = _load(w_ref.at[tile], mask).astype(jnp.float32)
+  slots32 = tuple(_load(r.at[tile], mask).astype(jnp.float32) for r in slot_refs)
+  scalars = scalars_treedef.unflatten(
+      [scalars_ref[i] for i in range(scalars_treedef.num_leaves)]
+  )
+  u, new_slots = update_fn(g, w32, slots32, scalars)
+  new_slots = tuple(new_slots)
+  if len(new_slots) != num_slots:
+    raise ValueError(
+        f"update_fn returned {len(new_slots)} slots for {num_slots} slot inputs; "
+        "it must return (u, new_slots) with one new slot per slot."
+    )
+  _store(w_out_ref.at[tile], store_cast(w32 + u, w_out_ref.dtype), mask)
+  for ref, value in zip(slot_out_refs, new_slots):
+    _store(ref.at[tile], store_cast(value, ref.dtype), mask)
+  if with_norm:
+    # Masked-off rows and columns of g are exact zeros (masked loads).
+    norm_ref[pid_k, pid_n] = jnp.sum(g * g)
+
+
+# ----------------------------------------------------------------------------
+# The wrapper.
+# ----------------------------------------------------------------------------
+
+
+def _check_inputs(x: Array, dy: Array, w: Array, slots: tuple, layer) -> None:
+  """ValueErrors that name the offending value and the fix."""
+  if x.ndim != 2 or dy.ndim != 2:
+    raise ValueError(
+        f"x.shape={x.shape} and dy.shape={dy.shape} must be 2-d [T, K] and [T, N]; "
+        "flatten the batch and sequence axes into one token axis first."
+    )
+  if x.shape[0] != dy.shape[0]:
+    raise ValueError(
+        f"x.shape={x.shape} and dy.shape={dy.shape} must have the same number of "
+        "tokens T (axis 0)."
+    )
+  for name, a in (("x", x), ("dy", dy)):
+    if jnp.dtype(a.dtype) not in _INPUT_DTYPES:
+      raise ValueError(
+          f"{name}.dtype={a.dtype} is not supported: x and dy must be float32 or "
+          f"bfloat16; cast {name} to one of them."
+      )
+  kn = (x.shape[1], dy.shape[1])
+  if w.ndim not in (2, 3) or tuple(w.shape[-2:]) != kn:
+    raise ValueError(
+        f"w.shape={w.shape} must be [K, N]={list(kn)} (or [L, K, N] stacked) for "
+        f"x.shape={x.shape} and dy.shape={dy.shape}."
+    )
+  if w.ndim == 3 and layer is None:
+    raise ValueError(
+        f"w.shape={w.shape} is stacked [L, K, N]: pass layer= (an int32 scalar) "
+        "to select the slice to update."
+    )
+  if w.ndim == 2 and layer is not None:
+    raise ValueError(
+        f"layer={layer!r} was given but w.shape={w.shape} is not stacked; pass "
+        "layer=None or a stacked [L, K, N] w."
+    )
+  if layer is not None and jnp.ndim(layer) != 0:
+    raise ValueError(f"layer must be an int32 scalar, got shape {jnp.shape(layer)}.")
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise ValueError(f"w.dtype={w.dtype} must be a floating dtype.")
+  for i, s in enumerate(slots):
+    if tuple(s.shape) != tuple(w.shape):
+      raise ValueError(
+          f"slots[{i}].shape={s.shape} must equal w.shape={w.shape}: every "
+          "optimizer slot is elementwise, shaped like its weight."
+      )
+    if not jnp.issubdtype(s.dtype, jnp.floating):
+      raise ValueError(f"slots[{i}].dtype={s.dtype} must be a floating dtype.")
+
+
+def _pack_scalars(scalars: Any) -> tuple[Array, Any]:
+  """Flattens the scalars pytree into one float32 vector (+ its treedef)."""
+  leaves, treedef = jax.tree.flatten(scalars)
+  for i, leaf in enumerate(leaves):
+    if jnp.ndim(leaf) != 0:
+      raise ValueError(
+          f"scalars leaf {i} has shape {jnp.shape(leaf)}; every leaf of scalars "
+          "must be a 0-d value (per-element data belongs in the slots)."
+      )
+  # A zero-length input is not a valid Triton argument: keep one dummy entry.
+  packed = [jnp.asarray(leaf, jnp.float32) for leaf in leaves] or [jnp.zeros((), jnp.float32)]
+  return jnp.stack(packed), treedef
+
+
+def _silence_triton_deprecation() -> None:
+  """Ignores jax >= 0.11's Triton-backend deprecation warning, and only it.
+
+  Installed at call time (idempotent: ``filterwarnings`` de-duplicates) rather
+  than at import so it sits in front of filters a test runner adds per test
+  (``-W error``); the warning is raised when the enclosing jit is lowered,
+  which always comes after this trace-time call.
+  """
+  warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def fused_dw_update(
+    x: Array,
+    dy: Array,
+    w: Array,
+    slots: Sequence[Array],
+    scalars: Any,
+    update_fn: UpdateFn,
+    *,
+    layer: Optional[Array] = None,
+    config: Optional[TileConfig] = None,
+    compute_grad_sq_norm: bool = False,
+    interpret: bool = False,
+):
+  """``dW = x.T @ dy`` consumed tile by tile by ``update_fn``, in place.
+
+  Same contract as :func:`fused_dw_update_reference`. Under a jit that
+  donates ``w`` and ``slots`` the new values are written over the old ones;
+  without donation XLA copies them first (the result is the same).
+
+  Args:
+    x: [T, K] layer input, float32 or bfloat16.
+    dy: [T, N] output cotangent, float32 or bfloat16.
+    w: [K, N] weight, or [L, K, N] stacked weights with ``layer`` given.
+    slots: optimizer-state arrays shaped like ``w`` (any float dtypes).
+    scalars: pytree of 0-d float32 values passed to ``update_fn``.
+    update_fn: the elementwise rule (see the module docstring).
+    layer: int32 scalar (may be traced) selecting the slice of stacked
+      ``w``/slots; clamped to ``[0, L)`` like ``lax.dynamic_index_in_dim``.
+    config: tiling; :func:`default_tile_config` when None.
+    compute_grad_sq_norm: also return ``sum(dW**2)`` (float32).
+    interpret: run the same kernel in Pallas interpret mode (CPU).
+
+  Returns:
+    ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless
+    requested.
+  """
+  slots = tuple(slots)
+  _check_inputs(x, dy, w, slots, layer)
+  (t, k), n = x.shape, dy.shape[1]
+  if config is None:
+    config = default_tile_config(t, k, n, x.dtype)
+  compute_dtype = jnp.promote_types(x.dtype, dy.dtype)
+  # Full fp32 (no TF32) for fp32 inputs, as the reference; bf16 is exact in
+  # the tensor cores' products either way.
+  precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+  scalar_vec, scalars_treedef = _pack_scalars(scalars)
+  stacked = w.ndim == 3
+  inputs = [x, dy, scalar_vec]
+  if stacked:
+    # Clamped: an out-of-range layer must never become an out-of-bounds write.
+    layer_vec = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1).reshape(1)
+    inputs.append(layer_vec)
+  first_state = len(inputs)
+  inputs += [w, *slots]
+  grid = (pl.cdiv(k, config.block_k), pl.cdiv(n, config.block_n))
+  out_shape = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (w, *slots)]
+  if compute_grad_sq_norm:
+    out_shape.append(jax.ShapeDtypeStruct(grid, jnp.float32))
+  kernel = functools.partial(
+      _fused_dw_kernel,
+      t=t, k=k, n=n,
+      num_slots=len(slots),
+      stacked=stacked,
+      with_norm=compute_grad_sq_norm,
+      scalars_treedef=scalars_treedef,
+      update_fn=update_fn,
+      config=config,
+      compute_dtype=compute_dtype,
+      precision=precision,
+  )
+  _silence_triton_deprecation()
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=grid,
+      input_output_aliases={first_state + i: i for i in range(1 + len(slots))},
+      # Explicit Triton params: without them jax >= 0.9 picks Mosaic GPU.
+      compiler_params=pltriton.CompilerParams(
+          num_warps=config.num_warps, num_stages=config.num_stages
+      ),
+      interpret=interpret,
+      name="fused_dw_update",
+  )(*inputs)
+  new_w, new_slots = outs[0], tuple(outs[1 : 1 + len(slots)])
+  norm = jnp.sum(outs[-1]) if compute_grad_sq_norm else None
+  return new_w, new_slots, norm
+
+
+# ----------------------------------------------------------------------------
+# The plain-jnp reference.
+# ----------------------------------------------------------------------------
 
 
 def fused_dw_update_reference(
