@@ -1,3 +1,53 @@
-"""Flax LLMs (Llama-3.x and Qwen3 families) built on forge_jax layers."""
+"""Flax LLMs of the Llama-3.x and Qwen3 families, with Hugging Face checkpoint I/O.
 
-__all__: list[str] = []
+Public API:
+
+* :class:`ModelConfig` (frozen dataclass), :class:`RopeScaling`, the named
+  ``PRESETS`` (qwen3-0.6b ... qwen3-14b, llama-3.1-8b, tiny-qwen3, tiny-llama)
+  and :func:`get_config`.
+* :class:`CausalLM` (``tokens_BxL -> logits_BxLxV``), built from
+  :class:`DecoderStack` (the layer loop, scanned or unrolled) of
+  :class:`DecoderBlock`; :func:`param_labels` says which parameters FORGE
+  updates in the backward and which are left to optax.
+* Checkpoints: :func:`load_checkpoint`, :func:`save_checkpoint` and the
+  lower-level converters in :mod:`models.hf_io`.
+
+Example::
+
+  cfg, params = models.load_checkpoint("path/to/Qwen3-0.6B", dtype="bfloat16")
+  logits_BxLxV = models.CausalLM(cfg).apply({"params": params}, tokens_BxL)
+"""
+
+from models._config import PRESETS
+from models._config import ModelConfig
+from models._config import RopeScaling
+from models._config import get_config
+from models._layers import dense
+from models._model import CausalLM
+from models._model import DecoderBlock
+from models._model import DecoderStack
+from models._model import param_labels
+from models.hf_io import config_from_hf
+from models.hf_io import config_to_hf
+from models.hf_io import load_checkpoint
+from models.hf_io import params_from_hf
+from models.hf_io import params_to_hf
+from models.hf_io import save_checkpoint
+
+__all__ = [
+    "PRESETS",
+    "CausalLM",
+    "DecoderBlock",
+    "DecoderStack",
+    "ModelConfig",
+    "RopeScaling",
+    "config_from_hf",
+    "config_to_hf",
+    "dense",
+    "get_config",
+    "load_checkpoint",
+    "param_labels",
+    "params_from_hf",
+    "params_to_hf",
+    "save_checkpoint",
+]

@@ -1,0 +1,145 @@
+"""The decoder block, the layer stack and the causal LM.
+
+Parameter tree (names follow Hugging Face's, see :mod:`models.hf_io`)::
+
+  embed_tokens/embedding                       [V, D]
+  decoder/layers/...                           stacked [L, ...]  (scan_layers=True)
+  decoder/layers_{i}/...                       one per block     (scan_layers=False)
+      input_layernorm/scale, post_attention_layernorm/scale      [D]
+      self_attn/{q,k,v,o}_proj/kernel                            [in, out]
+      self_attn/{q,k}_norm/scale                                 [H] (Qwen3)
+      mlp/{gate,up,down}_proj/kernel                             [in, out]
+  norm/scale                                   [D]
+  lm_head/kernel                               [D, V] (untied only)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models._config import ModelConfig
+from models._layers import Attention, Mlp, RopeBxLxH2, _norm, dense, rope_inv_frequencies, rope_sin_cos
+
+
+class DecoderBlock(nn.Module):
+  """One pre-norm block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``.
+
+  Returns ``(x, None)`` so that it is directly the body of ``nn.scan``. It is
+  self-contained: ``DecoderBlock(cfg).apply({"params": one_layer}, x, rope)``
+  runs one layer from its (unstacked) parameters.
+  """
+
+  cfg: ModelConfig
+  optimizer: Any = None
+
+  @nn.compact
+  def __call__(self, x_BxLxD: jax.Array, rope: RopeBxLxH2) -> tuple[jax.Array, None]:
+    cfg, opt = self.cfg, self.optimizer
+    attn_BxLxD = Attention(cfg, opt, name="self_attn")(_norm(cfg, "input_layernorm")(x_BxLxD), rope)
+    h_BxLxD = x_BxLxD + attn_BxLxD
+    mlp_BxLxD = Mlp(cfg, opt, name="mlp")(_norm(cfg, "post_attention_layernorm")(h_BxLxD))
+    return h_BxLxD + mlp_BxLxD, None
+
+
+def _maybe_remat(cfg: ModelConfig) -> type[nn.Module]:
+  """The block class, wrapped in ``nn.remat`` with the configured policy."""
+  if cfg.remat == "none":
+    return DecoderBlock
+  policy = None if cfg.remat == "full" else getattr(jax.checkpoint_policies, cfg.remat)
+  # Under scan, CSE across iterations cannot undo the remat, and the barrier
+  # that prevents it costs speed (flax's advice for remat inside scan).
+  return nn.remat(DecoderBlock, policy=policy, prevent_cse=not cfg.scan_layers)
+
+
+class DecoderStack(nn.Module):
+  """The L decoder blocks: the only place that loops over layers.
+
+  ``scan_layers=True`` scans one (possibly remat'ed) block over a leading
+  layer axis of every variable collection (``variable_axes={True: 0}``, so a
+  FORGE optimizer-state collection is stacked like ``params``), with
+  per-layer ``params`` rngs. ``scan_layers=False`` unrolls a Python loop over
+  ``layers_0`` ... ``layers_{L-1}``. A FORGE-specific stack (one custom VJP
+  whose backward updates the stacked weights in place) replaces the scanned
+  branch here and nothing else.
+  """
+
+  cfg: ModelConfig
+  optimizer: Any = None
+
+  @nn.compact
+  def __call__(self, x_BxLxD: jax.Array, rope: RopeBxLxH2) -> jax.Array:
+    cfg = self.cfg
+    block = _maybe_remat(cfg)
+    if cfg.scan_layers:
+      scanned = nn.scan(block, variable_axes={True: 0}, split_rngs={"params": True},
+                        in_axes=(nn.broadcast,), length=cfg.num_layers)
+      x_BxLxD, _ = scanned(cfg, self.optimizer, name="layers")(x_BxLxD, rope)
+      return x_BxLxD
+    for i in range(cfg.num_layers):
+      x_BxLxD, _ = block(cfg, self.optimizer, name=f"layers_{i}")(x_BxLxD, rope)
+    return x_BxLxD
+
+
+class CausalLM(nn.Module):
+  """A Llama-3.x / Qwen3 causal language model.
+
+  Attributes:
+    cfg: the :class:`ModelConfig`.
+    optimizer: the FORGE optimizer (``forge_jax.adamw(...)`` etc.) that every
+      FORGE linear layer applies in its backward; required when
+      ``cfg.linear == "forge"``, unused otherwise. Which parameters FORGE
+      updates and which are left to optax: :func:`param_labels`.
+  """
+
+  cfg: ModelConfig
+  optimizer: Any = None
+
+  @property
+  def forge_layer_names(self) -> tuple[str, ...]:
+    """Names of the FORGE-managed linear modules (see ``ModelConfig.forge_layer_names``)."""
+    return self.cfg.forge_layer_names
+
+  @nn.compact
+  def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
+    """Logits ``[B, L, V]`` in ``cfg.dtype`` (upcast in the loss for 16-bit compute).
+
+    Args:
+      tokens_BxL: int token ids.
+      positions_BxL: RoPE positions; ``0 .. L-1`` per row by default.
+    """
+    cfg = self.cfg
+    embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=jnp.dtype(cfg.dtype),
+                     param_dtype=jnp.dtype(cfg.param_dtype),
+                     embedding_init=nn.initializers.normal(stddev=cfg.init_std), name="embed_tokens")
+    x_BxLxD = embed(tokens_BxL)
+    if positions_BxL is None:
+      positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
+    rope = rope_sin_cos(positions_BxL, rope_inv_frequencies(cfg))
+    x_BxLxD = DecoderStack(cfg, self.optimizer, name="decoder")(x_BxLxD, rope)
+    x_BxLxD = _norm(cfg, "norm")(x_BxLxD)
+    if cfg.tie_word_embeddings:
+      return embed.attend(x_BxLxD)
+    return dense(cfg, cfg.vocab_size, "lm_head", self.optimizer)(x_BxLxD)
+
+
+def param_labels(cfg: ModelConfig, params: Any) -> Any:
+  """``"forge"`` or ``"optax"`` for every leaf of ``params`` (same tree).
+
+  ``"forge"``: every parameter of a FORGE linear layer (the block projections,
+  and ``lm_head`` when untied); FORGE updates them inside the backward, so the
+  optax side must leave them alone (e.g. ``optax.multi_transform({"optax":
+  adamw, "forge": optax.set_to_zero()}, labels)``). ``"optax"``: embeddings,
+  every RMSNorm scale, a tied head (it is the embedding), and everything
+  when ``cfg.linear == "flax"``.
+  """
+  forge_names = set(cfg.forge_layer_names)
+
+  def label(path, _):
+    names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+    return "forge" if names & forge_names else "optax"
+
+  return jax.tree_util.tree_map_with_path(label, params)
