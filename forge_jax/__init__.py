@@ -46,6 +46,7 @@ from forge_jax._rules import RMSPropMomentumState
 from forge_jax._rules import RMSPropState
 from forge_jax._rules import SGDMomentumState
 from forge_jax._rules import SGDState
+from forge_jax._stack import ScannedStack
 from forge_jax._train import TrainState
 from forge_jax._train import train_step
 
@@ -67,6 +68,7 @@ __all__ = [
     "RMSPropState",
     "SGDMomentumState",
     "SGDState",
+    "ScannedStack",
     "TrainState",
     "adagrad",
     "adam",

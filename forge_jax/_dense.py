@@ -78,13 +78,12 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, res, 
   dx = jax.lax.dot_general(
       dy, kernel.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
   )
-  # The kernel below overwrites `kernel` in place: every read of the old weight
+  # The update below overwrites `kernel` in place: every read of the old weight
   # (the dX product) must be ordered before it, or XLA protects the buffer
-  # with a defensive copy.
-  dx, kernel, opt_state = jax.lax.optimization_barrier((dx, kernel, kstate.opt))
+  # with a defensive copy. `after=dx` makes the update depend on dX.
   new_kernel, new_opt, sq = _fused.fused_linear_update(
-      x, dy, kernel, opt_state, optimizer, backend, decay=decay, config=config,
-      return_grad_sq_norm=True,
+      x, dy, kernel, kstate.opt, optimizer, backend, after=dx, decay=decay,
+      config=config, return_grad_sq_norm=True,
   )
   new_opt = new_opt._replace(count=_float0_like(new_opt.count))
   return dx.astype(x.dtype), new_kernel, KernelState(new_opt, sq)

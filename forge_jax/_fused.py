@@ -87,6 +87,14 @@ def _check_inputs(x, dy, w, state, rule, layer):
       )
 
 
+def _order_after(scalars, after):
+  """``scalars`` with a data dependency on ``after`` and unchanged values."""
+  token = jnp.ravel(after)[0].astype(jnp.float32)
+  zero = jnp.where(jnp.isfinite(token), token, 0.0) * 0.0  # exactly 0.0
+  leaves, treedef = jax.tree.flatten(scalars)
+  return jax.tree.unflatten(treedef, [leaves[0] + zero, *leaves[1:]])
+
+
 def fused_linear_update(
     x: jax.Array,
     dy: jax.Array,
@@ -96,6 +104,7 @@ def fused_linear_update(
     backend: str = "auto",
     *,
     layer: Optional[jax.Array] = None,
+    after: Optional[jax.Array] = None,
     decay: bool = True,
     config: Any = None,
     return_grad_sq_norm: bool = False,
@@ -117,6 +126,11 @@ def fused_linear_update(
     layer: int32 scalar index into stacked ``w`` and slots. The returned
       ``count`` is then left unchanged: advance it once per step, after the
       last layer.
+    after: an array that must be computed before ``w`` is overwritten, e.g.
+      ``dX = dY @ W.T``, which reads the old weight. The update is made to
+      depend on one element of it, so XLA orders every read of the old weight
+      first and can update ``w`` in place instead of protecting it with a copy
+      (``lax.optimization_barrier`` alone does not order it on every backend).
     decay: apply weight decay to this weight (the optimizer's ``mask``).
     config: the kernel's tile configuration (``None``: per-shape default).
     return_grad_sq_norm: also return ``sum(dW**2)`` (float32), accumulated
@@ -131,6 +145,8 @@ def fused_linear_update(
   x2 = x.reshape(-1, x.shape[-1])
   dy2 = dy.reshape(-1, dy.shape[-1])
   scalars = rule.scalars(state.count)
+  if after is not None:
+    scalars = _order_after(scalars, after)
   update_fn = functools.partial(rule.update, decay=decay)
   new_w, new_slots, sq = _run_backend(
       _resolve_backend(backend), x2, dy2, w, tuple(state[1:]), scalars, update_fn,
