@@ -1,0 +1,214 @@
+"""forge_jax.Dense / ScannedStack / train_step equal flax.linen.Dense + optax."""
+
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import forge_jax
+
+OPTIMIZERS = [
+    ("adamw", dict(learning_rate=1e-2, weight_decay=0.1)),
+    ("nadamw", dict(learning_rate=1e-2)),
+    ("radam", dict(learning_rate=1e-2, b2=0.9)),
+    ("lion", dict(learning_rate=1e-3)),
+    ("rmsprop", dict(learning_rate=1e-3, centered=True, momentum=0.9)),
+    ("adagrad", dict(learning_rate=1e-2)),
+    ("sgd", dict(learning_rate=1e-2, momentum=0.9, nesterov=True)),
+    ("sgd", dict(learning_rate=1e-2)),
+]
+IDS = ["adamw", "nadamw", "radam", "lion", "rmsprop_c_m", "adagrad", "sgd_nesterov", "sgd"]
+STEPS = 4
+
+
+def _dense(opt, features, name, use_bias=True):
+  if opt is None:
+    return nn.Dense(features, use_bias=use_bias, name=name)
+  return forge_jax.Dense(features, use_bias=use_bias, optimizer=opt, backend="xla", name=name)
+
+
+class MLP(nn.Module):
+  opt: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    x = jax.nn.gelu(_dense(self.opt, 24, "l0")(x))
+    x = jax.nn.gelu(_dense(self.opt, 24, "l1")(x))
+    return _dense(self.opt, 4, "out")(x)
+
+
+class Block(nn.Module):
+  """A tiny pre-norm transformer block (attention + MLP)."""
+
+  opt: object = None
+  heads: int = 2
+
+  @nn.compact
+  def __call__(self, x_BxLxD, mask):
+    d = x_BxLxD.shape[-1]
+    h = nn.RMSNorm(name="attn_norm")(x_BxLxD)
+    qkv = _dense(self.opt, 3 * d, "qkv", use_bias=False)(h)
+    q, k, v = jnp.split(qkv.reshape(*h.shape[:2], 3 * self.heads, d // self.heads), 3, axis=2)
+    att = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    x_BxLxD = x_BxLxD + _dense(self.opt, d, "o", use_bias=False)(att.reshape(h.shape))
+    h = nn.RMSNorm(name="mlp_norm")(x_BxLxD)
+    h = jax.nn.silu(_dense(self.opt, 2 * d, "up")(h))
+    return x_BxLxD + _dense(self.opt, d, "down")(h)
+
+
+class Transformer(nn.Module):
+  opt: object = None
+  layers: int = 2
+  scan: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16, name="embed")(x)  # optax-managed in both variants
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]), dtype=jnp.bool_)
+    if self.scan:
+      x = forge_jax.ScannedStack(functools.partial(Block, self.opt), self.layers, name="stack")(x, mask)
+    else:
+      for i in range(self.layers):
+        x = Block(self.opt, name=f"block_{i}")(x, mask)
+    return nn.Dense(4, name="head")(x)
+
+
+def _mse(apply_fn, variables, batch):
+  return jnp.mean((apply_fn(variables, batch["x"]) - batch["y"]) ** 2)
+
+
+def _batches(shape_x, shape_y):
+  key = jax.random.PRNGKey(42)
+  out = []
+  for i in range(STEPS):
+    kx, ky = jax.random.split(jax.random.fold_in(key, i))
+    out.append({"x": jax.random.normal(kx, shape_x), "y": jax.random.normal(ky, shape_y)})
+  return out
+
+
+def _find(state, name):
+  for sub in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "_fields")):
+    if hasattr(sub, "_fields") and name in sub._fields:
+      return getattr(sub, name)
+  raise KeyError(name)
+
+
+def _run_parity(make_model, batches, name, kwargs):
+  ours = getattr(forge_jax, name)(**kwargs)
+  theirs = getattr(optax, name)(**kwargs)
+  model_f, model_o = make_model(ours), make_model(None)
+  variables = model_f.init(jax.random.PRNGKey(0), batches[0]["x"])
+  params_o = model_o.init(jax.random.PRNGKey(0), batches[0]["x"])["params"]
+  params_o = jax.tree.map(jnp.copy, params_o)
+  _assert_tree_close(variables["params"], params_o, "init", rtol=0, atol=0)
+  state = forge_jax.TrainState.create(model_f.apply, variables, ours)
+  opt_state = theirs.init(params_o)
+  loss_f = functools.partial(_mse, model_f.apply)
+
+  @jax.jit
+  def optax_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(lambda p: _mse(model_o.apply, {"params": p}, batch))(params)
+    updates, opt_state = theirs.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+
+  for batch in batches:
+    state, metrics = forge_jax.train_step(state, batch, loss_f)
+    params_o, opt_state, loss_o, norm_o = optax_step(params_o, opt_state, batch)
+    np.testing.assert_allclose(metrics["loss"], loss_o, rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_norm"], norm_o, rtol=1e-4)
+  _assert_tree_close(state.params, params_o, f"{name} params")
+  # Every FORGE kernel's slots equal optax's slots for that kernel.
+  flat_forge = jax.tree_util.tree_flatten_with_path(
+      state.forge_state, is_leaf=lambda x: isinstance(x, forge_jax.KernelState))[0]
+  for path, kstate in flat_forge:
+    keys = tuple(k.key for k in path)
+    for slot in kstate.opt._fields[1:]:
+      want = _find(opt_state, slot)
+      for k in keys:
+        want = want[k]
+      _assert_tree_close(getattr(kstate.opt, slot), want, f"{name} {keys} {slot}")
+    assert np.all(np.asarray(kstate.opt.count) == STEPS)
+  assert int(state.step) == STEPS
+
+
+def _assert_tree_close(a, b, what, rtol=1e-4, atol=1e-5):
+  # fp32 parity: the fused path sums x.T @ dy in another order than autodiff's
+  # dot, so values agree to accumulation rounding, amplified by a few steps of
+  # Adam-style normalization (relative 1e-4 is far above that, far below a bug).
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
+                               err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=IDS)
+def test_mlp_matches_optax(case):
+  name, kwargs = case
+  _run_parity(lambda opt: MLP(opt), _batches((16, 8), (16, 4)), name, kwargs)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=IDS)
+def test_transformer_matches_optax(case, scan):
+  name, kwargs = case
+  _run_parity(lambda opt: Transformer(opt, scan=scan), _batches((2, 6, 8), (2, 6, 4)), name, kwargs)
+
+
+def _copies(hlo_text):
+  return [l.strip() for l in hlo_text.splitlines() if re.search(r"= \S+ copy\(", l)]
+
+
+def test_unrolled_train_step_is_in_place():
+  opt = forge_jax.adamw(1e-2)
+  model = MLP(opt)
+  batch = _batches((16, 8), (16, 4))[0]
+  variables = model.init(jax.random.PRNGKey(0), batch["x"])
+  state = forge_jax.TrainState.create(model.apply, variables, opt)
+  compiled = forge_jax.train_step.lower(state, batch, functools.partial(_mse, model.apply)).compile()
+  forge_shapes = {f"f32[{','.join(map(str, s))}]" for s in [(8, 24), (24, 24), (24, 4)]}
+  bad = [c for c in _copies(compiled.as_text()) if any(s + "{" in c for s in forge_shapes)]
+  assert not bad, "copies of FORGE weight/state buffers:\n" + "\n".join(bad)
+  stats = compiled.memory_analysis()
+  batch_bytes = sum(x.nbytes for x in jax.tree.leaves(batch))
+  assert stats.alias_size_in_bytes == stats.argument_size_in_bytes - batch_bytes
+
+
+def test_weight_used_twice_is_an_error():
+  opt = forge_jax.sgd(1e-2)
+
+  class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      layer = forge_jax.Dense(8, optimizer=opt, name="shared")
+      return layer(layer(x))
+
+  model = Tied()
+  x = jnp.ones((2, 8))
+  with pytest.raises(ValueError, match="called 2 times in one apply"):
+    model.init(jax.random.PRNGKey(0), x)
+
+
+def test_dense_errors_and_eval_mode():
+  x = jnp.ones((2, 3))
+  with pytest.raises(ValueError, match="needs `optimizer=`"):
+    forge_jax.Dense(4).init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match="clip_by_global_norm"):
+    forge_jax.Dense(4, optimizer=optax.adamw(1e-3)).init(jax.random.PRNGKey(0), x)
+  layer = forge_jax.Dense(4, optimizer=forge_jax.adamw(1e-3))
+  variables = layer.init(jax.random.PRNGKey(0), x)
+  assert set(variables) == {"params", forge_jax.FORGE_STATE}
+  ref = nn.Dense(4).apply({"params": variables["params"]}, x)
+  np.testing.assert_allclose(layer.apply({"params": variables["params"]}, x), ref)
+  np.testing.assert_allclose(layer.apply(variables, x), ref)
+
+
+def test_mask_excluding_forge_kernel_is_an_error():
+  opt = forge_jax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim == 1, p))
+  model = MLP(opt)
+  variables = model.init(jax.random.PRNGKey(0), jnp.ones((2, 8)))
+  with pytest.raises(ValueError, match="mask excludes FORGE kernels"):
+    forge_jax.TrainState.create(model.apply, variables, opt)
