@@ -161,7 +161,6 @@ def store_cast(value: Array, dtype) -> Array:
   return value.astype(dtype)
 
 
-
 # ----------------------------------------------------------------------------
 # The Triton-lowered kernel.
 # ----------------------------------------------------------------------------
@@ -195,7 +194,7 @@ def _load(view, mask: Optional[Array]) -> Array:
   """Loads a tile; masked-off elements read as 0 (and touch no memory)."""
   if mask is None:
     return pltriton.load(view)
-  return pltriton.load(view, mask=mask, other=0)
+  return pltriton.load(view, mask=mask, other=0.0)
 
 
 def _store(view, value: Array, mask: Optional[Array]) -> None:

@@ -342,21 +342,31 @@ def _lower_for_cuda(fn, *args):
     pytest.skip(f"cannot lower for cuda here: {e}")
 
 
-def test_gpu_path_lowers_to_a_triton_call():
-  rule = forge_jax.adamw(1e-3, weight_decay=0.1).rule
-  shapes = dict(t=1000, k=384, n=320)  # partial tiles on every axis
+@pytest.mark.parametrize(
+    "optimizer, in_dtype, stacked",
+    [
+        (lambda: forge_jax.adamw(1e-3, weight_decay=0.1), BF16, True),
+        (lambda: forge_jax.lion(1e-4), BF16, False),  # sign
+        (lambda: forge_jax.rmsprop(1e-3, centered=True, momentum=0.9), F32, False),  # rsqrt, 3 slots
+    ],
+)
+def test_gpu_path_lowers_to_a_triton_call(optimizer, in_dtype, stacked):
+  rule = optimizer().rule
+  t, k, n = 1000, 384, 320  # partial tiles on every axis
 
-  def step(x, dy, w, m, v, count, layer):
+  def step(x, dy, w, slots, count, layer):
     return fused_dw_update(
-        x, dy, w, (m, v), rule.scalars(count), rule.update, layer=layer,
+        x, dy, w, slots, rule.scalars(count), rule.update, layer=layer if stacked else None,
         config=TileConfig(128, 128, 64, 8, 3), compute_grad_sq_norm=True,
     )
 
   sds = jax.ShapeDtypeStruct
-  state = sds((2, shapes["k"], shapes["n"]), F32)
+  w_shape = (2, k, n) if stacked else (k, n)
+  slots = tuple(sds(w_shape, d) for d in rule.slot_dtypes(F32))
   text = _lower_for_cuda(
-      step, sds((shapes["t"], shapes["k"]), BF16), sds((shapes["t"], shapes["n"]), BF16),
-      state, state, state, sds((), jnp.int32), sds((), jnp.int32),
+      step, sds((t, k), in_dtype), sds((t, n), in_dtype), sds(w_shape, F32), slots,
+      sds((), jnp.int32), sds((), jnp.int32),
   )
   assert text.count("xla.gpu.triton") == 1
-  assert "output_operand_aliases" in text or "operand_output_alias" in text
+  # w and every slot are aliased to the kernel's outputs (in place).
+  assert text.count("#stablehlo.output_operand_alias<") == 1 + len(slots)

@@ -1,0 +1,422 @@
+"""Fused dW + optimizer update against XLA: the harness every fused kernel is measured with.
+
+On the GPU, from the repository root:
+
+    PYTHONPATH=$PWD python -m experiments.bench_fused_dw --out $OUT
+
+On a CPU (seconds, Pallas interpret mode, tiny shapes):
+
+    PYTHONPATH=$PWD python -m experiments.bench_fused_dw --smoke --out /tmp/bench
+
+For T in {1024, 4096, 16384}, (K, N) in {(4096, 4096), (4096, 14336),
+(14336, 4096), (5120, 17408)} and the optimizers AdamW, Lion and SGD with
+momentum (bf16 x/dy, fp32 w and slots), on the same inputs, it times:
+
+* ``xla_gemm``: the weight gradient alone, ``jnp.dot(x.T, dy)`` with float32
+  output, in a jit (the GEMM ceiling; no update);
+* ``xla_gemm_optax``: that GEMM plus ``optax``'s own update and
+  ``apply_updates`` in one jit with params and optimizer state donated (the
+  unfused baseline: the gradient is written and read back);
+* ``pallas``: the fused Triton-lowered kernel, w and slots donated.
+
+Implementations are a dict of name -> builder (:data:`IMPLEMENTATIONS`); a new
+fused kernel with :func:`pallas_kernels.fused_dw.fused_dw_update`'s signature
+is added with one line, e.g.::
+
+    IMPLEMENTATIONS["mosaic"] = fused_builder(fused_dw_mosaic.fused_dw_update)
+
+Every implementation that updates weights is checked against
+``fused_dw_update_reference`` after one step from the common initial state,
+before it is timed. Timing: warm-up, 30 back-to-back calls blocked once,
+median of 3 repeats (experiments/_timing.py). Reported per row: ms, TFLOP/s
+(2 T K N flops), and the fraction of the roofline floor
+``max(flops / 790e12, bytes / 4.3e12)`` reached, where ``bytes`` is the least
+traffic any implementation needs: x and dy read once, w and the slots read
+and written once (the unfused baseline moves the gradient too, but the floor
+is the same). Writes ``bench_fused_dw.json`` and ``bench_fused_dw.md`` to
+``--out`` (default ``$OUT`` or ``./runs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import sys
+import time
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import forge_jax
+from experiments import _timing
+from pallas_kernels import fused_dw
+from pallas_kernels.fused_dw import TileConfig
+
+TOKENS = (1024, 4096, 16384)
+SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (5120, 17408))
+PEAK_FLOPS = 790e12  # H200 bf16 dense matmul (device notes, FINDINGS.md)
+PEAK_BYTES = 4.3e12  # H200 device-memory copy bandwidth, bytes/s
+# name -> (forge_jax constructor, optax constructor, shared hyperparameters).
+OPTIMIZERS: dict[str, tuple[Callable, Callable, dict]] = {
+    "adamw": (forge_jax.adamw, optax.adamw, dict(learning_rate=1e-3, weight_decay=0.1)),
+    "lion": (forge_jax.lion, optax.lion, dict(learning_rate=1e-4, weight_decay=0.1)),
+    "sgd_momentum": (forge_jax.sgd, optax.sgd, dict(learning_rate=1e-2, momentum=0.9)),
+}
+# Relative Frobenius errors accepted by the check (see tune_fused_dw.py: the
+# first AdamW / Lion step is nearly sign(g), which may flip where |g| is
+# within float32 rounding of 0; the moments are continuous in g).
+UPDATE_TOL = 1e-2
+SLOT_TOL = 1e-4
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------
+# Problems.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Problem:
+  """One T x K x N with one optimizer: the inputs every implementation gets."""
+
+  t: int
+  k: int
+  n: int
+  optimizer: str
+  x: jax.Array
+  dy: jax.Array
+  w0: jax.Array
+  forge: Any  # forge_jax.ForgeOptimizer (its .rule drives the fused kernels)
+  optax_opt: optax.GradientTransformation
+  interpret: bool
+
+  @property
+  def name(self) -> str:
+    return f"{self.t}x{self.k}x{self.n}"
+
+  @property
+  def rule(self):
+    return self.forge.rule
+
+  @property
+  def flops(self) -> float:
+    return 2.0 * self.t * self.k * self.n
+
+  @property
+  def floor_bytes(self) -> int:
+    """x and dy read once; w and every slot read and written once."""
+    state = self.w0.nbytes + sum(s.nbytes for s in self.rule.init_slots(self.w0))
+    return self.x.nbytes + self.dy.nbytes + 2 * state
+
+  @property
+  def floor_ms(self) -> float:
+    return max(self.flops / PEAK_FLOPS, self.floor_bytes / PEAK_BYTES) * 1e3
+
+
+def make_inputs(t: int, k: int, n: int, seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  kx, kd, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = jax.random.normal(kx, (t, k), F32).astype(BF16)
+  dy = jax.random.normal(kd, (t, n), F32).astype(BF16)
+  w0 = 0.02 * jax.random.normal(kw, (k, n), F32)
+  return x, dy, w0
+
+
+def make_problem(x, dy, w0, optimizer: str, interpret: bool) -> Problem:
+  forge_ctor, optax_ctor, kwargs = OPTIMIZERS[optimizer]
+  t, k = x.shape
+  return Problem(t, k, dy.shape[1], optimizer, x, dy, w0, forge_ctor(**kwargs), optax_ctor(**kwargs), interpret)
+
+
+# ----------------------------------------------------------------------------
+# Implementations: builder(problem) -> Runner.
+# ----------------------------------------------------------------------------
+
+
+class Runner(NamedTuple):
+  """How to run one implementation on one problem.
+
+  ``init()`` makes a fresh carry (copies: ``step`` may donate it);
+  ``step(carry) -> carry`` is the timed call; ``result(carry)`` gives
+  ``(w, slots)`` in the rule's slot order for the check, or is None for
+  implementations that do not update weights.
+  """
+
+  init: Callable[[], Any]
+  step: Callable[[Any], Any]
+  result: Optional[Callable[[Any], tuple[jax.Array, tuple[jax.Array, ...]]]]
+
+
+Builder = Callable[[Problem], Runner]
+
+
+def _gemm(x, dy):
+  return jnp.dot(x.T, dy, preferred_element_type=F32)
+
+
+def build_xla_gemm(p: Problem) -> Runner:
+  """The weight gradient alone; the carry is the last gradient (dropped)."""
+  gemm = jax.jit(_gemm)
+  return Runner(init=lambda: jnp.zeros((), F32), step=lambda _: gemm(p.x, p.dy), result=None)
+
+
+def build_xla_optax(p: Problem) -> Runner:
+  """GEMM + optax update + apply_updates in one jit; params and state donated."""
+  opt = p.optax_opt
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def step(carry, x, dy):
+    params, state = carry
+    updates, state = opt.update(_gemm(x, dy), state, params)
+    return optax.apply_updates(params, updates), state
+
+  def init():
+    params = jnp.copy(p.w0)
+    return params, opt.init(params)
+
+  def result(carry):
+    params, state = carry
+    return params, tuple(optax.tree_utils.tree_get(state, name) for name in p.rule.slot_names)
+
+  return Runner(init=init, step=lambda c: step(c, p.x, p.dy), result=result)
+
+
+def fused_builder(fused_fn: Callable) -> Builder:
+  """A builder for any kernel with ``fused_dw_update``'s signature.
+
+  ``fused_fn(x, dy, w, slots, scalars, update_fn, interpret=...)`` must return
+  ``(new_w, new_slots, _)``; w and slots are donated.
+  """
+
+  def build(p: Problem) -> Runner:
+    rule = p.rule
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def step(carry, x, dy):
+      w, slots, count = carry
+      new_w, new_slots, _ = fused_fn(x, dy, w, slots, rule.scalars(count), rule.update, interpret=p.interpret)
+      return new_w, tuple(new_slots), count + 1
+
+    def init():
+      w = jnp.copy(p.w0)
+      return w, rule.init_slots(w), jnp.int32(0)
+
+    return Runner(init=init, step=lambda c: step(c, p.x, p.dy), result=lambda c: (c[0], c[1]))
+
+  return build
+
+
+IMPLEMENTATIONS: dict[str, Builder] = {
+    "xla_gemm": build_xla_gemm,
+    "xla_gemm_optax": build_xla_optax,
+    "pallas": fused_builder(fused_dw.fused_dw_update),
+}
+# Implementations whose work does not depend on the optimizer: timed once per shape.
+OPTIMIZER_FREE = {"xla_gemm"}
+BASELINE = "xla_gemm_optax"
+
+
+# ----------------------------------------------------------------------------
+# Check and measurement.
+# ----------------------------------------------------------------------------
+
+
+def _rel_err(a, b) -> jax.Array:
+  a, b = a.astype(F32), b.astype(F32)
+  return jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+
+
+@jax.jit
+def _errors(w, slots, w0, ref_w, ref_slots):
+  errs = [_rel_err(s, r) for s, r in zip(slots, ref_slots)]
+  return {
+      "err_update": _rel_err(w - w0, ref_w - w0),
+      "err_slots": jnp.max(jnp.stack(errs)) if errs else jnp.zeros((), F32),
+  }
+
+
+def reference_step(p: Problem):
+  """The first step from the common initial state, by the jnp reference."""
+  run = jax.jit(functools.partial(fused_dw.fused_dw_update_reference, update_fn=p.rule.update))
+  slots = p.rule.init_slots(p.w0)
+  w, new_slots, _ = run(p.x, p.dy, p.w0, slots, p.rule.scalars(jnp.int32(0)))
+  return w, new_slots
+
+
+def measure(impl: str, builder: Builder, p: Problem, reference, timing: dict) -> dict:
+  """Check (one step from init) then time one implementation. Never raises."""
+  row: dict[str, Any] = {
+      "impl": impl, "optimizer": p.optimizer, "shape": p.name, "t": p.t, "k": p.k, "n": p.n,
+      "flops": p.flops, "floor_bytes": p.floor_bytes, "floor_ms": p.floor_ms, "status": "ok",
+  }
+  carry = None
+  try:
+    runner = builder(p)
+    carry = runner.init()
+    start = time.perf_counter()
+    carry = runner.step(carry)
+    jax.block_until_ready(carry)
+    row["first_call_s"] = round(time.perf_counter() - start, 3)  # compile + one step
+    if runner.result is not None:
+      w, slots = runner.result(carry)
+      errs = _errors(w, tuple(slots), p.w0, reference[0], tuple(reference[1]))
+      row.update({k: float(v) for k, v in errs.items()})
+      if not (row["err_update"] <= UPDATE_TOL and row["err_slots"] <= SLOT_TOL):
+        # Still timed, but flagged everywhere it is reported.
+        row["status"] = "check_failed"
+    result, carry = _timing.time_steps(runner.step, carry, **timing)
+    row.update(
+        ms=result.median_ms, min_ms=result.min_ms, repeats_ms=list(result.repeats_ms), iters=result.iters,
+        tflops=p.flops / (result.median_ms * 1e-3) / 1e12, frac_floor=p.floor_ms / result.median_ms,
+    )
+  except Exception as e:  # one failure must not end the run
+    row.update(status="error", error=_timing.short_error(e))
+  finally:
+    del carry
+  return row
+
+
+def _for_optimizer(row: dict, p: Problem) -> dict:
+  """A row of an optimizer-free implementation, restated against ``p``'s floor."""
+  out = dict(row, optimizer=p.optimizer, floor_bytes=p.floor_bytes, floor_ms=p.floor_ms, shared_measurement=True)
+  if "ms" in out:
+    out["frac_floor"] = p.floor_ms / out["ms"]
+  return out
+
+
+def bench_shape(t: int, k: int, n: int, optimizers: Sequence[str], impls: Sequence[str], *,
+                interpret: bool, timing: dict) -> list[dict]:
+  rows: list[dict] = []
+  x, dy, w0 = make_inputs(t, k, n)
+  shared: dict[str, dict] = {}
+  for optimizer in optimizers:
+    p = make_problem(x, dy, w0, optimizer, interpret)
+    reference = reference_step(p)
+    for impl in impls:
+      if impl in OPTIMIZER_FREE:
+        if impl not in shared:
+          shared[impl] = measure(impl, IMPLEMENTATIONS[impl], p, reference, timing)
+        row = _for_optimizer(shared[impl], p)
+      else:
+        row = measure(impl, IMPLEMENTATIONS[impl], p, reference, timing)
+      rows.append(row)
+      _timing.log(f"  {p.name:>18} {optimizer:<13} {impl:<15} {_cell(row)}")
+      gc.collect()
+    del reference, p
+  return rows
+
+
+# ----------------------------------------------------------------------------
+# Reporting.
+# ----------------------------------------------------------------------------
+
+
+def _cell(row: Optional[dict]) -> str:
+  if row is None:
+    return "-"
+  if "ms" not in row:
+    return f"{row['status']}"
+  flag = "" if row["status"] == "ok" else f" **{row['status']}**"
+  return f"{row['ms']:.3f} ms ({row['tflops']:.0f} TF/s, {100 * row['frac_floor']:.0f}%){flag}"
+
+
+def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
+  fused = [i for i in impls if i not in OPTIMIZER_FREE and i != BASELINE]
+  out = [
+      "# Fused dW + optimizer update vs XLA", "",
+      f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
+      f"triton {info['triton']}.", "",
+      f"Each cell: median ms per call (device time: {info['timing']['iters']} back-to-back calls, blocked once, "
+      f"median of {info['timing']['repeats']}), "
+      "TFLOP/s at 2TKN flops, and % of the roofline floor max(flops / 790e12, bytes / 4.3e12) with bytes = "
+      "x, dy read once + w, slots read and written once.", "",
+      "| T x K x N | optimizer | floor ms | " + " | ".join(impls)
+      + "".join(f" | {f} vs {BASELINE}" for f in fused) + " |",
+      "|---|---|---|" + "---|" * (len(impls) + len(fused)),
+  ]
+  groups: dict[tuple, dict[str, dict]] = {}
+  for row in rows:
+    groups.setdefault((row["shape"], row["optimizer"]), {})[row["impl"]] = row
+  for (shape, optimizer), by_impl in groups.items():
+    floor = next(iter(by_impl.values()))["floor_ms"]
+    cells = [_cell(by_impl.get(i)) for i in impls]
+    base = by_impl.get(BASELINE, {})
+    for f in fused:
+      mine = by_impl.get(f, {})
+      cells.append(f"{base['ms'] / mine['ms']:.2f}x" if "ms" in base and "ms" in mine else "-")
+    out.append(f"| {shape} | {optimizer} | {floor:.3f} | " + " | ".join(cells) + " |")
+  failed = [r for r in rows if r["status"] != "ok"]
+  if failed:
+    out += ["", "Not ok:", ""]
+    out += [f"- {r['shape']} {r['optimizer']} {r['impl']}: {r['status']} {r.get('error', '')}"
+            f"{' err_update=%.2e err_slots=%.2e' % (r['err_update'], r['err_slots']) if 'err_update' in r else ''}"
+            for r in failed]
+  return "\n".join(out) + "\n"
+
+
+def _parse_kn(text: str) -> tuple[int, int]:
+  k, n = text.lower().split("x")
+  return int(k), int(n)
+
+
+def _parse_tile(text: str) -> TileConfig:
+  return TileConfig(*(int(v) for v in text.split(",")))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+  parser.add_argument("--tokens", type=int, nargs="+", default=None, help=f"T values (default {TOKENS})")
+  parser.add_argument("--shapes", type=_parse_kn, nargs="+", default=None, help="KxN shapes")
+  parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+  parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=list(IMPLEMENTATIONS))
+  parser.add_argument("--tile", type=_parse_tile, default=None,
+                      help="pallas tile 'block_k,block_n,block_t,num_warps,num_stages' (default: the tuned table)")
+  parser.add_argument("--iters", type=int, default=30)
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args(argv)
+
+  interpret = args.smoke or jax.default_backend() == "cpu"
+  if args.smoke:
+    tokens, shapes = args.tokens or (48,), args.shapes or [(40, 72)]
+    timing = dict(warmup=1, iters=2, repeats=1)
+  else:
+    tokens, shapes = args.tokens or TOKENS, args.shapes or list(SHAPES_KN)
+    timing = dict(warmup=3, iters=args.iters, repeats=args.repeats)
+  if args.tile is not None:
+    IMPLEMENTATIONS["pallas"] = fused_builder(functools.partial(fused_dw.fused_dw_update, config=args.tile))
+  folder = _timing.out_dir(args.out)
+  info = _timing.run_info("experiments.bench_fused_dw", argv)
+  info.update(interpret=interpret, timing=timing, peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
+              optimizers={k: v[2] for k, v in OPTIMIZERS.items()}, update_tol=UPDATE_TOL, slot_tol=SLOT_TOL,
+              pallas_tile=dataclasses.asdict(args.tile) if args.tile else "default_tile_config")
+  _timing.log(f"bench_fused_dw on {info['device']} (jax {info['jax']}), interpret={interpret}")
+
+  rows: list[dict] = []
+  payload = {"info": info, "rows": rows}
+  start = time.perf_counter()
+  for t in tokens:
+    for k, n in shapes:
+      try:
+        rows += bench_shape(t, k, n, args.optimizers, args.impls, interpret=interpret, timing=timing)
+      except Exception as e:  # e.g. out of memory making the inputs
+        rows.append({"impl": "-", "optimizer": "-", "shape": f"{t}x{k}x{n}", "status": "error",
+                     "floor_ms": float("nan"), "error": _timing.short_error(e)})
+      gc.collect()
+      _timing.write_json(folder / "bench_fused_dw.json", payload)
+  payload["elapsed_s"] = time.perf_counter() - start
+  _timing.write_json(folder / "bench_fused_dw.json", payload)
+  table = markdown(info, rows, args.impls)
+  (folder / "bench_fused_dw.md").write_text(table)
+  _timing.log("\n" + table)
+  _timing.log(f"wrote {folder / 'bench_fused_dw.json'} and {folder / 'bench_fused_dw.md'}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,89 @@
+"""The GPU tuning and benchmark scripts, in their CPU smoke mode (interpret).
+
+They are run on the H200 by hand; here they must at least run end to end,
+check the kernel, survive a failing config or implementation, and write
+their results.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from experiments import bench_fused_dw
+from experiments import tune_fused_dw
+from pallas_kernels import fused_dw
+
+
+def test_tune_smoke_survives_a_failing_config_and_writes_results(tmp_path, monkeypatch):
+  real = fused_dw.fused_dw_update
+
+  def flaky(*args, config=None, **kwargs):
+    if config is not None and config.block_k == 16:
+      raise RuntimeError("simulated compile failure")
+    return real(*args, config=config, **kwargs)
+
+  monkeypatch.setattr(fused_dw, "fused_dw_update", flaky)
+  assert tune_fused_dw.main(["--smoke", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "tune_fused_dw.json").read_text())
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["tune_fused_dw.json", "tune_fused_dw.md"]
+  assert result["selfcheck"] and all(c["status"] == "ok" for c in result["selfcheck"])
+  statuses = {r["status"] for r in result["rows"]}
+  assert statuses <= {"ok", "error", "skipped"} and "ok" in statuses
+  assert any("simulated compile failure" in r.get("error", "") for r in result["rows"])
+  for row in result["rows"]:
+    if row["status"] == "ok":
+      assert row["err_update"] <= tune_fused_dw.UPDATE_TOL and row["ms"] > 0
+  assert set(result["best_per_shape"]) == {"48x40x72", "48x72x40"}
+  assert "t<=2048" in result["table"] and "TUNED_TILES" in result["table_python"]
+  assert result["info"]["command"].startswith("python -m experiments.tune_fused_dw --smoke")
+  assert "| 48x40x72 |" in (tmp_path / "tune_fused_dw.md").read_text()
+
+
+def test_tune_prunes_configs_that_cannot_fit():
+  space = tune_fused_dw.GPU_SPACE
+  too_much_smem = fused_dw.TileConfig(128, 256, 128, 8, 4)
+  too_many_regs = fused_dw.TileConfig(256, 256, 32, 8, 2)
+  assert "shared memory" in tune_fused_dw.infeasible(too_much_smem, space)
+  assert "registers" in tune_fused_dw.infeasible(too_many_regs, space)
+  assert tune_fused_dw.infeasible(tune_fused_dw.BASELINE, space) is None
+  evaluated = [c for c in tune_fused_dw.coarse_configs(space) if tune_fused_dw.infeasible(c, space) is None]
+  assert len(evaluated) == len(tune_fused_dw.coarse_configs(space))
+
+
+def test_bench_smoke_checks_times_and_reports_every_implementation(tmp_path, monkeypatch):
+  def broken(problem):
+    raise RuntimeError("simulated backend failure")
+
+  # A new implementation is one dict entry (as the Mosaic GPU kernel will be).
+  monkeypatch.setitem(bench_fused_dw.IMPLEMENTATIONS, "broken", broken)
+  assert bench_fused_dw.main(["--smoke", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "bench_fused_dw.json").read_text())
+  rows = result["rows"]
+  impls = set(bench_fused_dw.IMPLEMENTATIONS)
+  assert {(r["impl"], r["optimizer"]) for r in rows} == {
+      (i, o) for i in impls for o in bench_fused_dw.OPTIMIZERS
+  }
+  for row in rows:
+    if row["impl"] == "broken":
+      assert row["status"] == "error" and "simulated backend failure" in row["error"]
+      continue
+    assert row["status"] == "ok", row
+    assert row["ms"] > 0 and row["frac_floor"] > 0 and row["tflops"] >= 0
+    if row["impl"] != "xla_gemm":  # the ones that update weights are checked
+      assert row["err_update"] <= bench_fused_dw.UPDATE_TOL
+      assert row["err_slots"] <= bench_fused_dw.SLOT_TOL
+  table = (tmp_path / "bench_fused_dw.md").read_text()
+  assert "pallas vs xla_gemm_optax" in table and "simulated backend failure" in table
+
+
+def test_bench_floor_counts_minimal_bytes():
+  x, dy, w0 = bench_fused_dw.make_inputs(64, 32, 48)
+  p = bench_fused_dw.make_problem(x, dy, w0, "adamw", interpret=True)
+  # bf16 x and dy once; fp32 w, mu and nu read and written once.
+  assert p.floor_bytes == 64 * 32 * 2 + 64 * 48 * 2 + 2 * 3 * 32 * 48 * 4
+  assert p.floor_ms == pytest.approx(
+      max(2 * 64 * 32 * 48 / bench_fused_dw.PEAK_FLOPS, p.floor_bytes / bench_fused_dw.PEAK_BYTES) * 1e3
+  )
