@@ -1,0 +1,718 @@
+"""Fused ``dW = x.T @ dy`` + optimizer update on Hopper, lowered through Mosaic GPU.
+
+The contract is the one of :mod:`pallas_kernels.fused_dw` (module docstring
+and :func:`~pallas_kernels.fused_dw.fused_dw_update_reference`): the rule
+``update_fn(g, w, slots, scalars) -> (u, new_slots)`` runs on float32 tiles of
+the gradient inside the kernel, the weight becomes ``w + u``, and the new
+weight and slots are written in place; the gradient never reaches device
+memory.
+
+Kernel structure (one CUDA block per SM, persistent):
+
+* three Pallas threads (warpgroups): two compute warpgroups and one memory
+  warpgroup, driven by ``plgpu.emit_pipeline_warp_specialized`` as in jax's
+  ``hopper_matmul_mgpu``. The block owns a ``tile_m x (2 * tile_n)`` tile of
+  ``W``; each compute warpgroup accumulates its ``tile_m x tile_n`` half in
+  float32 registers (``plgpu.ACC``) over the token dimension ``T``.
+* the contraction runs over ``T``, the major dimension of both ``x [T, K]``
+  and ``dy [T, N]``, so the ``A`` operand is ``x`` block transposed. The
+  ``(tile_t, tile_m)`` block of ``x`` is copied as is by TMA and handed to
+  ``wgmma`` through ``plgpu.transpose_ref``: Hopper's tensor cores read a
+  transposed 16-bit operand from shared memory natively, so no transposed copy
+  of ``x`` exists anywhere.
+* the epilogue streams the tile through a ring of ``epi_slots`` shared-memory
+  slots of ``epi_m x epi_n`` sub-tiles (one buffer for ``W`` and one per
+  optimizer slot). The first ``epi_slots`` sub-tiles are fetched with TMA
+  *before* the main loop starts, so they arrive while the tensor cores work;
+  each further sub-tile is fetched as soon as its slot's previous results have
+  left shared memory. A sub-tile is read into registers in the WGMMA layout
+  (the accumulator's), updated by the rule, written back to its slot and
+  stored with an asynchronous TMA copy into the aliased ``W``/slot arrays;
+  those stores drain while the next sub-tiles load and the next tile's main
+  loop runs.
+* in-place: the kernel runs under ``pl.run_state`` + ``pl.core_map``, whose
+  discharge aliases exactly the refs the kernel writes (``W``, the slots, the
+  optional norm partials) to its outputs; under ``jit`` with those arrays
+  donated there is no copy.
+
+What this file does not do yet (see ``MOSAIC_NOTES.md``): ping-pong compute
+warpgroups (one warpgroup's epilogue overlapping the other's main loop),
+pipelining across tiles (``pipeline_state``), clusters/multicast, stochastic
+rounding (``store_cast`` is round-to-nearest).
+
+Mosaic GPU has no ``sqrt`` lowering (jax 0.10.2 and 0.11), only ``rsqrt``.
+The kernel therefore evaluates the rule through its jaxpr and spells
+``sqrt_p`` as ``where(x > 0, x * rsqrt(x), x)`` there; the rule itself (one
+definition, shared with XLA and the Triton kernel) is called unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+from jax import lax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels.fused_dw import store_cast
+
+Array = jax.Array
+UpdateFn = Callable[..., tuple[Array, tuple[Array, ...]]]
+
+# The largest dynamic shared memory a Hopper block may use (227 KiB), minus a
+# margin for the barriers and Mosaic GPU's own reduction scratch.
+_SMEM_BUDGET_BYTES = 227 * 1024 - 4 * 1024
+_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MAX_SLOTS = 4
+_NUM_COMPUTE_WGS = 2
+# SM count used when the default device says nothing (CPU interpret mode,
+# cross-lowering); the H200 has 132.
+_DEFAULT_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTileConfig:
+  """Static tiling of :func:`fused_dw_update_mosaic`.
+
+  Attributes:
+    tile_m: rows of ``W`` per block (the ``x`` block width, wgmma ``M``);
+      a multiple of 64.
+    tile_n: columns of ``W`` per compute warpgroup; a block covers
+      ``2 * tile_n`` columns. A multiple of 64, at most 256.
+    tile_t: tokens per pipeline step (wgmma ``K``); a multiple of 64.
+    max_concurrent_steps: pipeline stages of ``x``/``dy`` blocks in shared
+      memory (clamped to the number of steps).
+    epi_m: rows of an epilogue sub-tile; a multiple of 64 dividing ``tile_m``.
+    epi_n: columns of an epilogue sub-tile; a multiple of 16 dividing
+      ``tile_n``.
+    epi_slots: depth of each compute warpgroup's epilogue ring; the first
+      ``epi_slots`` sub-tiles of a tile are prefetched during its main loop.
+    grid_minor_dim: ``"n"`` or ``"m"``: the dimension along which the
+      persistent loop walks ``grid_tile_width`` tiles before moving on (L2
+      locality of the ``x``/``dy`` blocks).
+    grid_tile_width: width of that band of tiles.
+    memory_registers: registers per thread of the memory warpgroup.
+    num_sms: persistent grid size; ``None`` means the device's SM count.
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_t: int = 64
+  max_concurrent_steps: int = 3
+  epi_m: int = 64
+  epi_n: int = 32
+  epi_slots: int = 2
+  grid_minor_dim: str = "n"
+  grid_tile_width: int = 8
+  memory_registers: int = 40
+  num_sms: Optional[int] = None
+
+
+# ----------------------------------------------------------------------------
+# Shape / dtype support.
+# ----------------------------------------------------------------------------
+
+
+def _ring_depth(cfg: MosaicTileConfig) -> int:
+  """Epilogue slots actually allocated: no more than there are sub-tiles."""
+  sub_tiles = (cfg.tile_m // cfg.epi_m) * (cfg.tile_n // cfg.epi_n)
+  return min(cfg.epi_slots, sub_tiles)
+
+
+def _smem_bytes(cfg: MosaicTileConfig, in_dtype, w_dtype, slot_dtypes, with_norm: bool) -> int:
+  """Shared memory the kernel allocates for ``cfg`` (pipeline + epilogue ring)."""
+  ib = jnp.dtype(in_dtype).itemsize
+  stage = cfg.tile_t * (cfg.tile_m + _NUM_COMPUTE_WGS * cfg.tile_n) * ib
+  per_sub = cfg.epi_m * cfg.epi_n * sum(jnp.dtype(d).itemsize for d in (w_dtype, *slot_dtypes))
+  total = cfg.max_concurrent_steps * stage + _NUM_COMPUTE_WGS * _ring_depth(cfg) * per_sub
+  if with_norm:
+    total += _NUM_COMPUTE_WGS * cfg.tile_m * 4
+  return total
+
+
+def _swizzle_ok(cols: int, dtype) -> bool:
+  """Whether a row of ``cols`` elements gets a real swizzle (>= 32 bytes)."""
+  row_bytes = cols * jnp.dtype(dtype).itemsize
+  return any(row_bytes % s == 0 for s in (128, 64, 32))
+
+
+def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
+  """Why ``cfg`` is not a valid tiling, or None."""
+  if cfg.tile_m % 64 or cfg.tile_m <= 0:
+    return f"tile_m={cfg.tile_m} must be a positive multiple of 64"
+  if cfg.tile_n % 64 or not 0 < cfg.tile_n <= 256:
+    return f"tile_n={cfg.tile_n} must be a multiple of 64 in [64, 256]"
+  if cfg.tile_t % 64 or cfg.tile_t <= 0:
+    return f"tile_t={cfg.tile_t} must be a positive multiple of 64"
+  if cfg.epi_m % 64 or cfg.tile_m % cfg.epi_m:
+    return f"epi_m={cfg.epi_m} must be a multiple of 64 dividing tile_m={cfg.tile_m}"
+  if cfg.epi_n % 16 or cfg.tile_n % cfg.epi_n:
+    return f"epi_n={cfg.epi_n} must be a multiple of 16 dividing tile_n={cfg.tile_n}"
+  if cfg.epi_slots < 1:
+    return f"epi_slots={cfg.epi_slots} must be >= 1"
+  if cfg.max_concurrent_steps < 1:
+    return f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 1"
+  if cfg.grid_minor_dim not in ("m", "n"):
+    return f"grid_minor_dim={cfg.grid_minor_dim!r} must be 'm' or 'n'"
+  if cfg.grid_tile_width < 1:
+    return f"grid_tile_width={cfg.grid_tile_width} must be >= 1"
+  return None
+
+
+def supports(
+    x: Any,
+    dy: Any,
+    w: Any,
+    slots: Sequence[Any],
+    config: Optional[MosaicTileConfig] = None,
+    *,
+    compute_grad_sq_norm: bool = False,
+) -> tuple[bool, str]:
+  """Whether :func:`fused_dw_update_mosaic` can take these operands.
+
+  Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct``), so a
+  caller can route to another backend before tracing anything.
+
+  Returns:
+    ``(True, "")`` or ``(False, reason)``; the reason names the value and the
+    fix.
+  """
+  cfg = config or MosaicTileConfig()
+  if (problem := _config_problem(cfg)) is not None:
+    return False, f"invalid MosaicTileConfig: {problem}"
+  if len(x.shape) != 2 or len(dy.shape) != 2:
+    return False, f"x and dy must be 2-D [T, K] / [T, N], got {x.shape} and {dy.shape}"
+  t, k = x.shape
+  t2, n = dy.shape
+  if t != t2:
+    return False, f"x and dy disagree on T: {x.shape} vs {dy.shape}"
+  if len(w.shape) not in (2, 3) or tuple(w.shape[-2:]) != (k, n):
+    return False, f"w must be [K, N] = {(k, n)} or stacked [L, K, N], got {w.shape}"
+  in_dt = jnp.dtype(x.dtype)
+  if in_dt not in _INPUT_DTYPES or jnp.dtype(dy.dtype) != in_dt:
+    return False, (
+        f"x/dy dtypes {x.dtype}/{dy.dtype}: both must be bfloat16 or both float16 "
+        "(wgmma reads the transposed x operand only for 16-bit types)"
+    )
+  if jnp.dtype(w.dtype) not in _STATE_DTYPES:
+    return False, f"w dtype {w.dtype} must be float32, bfloat16 or float16"
+  if len(slots) > _MAX_SLOTS:
+    return False, f"{len(slots)} optimizer slots: at most {_MAX_SLOTS} are supported"
+  for i, s in enumerate(slots):
+    if tuple(s.shape) != tuple(w.shape):
+      return False, f"slot {i} has shape {s.shape}, expected w's {w.shape}"
+    if jnp.dtype(s.dtype) not in _STATE_DTYPES:
+      return False, f"slot {i} dtype {s.dtype} must be float32, bfloat16 or float16"
+  for name, dt in [("w", w.dtype)] + [(f"slot {i}", s.dtype) for i, s in enumerate(slots)]:
+    if not _swizzle_ok(cfg.epi_n, dt):
+      return False, f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"
+  if t % cfg.tile_t:
+    return False, f"T={t} must be a multiple of tile_t={cfg.tile_t}"
+  if k % cfg.tile_m:
+    return False, f"K={k} must be a multiple of tile_m={cfg.tile_m}"
+  block_n = _NUM_COMPUTE_WGS * cfg.tile_n
+  if n % block_n:
+    return False, f"N={n} must be a multiple of 2 * tile_n = {block_n}"
+  smem = _smem_bytes(cfg, in_dt, w.dtype, [s.dtype for s in slots], compute_grad_sq_norm)
+  if smem > _SMEM_BUDGET_BYTES:
+    return False, (
+        f"config needs {smem} bytes of shared memory (budget {_SMEM_BUDGET_BYTES}); "
+        "lower max_concurrent_steps, epi_slots or the epilogue sub-tile"
+    )
+  return True, ""
+
+
+# ----------------------------------------------------------------------------
+# The rule, evaluated so that Mosaic GPU can lower it.
+# ----------------------------------------------------------------------------
+
+
+def _portable_sqrt(x: Array) -> Array:
+  """``sqrt`` from ``rsqrt``: Mosaic GPU lowers the latter only.
+
+  ``x * rsqrt(x)`` is within a few ulp of ``sqrt(x)``; the ``where`` keeps
+  ``sqrt(0) == 0`` (``0 * inf`` would be NaN) and passes NaN through.
+  """
+  return jnp.where(x > 0, x * lax.rsqrt(x), x)
+
+
+# Primitive -> portable spelling, applied when the rule is evaluated in the
+# kernel (see _eval_for_mosaic). Module-level so experiments can switch it off.
+_REWRITES: dict[Any, Callable[..., Array]] = {
+    jex_core.primitives.sqrt_p: _portable_sqrt,
+}
+
+_INLINED_CALLS = {
+    jex_core.primitives.jit_p: "jaxpr",
+    jex_core.primitives.closed_call_p: "call_jaxpr",
+    jex_core.primitives.custom_jvp_call_p: "call_jaxpr",
+}
+
+
+def _open_jaxpr(j) -> tuple[Any, list]:
+  """``(jaxpr, consts)`` of a closed jaxpr (jax 0.10: ``ClosedJaxpr`` wraps a
+  ``Jaxpr``; jax 0.11: they are one class and ``.jaxpr`` is the object itself)."""
+  inner = getattr(j, "jaxpr", j)
+  return inner, list(getattr(j, "consts", ()))
+
+
+def _eval_for_mosaic(closed_jaxpr, *args):
+  """Evaluates a closed jaxpr with the primitives Mosaic GPU lacks rewritten.
+
+  Nested ``jit`` / ``closed_call`` / ``custom_jvp_call`` bodies (``jnp``
+  functions are often jitted) are inlined so their primitives are rewritten
+  too. Everything else is bound unchanged (as ``jax.core.eval_jaxpr`` does).
+  """
+  jaxpr, consts = _open_jaxpr(closed_jaxpr)
+  env = {}
+
+  def read(v):
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+  for v, c in zip(jaxpr.constvars, consts):
+    env[v] = c
+  for v, a in zip(jaxpr.invars, args):
+    env[v] = a
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    prim = eqn.primitive
+    if prim in _REWRITES:
+      outvals = [_REWRITES[prim](*invals)]
+    elif prim in _INLINED_CALLS:
+      outvals = _eval_for_mosaic(eqn.params[_INLINED_CALLS[prim]], *invals)
+    else:
+      outvals = prim.bind(*invals, **prim.get_bind_params(eqn.params))
+      if not prim.multiple_results:
+        outvals = [outvals]
+    for v, val in zip(eqn.outvars, outvals):
+      env[v] = val
+  return [read(v) for v in jaxpr.outvars]
+
+
+@dataclasses.dataclass(frozen=True)
+class _TracedRule:
+  """``update_fn`` traced once on one epilogue sub-tile."""
+
+  closed_jaxpr: Any
+  out_tree: Any
+
+  def __call__(self, g, w, slots, scalar_leaves):
+    outs = _eval_for_mosaic(self.closed_jaxpr, g, w, *slots, *scalar_leaves)
+    return jax.tree.unflatten(self.out_tree, outs)
+
+
+def _trace_rule(update_fn: UpdateFn, shape, num_slots: int, scalars) -> _TracedRule:
+  tile = jax.ShapeDtypeStruct(shape, jnp.float32)
+  scalar_avals = jax.tree.map(lambda _: jax.ShapeDtypeStruct((), jnp.float32), scalars)
+  closed, out_shape = jax.make_jaxpr(update_fn, return_shape=True)(
+      tile, tile, (tile,) * num_slots, scalar_avals
+  )
+  u_shape, new_shapes = out_shape
+  if len(new_shapes) != num_slots:
+    raise ValueError(f"update_fn returned {len(new_shapes)} slots for {num_slots} given")
+  for s in jax.tree.leaves(out_shape):
+    if tuple(s.shape) != tuple(shape):
+      raise ValueError(f"update_fn must be elementwise: got an output of shape {s.shape}")
+  return _TracedRule(closed, jax.tree.structure(out_shape))
+
+
+# ----------------------------------------------------------------------------
+# Kernel.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Everything static the kernel body needs."""
+
+  cfg: MosaicTileConfig
+  t: int
+  k: int
+  n: int
+  num_slots: int
+  num_scalars: int
+  stages: int
+  num_sms: int
+  with_norm: bool
+  transpose_in_registers: bool
+
+  @property
+  def m_iters(self) -> int:
+    return self.k // self.cfg.tile_m
+
+  @property
+  def n_iters(self) -> int:
+    return self.n // (_NUM_COMPUTE_WGS * self.cfg.tile_n)
+
+  @property
+  def t_iters(self) -> int:
+    return self.t // self.cfg.tile_t
+
+  @property
+  def sub_tiles(self) -> list[tuple[int, int]]:
+    """(row, col) offsets of the epilogue sub-tiles within a warpgroup tile."""
+    c = self.cfg
+    return [
+        (mi * c.epi_m, ni * c.epi_n)
+        for mi in range(c.tile_m // c.epi_m)
+        for ni in range(c.tile_n // c.epi_n)
+    ]
+
+
+def _mma_transforms(cols: int, dtype) -> tuple:
+  """Tiling + swizzle for a shared-memory buffer whose rows hold ``cols`` elements."""
+  swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+  elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _planar_snake(lin: Array, m_iters: int, n_iters: int, minor_dim: str, width: int):
+  """Tile coordinates of linear step ``lin``: bands of ``width`` along the minor dim.
+
+  Same order as ``plgpu.planar_snake``, written with static band widths: that
+  helper evaluates a remainder band of width 0 when the width divides the
+  grid, an integer division by zero that kills the CPU interpreter (SIGFPE).
+  """
+  minor_size, major_size = (n_iters, m_iters) if minor_dim == "n" else (m_iters, n_iters)
+  width = max(1, min(width, minor_size))
+  full_bands = minor_size // width
+  full_elems = full_bands * width * major_size
+  rem_width = minor_size - full_bands * width
+
+  def coords(idx, band_width, first_minor, first_band):
+    per_band = jnp.int32(band_width * major_size)
+    band = lax.div(idx, per_band)
+    within = lax.rem(idx, per_band)
+    minor = first_minor + band * band_width + lax.rem(within, jnp.int32(band_width))
+    major_in = lax.div(within, jnp.int32(band_width))
+    # Every other band walks the major dimension backwards (the "snake").
+    odd = lax.rem(band + first_band, 2) == 1
+    return minor, jnp.where(odd, major_size - 1 - major_in, major_in)
+
+  minor, major = coords(lin, width, 0, 0)
+  if rem_width:
+    # A last, narrower band when the width does not divide the minor size.
+    tail = jnp.maximum(lin - full_elems, 0)
+    t_minor, t_major = coords(tail, rem_width, full_bands * width, full_bands)
+    in_tail = lin >= full_elems
+    minor = jnp.where(in_tail, t_minor, minor)
+    major = jnp.where(in_tail, t_major, major)
+  return (major, minor) if minor_dim == "n" else (minor, major)
+
+
+def _fused_kernel(
+    x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm_gmem,
+    *, plan: _Plan, rule: _TracedRule, scalars_treedef, w_dtype, slot_dtypes,
+):
+  """Body of one block: persistent loop over ``W`` tiles, warp-specialized."""
+  cfg = plan.cfg
+  tile_m, tile_n, tile_t = cfg.tile_m, cfg.tile_n, cfg.tile_t
+  block_n = _NUM_COMPUTE_WGS * tile_n
+  num_epi = _ring_depth(cfg)
+  in_dtype = x_gmem.dtype
+  # Both x and dy blocks hold >= 64 16-bit elements per row: 128-byte swizzle.
+  in_transforms = _mma_transforms(64, in_dtype)
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(plan.t_iters,),
+        memory_registers=cfg.memory_registers,
+        in_specs=[
+            plgpu.BlockSpec((tile_t, tile_m), lambda t: (t, 0), transforms=in_transforms),
+            plgpu.BlockSpec((tile_t, block_n), lambda t: (t, 0), transforms=in_transforms),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=_NUM_COMPUTE_WGS,
+        max_concurrent_steps=plan.stages,
+        compute_context=compute_context,
+    )
+
+  epi_shape = (_NUM_COMPUTE_WGS, num_epi, cfg.epi_m, cfg.epi_n)
+  ignore = lambda *_, **__: None  # allocations do not depend on the bodies
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, dy_gmem),
+      w_ring=plgpu.SMEM(epi_shape, w_dtype, transforms=_mma_transforms(cfg.epi_n, w_dtype)),
+      slot_rings=[
+          plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d)) for d in slot_dtypes
+      ],
+      ring_ready=plgpu.Barrier(
+          num_arrivals=1 + plan.num_slots, num_barriers=_NUM_COMPUTE_WGS * num_epi
+      ),
+      norm_smem=(
+          plgpu.SMEM((_NUM_COMPUTE_WGS, tile_m), jnp.float32) if plan.with_norm else None
+      ),
+      xt_smem=(
+          plgpu.SMEM((_NUM_COMPUTE_WGS, tile_m, tile_t), in_dtype, transforms=in_transforms)
+          if plan.transpose_in_registers else None
+      ),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, w_ring, slot_rings, ring_ready, norm_smem, xt_smem):
+    wg_idx = lax.axis_index("wg")
+
+    @plgpu.nd_loop((plan.m_iters * plan.n_iters,), collective_axes="sm")
+    def _tile_loop(loop_info):
+      (lin_idx,) = loop_info.index
+      m_idx, n_idx = _planar_snake(
+          lin_idx, plan.m_iters, plan.n_iters, cfg.grid_minor_dim, cfg.grid_tile_width
+      )
+
+      def compute_context(eval_pipeline):
+        # Stacked weights are flattened to [L*K, N]: the layer is a row offset.
+        row0 = layer_gmem[0] * plan.k + m_idx * tile_m
+        col0 = n_idx * block_n + wg_idx * tile_n
+
+        def sub_window(j):
+          r, c = plan.sub_tiles[j]
+          return (pl.ds(row0 + r, cfg.epi_m), pl.ds(col0 + c, cfg.epi_n))
+
+        def fetch(j):
+          slot = j % num_epi
+          win = sub_window(j)
+          barrier = ring_ready.at[wg_idx * num_epi + slot]
+          plgpu.copy_gmem_to_smem(w_gmem.at[win], w_ring.at[wg_idx, slot], barrier)
+          for src, ring in zip(slot_gmems, slot_rings):
+            plgpu.copy_gmem_to_smem(src.at[win], ring.at[wg_idx, slot], barrier)
+
+        # The previous tile's stores must have left the ring before it is refilled.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for j in range(num_epi):
+          fetch(j)  # lands while the main loop below runs
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          eval_pipeline(acc_ref)
+          acc = acc_ref[...]
+          scalars = jax.tree.unflatten(
+              scalars_treedef, [sc_gmem[i] for i in range(plan.num_scalars)]
+          )
+          scalar_leaves = jax.tree.leaves(scalars)
+          row_sums = {}
+          for j, (r, c) in enumerate(plan.sub_tiles):
+            slot = j % num_epi
+            plgpu.barrier_wait(ring_ready.at[wg_idx * num_epi + slot])
+            g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
+            w_ref = w_ring.at[wg_idx, slot]
+            s_refs = [ring.at[wg_idx, slot] for ring in slot_rings]
+            # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
+            # accumulator's, so the rule's arithmetic needs no relayout.
+            w32 = w_ref[...].astype(jnp.float32)
+            s32 = tuple(ref[...].astype(jnp.float32) for ref in s_refs)
+            u, new_slots = rule(g, w32, s32, scalar_leaves)
+            w_ref[...] = store_cast(w32 + u, w_ref.dtype)
+            for ref, new in zip(s_refs, new_slots):
+              ref[...] = store_cast(new, ref.dtype)
+            if plan.with_norm:
+              part = jnp.sum(g * g, axis=1)
+              row_sums[r] = part if r not in row_sums else row_sums[r] + part
+            plgpu.commit_smem()
+            win = sub_window(j)
+            plgpu.copy_smem_to_gmem(w_ref, w_gmem.at[win], commit_group=False)
+            for ref, dst in zip(s_refs, slot_gmems):
+              plgpu.copy_smem_to_gmem(ref, dst.at[win], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            if j + num_epi < len(plan.sub_tiles):
+              # Refill this slot once its results have been read out.
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              fetch(j + num_epi)
+          if plan.with_norm:
+            for r, part in row_sums.items():
+              norm_smem[wg_idx, pl.ds(r, cfg.epi_m)] = part
+            plgpu.commit_smem()
+            block = n_idx * _NUM_COMPUTE_WGS + wg_idx
+            plgpu.copy_smem_to_gmem(
+                norm_smem.at[wg_idx], norm_gmem.at[block, pl.ds(m_idx * tile_m, tile_m)]
+            )
+
+      def mma_body(_, x_smem, dy_smem, acc_ref):
+        dy_wg = dy_smem.at[:, pl.ds(wg_idx * tile_n, tile_n)]
+        if plan.transpose_in_registers:
+          # CPU interpreter only: it cannot read a transposed wgmma operand.
+          xt_smem.at[wg_idx][...] = x_smem[...].T
+          plgpu.commit_smem()
+          plgpu.wgmma(acc_ref, xt_smem.at[wg_idx], dy_wg)
+        else:
+          # x.T without a copy: the tensor cores read the transposed operand.
+          plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)), dy_wg)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      get_pipeline(mma_body, compute_context)(
+          x_gmem.at[:, pl.ds(m_idx * tile_m, tile_m)],
+          dy_gmem.at[:, pl.ds(n_idx * block_n, block_n)],
+          allocations=pipeline_allocs,
+      )
+
+    # All results must be in device memory before the kernel exits.
+    plgpu.wait_smem_to_gmem(0)
+
+
+# ----------------------------------------------------------------------------
+# Wrapper.
+# ----------------------------------------------------------------------------
+
+
+# Tried in order by :func:`default_config`: the first that fits the operands'
+# dtypes in shared memory wins. Bigger pipelines first (the main loop is what
+# the tensor cores wait on), then smaller epilogue sub-tiles.
+_DEFAULT_CANDIDATES = (
+    MosaicTileConfig(max_concurrent_steps=4, epi_n=32),
+    MosaicTileConfig(max_concurrent_steps=3, epi_n=32),
+    MosaicTileConfig(max_concurrent_steps=3, epi_n=16),
+    MosaicTileConfig(max_concurrent_steps=2, epi_n=32),
+    MosaicTileConfig(max_concurrent_steps=2, epi_n=16),
+    MosaicTileConfig(tile_n=64, max_concurrent_steps=3, epi_n=16),
+)
+
+
+def default_config(
+    x: Any, dy: Any, w: Any, slots: Sequence[Any], *, compute_grad_sq_norm: bool = False,
+    num_sms: Optional[int] = None,
+) -> MosaicTileConfig:
+  """The first default candidate :func:`supports` accepts for these operands.
+
+  Falls back to the first candidate (whose ``supports`` reason then explains
+  the rejection) when none fits.
+  """
+  for cand in _DEFAULT_CANDIDATES:
+    cand = dataclasses.replace(cand, num_sms=num_sms)
+    if supports(x, dy, w, slots, cand, compute_grad_sq_norm=compute_grad_sq_norm)[0]:
+      return cand
+  return dataclasses.replace(_DEFAULT_CANDIDATES[0], num_sms=num_sms)
+
+
+def _interpret_params(interpret: Any):
+  """``InterpretGPUParams`` for ``interpret=True`` (public in jax 0.11.2, private before)."""
+  if interpret is False or interpret is None:
+    return None
+  if interpret is not True:
+    return interpret  # already a params object
+  params_cls = getattr(plgpu, "InterpretGPUParams", None)
+  if params_cls is None:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params_cls
+  return params_cls()
+
+
+def _num_sms(cfg: MosaicTileConfig) -> int:
+  if cfg.num_sms is not None:
+    return cfg.num_sms
+  device = jax.devices()[0]
+  count = getattr(device, "core_count", None)
+  return count if device.platform == "gpu" and count else _DEFAULT_NUM_SMS
+
+
+def fused_dw_update_mosaic(
+    x: Array,
+    dy: Array,
+    w: Array,
+    slots: Sequence[Array],
+    scalars: Any,
+    update_fn: UpdateFn,
+    *,
+    layer: Optional[Array] = None,
+    config: Optional[MosaicTileConfig] = None,
+    compute_grad_sq_norm: bool = False,
+    interpret: Union[bool, Any] = False,
+):
+  """Fused ``dW = x.T @ dy`` + optimizer update on one Hopper GPU (Mosaic GPU).
+
+  Same contract and results as
+  :func:`pallas_kernels.fused_dw.fused_dw_update_reference`.
+
+  Args:
+    x: [T, K] layer input, bfloat16 or float16.
+    dy: [T, N] output cotangent, same dtype as ``x``.
+    w: [K, N] weight, or [L, K, N] stacked weights with ``layer`` given;
+      float32, bfloat16 or float16.
+    slots: optimizer-state arrays shaped like ``w`` (each its own dtype).
+    scalars: pytree of float32 0-d arrays passed to ``update_fn``.
+    update_fn: the elementwise rule ``(g, w, slots, scalars) -> (u, new_slots)``.
+    layer: int32 scalar index into the leading axis of stacked ``w``/slots.
+    config: tiling; ``None`` picks :func:`default_config` for these operands.
+    compute_grad_sq_norm: also return ``sum(dW**2)`` in float32 (from
+      per-row partial sums the kernel writes, summed by XLA).
+    interpret: run on CPU under the Mosaic GPU interpreter (``True`` or an
+      ``InterpretGPUParams``).
+
+  Returns:
+    ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless
+    requested. ``w`` and the slots are updated in place when donated.
+
+  Raises:
+    ValueError: for operands :func:`supports` rejects (the message says why).
+  """
+  slots = tuple(slots)
+  cfg = config or default_config(x, dy, w, slots, compute_grad_sq_norm=compute_grad_sq_norm)
+  ok, reason = supports(x, dy, w, slots, cfg, compute_grad_sq_norm=compute_grad_sq_norm)
+  if not ok:
+    raise ValueError(f"fused_dw_update_mosaic: {reason}")
+  stacked = w.ndim == 3
+  if stacked and layer is None:
+    raise ValueError(f"w has shape {w.shape} (stacked): pass layer=")
+  if not stacked and layer is not None:
+    raise ValueError(f"layer={layer!r} given but w has shape {w.shape} (not stacked)")
+
+  t, k = x.shape
+  n = dy.shape[1]
+  num_layers = w.shape[0] if stacked else 1
+  leaves, treedef = jax.tree.flatten(scalars)
+  for leaf in leaves:
+    if jnp.ndim(leaf) != 0:
+      raise ValueError(f"scalars must be 0-d, got a leaf of shape {jnp.shape(leaf)}")
+  sc_vec = jnp.stack([jnp.asarray(v, jnp.float32) for v in leaves] or [jnp.zeros((), jnp.float32)])
+  layer_vec = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+
+  plan = _Plan(
+      cfg=cfg, t=t, k=k, n=n, num_slots=len(slots), num_scalars=len(leaves),
+      stages=max(1, min(cfg.max_concurrent_steps, t // cfg.tile_t)),
+      num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
+      transpose_in_registers=_interpret_params(interpret) is not None,
+  )
+  rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars)
+  # The kernel addresses one 2-D [L*K, N] array; the layer is a row offset.
+  flat = lambda a: a.reshape(num_layers * k, n)
+  norm_init = (
+      jnp.zeros((n // cfg.tile_n, k), jnp.float32) if compute_grad_sq_norm else None
+  )
+  mesh = plgpu.Mesh(
+      grid=(plan.num_sms,), grid_names=("sm",),
+      num_threads=_NUM_COMPUTE_WGS + 1, thread_name="wg",
+  )
+  core_map_kwargs = {}
+  if (params := _interpret_params(interpret)) is not None:
+    core_map_kwargs["interpret"] = params
+  kernel = functools.partial(
+      _fused_kernel, plan=plan, rule=rule, scalars_treedef=treedef,
+      w_dtype=w.dtype, slot_dtypes=tuple(s.dtype for s in slots),
+  )
+
+  def stateful(refs):
+    x_ref, dy_ref, sc_ref, layer_ref, w_ref, slot_refs, norm_ref = refs
+
+    @pl.core_map(
+        mesh,
+        compiler_params=plgpu.CompilerParams(),
+        name="fused_dw_update_mosaic",
+        **core_map_kwargs,
+    )
+    def _():
+      kernel(x_ref, dy_ref, sc_ref, layer_ref, w_ref, tuple(slot_refs), norm_ref)
+
+  outs = pl.run_state(stateful)(
+      (x, dy, sc_vec, layer_vec, flat(w), tuple(flat(s) for s in slots), norm_init)
+  )
+  _, _, _, _, new_w, new_slots, norm_parts = outs
+  new_w = new_w.reshape(w.shape)
+  new_slots = tuple(s.reshape(old.shape) for s, old in zip(new_slots, slots))
+  norm = jnp.sum(norm_parts) if compute_grad_sq_norm else None
+  return new_w, new_slots, norm
