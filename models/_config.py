@@ -189,7 +189,7 @@ PRESETS: dict[str, ModelConfig] = {
                                  original_max_position_embeddings=8192),
     ),
     # Tiny test models. tiny-qwen3 has N * H != D (as Qwen3 allows); tiny-llama
-    # has an original context of 32 so that all three bands of the llama3 rope
+    # has an original context of 64 so that all three bands of the llama3 rope
     # scaling (kept, interpolated, divided) occur at head_dim 16.
     "tiny-qwen3": ModelConfig(
         family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -201,7 +201,7 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500_000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=False, max_position_embeddings=256,
         rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=32),
+                                 original_max_position_embeddings=64),
     ),
 }
 

@@ -3,7 +3,7 @@
 Parameter tree (names follow Hugging Face's, see :mod:`models.hf_io`)::
 
   embed_tokens/embedding                       [V, D]
-  decoder/layers/...                           stacked [L, ...]  (scan_layers=True)
+  decoder/layers/block/...                     stacked [L, ...]  (scan_layers=True)
   decoder/layers_{i}/...                       one per block     (scan_layers=False)
       input_layernorm/scale, post_attention_layernorm/scale      [D]
       self_attn/{q,k,v,o}_proj/kernel                            [in, out]
@@ -15,7 +15,8 @@ Parameter tree (names follow Hugging Face's, see :mod:`models.hf_io`)::
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -26,33 +27,57 @@ from models._layers import Attention, Mlp, RopeBxLxH2, _norm, dense, rope_inv_fr
 
 
 class DecoderBlock(nn.Module):
-  """One pre-norm block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``.
+  """One pre-norm block: ``h = x + attn(norm(x))``, then ``h + mlp(norm(h))``.
 
-  Returns ``(x, None)`` so that it is directly the body of ``nn.scan``. It is
-  self-contained: ``DecoderBlock(cfg).apply({"params": one_layer}, x, rope)``
-  runs one layer from its (unstacked) parameters.
+  Self-contained: ``DecoderBlock(cfg).apply({"params": one_layer}, x, rope)``
+  runs one layer from its (unstacked) parameters, and
+  ``functools.partial(DecoderBlock, cfg, optimizer)`` is the block factory a
+  stack of identical blocks (``nn.scan``, ``forge_jax.ScannedStack``) needs.
   """
 
   cfg: ModelConfig
   optimizer: Any = None
 
   @nn.compact
-  def __call__(self, x_BxLxD: jax.Array, rope: RopeBxLxH2) -> tuple[jax.Array, None]:
+  def __call__(self, x_BxLxD: jax.Array, rope: RopeBxLxH2) -> jax.Array:
     cfg, opt = self.cfg, self.optimizer
     attn_BxLxD = Attention(cfg, opt, name="self_attn")(_norm(cfg, "input_layernorm")(x_BxLxD), rope)
     h_BxLxD = x_BxLxD + attn_BxLxD
     mlp_BxLxD = Mlp(cfg, opt, name="mlp")(_norm(cfg, "post_attention_layernorm")(h_BxLxD))
-    return h_BxLxD + mlp_BxLxD, None
+    return h_BxLxD + mlp_BxLxD
 
 
-def _maybe_remat(cfg: ModelConfig) -> type[nn.Module]:
-  """The block class, wrapped in ``nn.remat`` with the configured policy."""
+class _ScanBody(nn.Module):
+  """Adapts ``block(x, rope) -> x`` to the ``(carry, x) -> (carry, y)`` of nn.scan.
+
+  The block is its child ``block``, so the scanned layout is
+  ``layers/block/...``, the same as ``forge_jax.ScannedStack``'s.
+  """
+
+  block: Callable[..., nn.Module]
+
+  @nn.compact
+  def __call__(self, x_BxLxD: jax.Array, rope: RopeBxLxH2) -> tuple[jax.Array, None]:
+    return self.block(name="block")(x_BxLxD, rope), None
+
+
+def _maybe_remat(cls: type[nn.Module], cfg: ModelConfig) -> type[nn.Module]:
+  """``cls`` wrapped in ``nn.remat`` with the configured policy (or as is)."""
   if cfg.remat == "none":
-    return DecoderBlock
+    return cls
   policy = None if cfg.remat == "full" else getattr(jax.checkpoint_policies, cfg.remat)
   # Under scan, CSE across iterations cannot undo the remat, and the barrier
   # that prevents it costs speed (flax's advice for remat inside scan).
-  return nn.remat(DecoderBlock, policy=policy, prevent_cse=not cfg.scan_layers)
+  return nn.remat(cls, policy=policy, prevent_cse=not cfg.scan_layers)
+
+
+def layer_path(cfg: ModelConfig, i: int) -> tuple[str, ...]:
+  """Where layer ``i``'s parameters live in ``params``.
+
+  Scanned: ``decoder/layers/block`` (every leaf stacked, layer ``i`` at index
+  ``i`` of the leading axis); unrolled: ``decoder/layers_{i}``.
+  """
+  return ("decoder", "layers", "block") if cfg.scan_layers else ("decoder", f"layers_{i}")
 
 
 class DecoderStack(nn.Module):
@@ -61,8 +86,9 @@ class DecoderStack(nn.Module):
   ``scan_layers=True`` scans one (possibly remat'ed) block over a leading
   layer axis of every variable collection (``variable_axes={True: 0}``, so a
   FORGE optimizer-state collection is stacked like ``params``), with
-  per-layer ``params`` rngs. ``scan_layers=False`` unrolls a Python loop over
-  ``layers_0`` ... ``layers_{L-1}``. A FORGE-specific stack (one custom VJP
+  per-layer ``params`` rngs, under ``layers/block``. ``scan_layers=False``
+  unrolls a Python loop over ``layers_0`` ... ``layers_{L-1}``
+  (:func:`layer_path`). A FORGE-specific stack (one custom VJP
   whose backward updates the stacked weights in place) replaces the scanned
   branch here and nothing else.
   """
@@ -73,14 +99,16 @@ class DecoderStack(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, rope: RopeBxLxH2) -> jax.Array:
     cfg = self.cfg
-    block = _maybe_remat(cfg)
+    block = functools.partial(DecoderBlock, cfg, self.optimizer)
     if cfg.scan_layers:
-      scanned = nn.scan(block, variable_axes={True: 0}, split_rngs={"params": True},
+      body = _maybe_remat(_ScanBody, cfg)
+      scanned = nn.scan(body, variable_axes={True: 0}, split_rngs={"params": True},
                         in_axes=(nn.broadcast,), length=cfg.num_layers)
-      x_BxLxD, _ = scanned(cfg, self.optimizer, name="layers")(x_BxLxD, rope)
+      x_BxLxD, _ = scanned(block, name="layers")(x_BxLxD, rope)
       return x_BxLxD
+    block_cls = _maybe_remat(DecoderBlock, cfg)
     for i in range(cfg.num_layers):
-      x_BxLxD, _ = block(cfg, self.optimizer, name=f"layers_{i}")(x_BxLxD, rope)
+      x_BxLxD = block_cls(cfg, self.optimizer, name=f"layers_{i}")(x_BxLxD, rope)
     return x_BxLxD
 
 
@@ -129,17 +157,20 @@ class CausalLM(nn.Module):
 def param_labels(cfg: ModelConfig, params: Any) -> Any:
   """``"forge"`` or ``"optax"`` for every leaf of ``params`` (same tree).
 
-  ``"forge"``: every parameter of a FORGE linear layer (the block projections,
+  ``"forge"``: the kernel of every FORGE linear layer (the block projections,
   and ``lm_head`` when untied); FORGE updates them inside the backward, so the
   optax side must leave them alone (e.g. ``optax.multi_transform({"optax":
   adamw, "forge": optax.set_to_zero()}, labels)``). ``"optax"``: embeddings,
-  every RMSNorm scale, a tied head (it is the embedding), and everything
-  when ``cfg.linear == "flax"``.
+  every RMSNorm scale, biases (``forge_jax.Dense`` leaves them to the
+  optimizer's optax form), a tied head (it is the embedding), and everything
+  when ``cfg.linear == "flax"``. ``forge_jax.TrainState`` finds the same split
+  from the ``forge_state`` collection; this function predicts it from the
+  config alone.
   """
   forge_names = set(cfg.forge_layer_names)
 
   def label(path, _):
-    names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
-    return "forge" if names & forge_names else "optax"
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return "forge" if names[-1] == "kernel" and set(names) & forge_names else "optax"
 
   return jax.tree_util.tree_map_with_path(label, params)

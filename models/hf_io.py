@@ -13,8 +13,9 @@ without torch. Tensor names and layouts::
   model.norm.weight                                 [D]     -> norm/scale
   lm_head.weight                                    [V, D]  -> lm_head/kernel [D, V] (untied only)
 
-Per-layer tensors go to ``decoder/layers`` stacked on a leading axis when
-``cfg.scan_layers``, else to ``decoder/layers_{i}``.
+Per-layer tensors go to ``decoder/layers/block`` stacked on a leading axis
+when ``cfg.scan_layers``, else to ``decoder/layers_{i}``
+(:func:`models._model.layer_path`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models._config import ModelConfig, RopeScaling
+from models._model import layer_path
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 _ARCHITECTURE_OF = {family: arch for arch, family in ARCHITECTURES.items()}
@@ -190,10 +192,10 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[
   for e in _layer_entries(cfg):
     per_layer = [fetch(e, e.name.format(i=i)) for i in range(cfg.num_layers)]
     if cfg.scan_layers:
-      _put(params, ("decoder", "layers") + e.path, jnp.asarray(np.stack(per_layer)))
+      _put(params, layer_path(cfg, 0) + e.path, jnp.asarray(np.stack(per_layer)))
     else:
       for i, array in enumerate(per_layer):
-        _put(params, ("decoder", f"layers_{i}") + e.path, jnp.asarray(array))
+        _put(params, layer_path(cfg, i) + e.path, jnp.asarray(array))
   return params
 
 
@@ -236,13 +238,14 @@ def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig, dtype: Optional[st
   out = {e.name: to_hf(e, e.name, np.asarray(_get(params, e.path, cfg))) for e in _global_entries(cfg)}
   for e in _layer_entries(cfg):
     if cfg.scan_layers:
-      stacked = np.asarray(_get(params, ("decoder", "layers") + e.path, cfg))
-      layers = [stacked[i] for i in range(stacked.shape[0])] if stacked.shape[0] == cfg.num_layers else None
-      if layers is None:
-        raise ValueError(f"params decoder/layers/{'/'.join(e.path)} stack {stacked.shape[0]} layers, "
-                         f"expected {cfg.num_layers}")
+      path = layer_path(cfg, 0) + e.path
+      stacked = np.asarray(_get(params, path, cfg))
+      if stacked.shape[:1] != (cfg.num_layers,):
+        raise ValueError(f"params {'/'.join(path)} have shape {stacked.shape}: expected "
+                         f"{cfg.num_layers} stacked layers on the leading axis")
+      layers = list(stacked)
     else:
-      layers = [np.asarray(_get(params, ("decoder", f"layers_{i}") + e.path, cfg)) for i in range(cfg.num_layers)]
+      layers = [np.asarray(_get(params, layer_path(cfg, i) + e.path, cfg)) for i in range(cfg.num_layers)]
     for i, array in enumerate(layers):
       name = e.name.format(i=i)
       out[name] = to_hf(e, name, array)

@@ -1,0 +1,356 @@
+"""models: presets, layer-stack layouts, switches and HF checkpoint I/O (no torch needed)."""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+from models import hf_io
+from models._layers import rope_inv_frequencies
+
+TINY = ("tiny-qwen3", "tiny-llama")
+
+# Abridged config.json files of the real checkpoints (Hugging Face Hub,
+# transformers 4.4x/4.5x era), to check the presets against.
+HUB_CONFIGS = {
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, rope_theta=1000000, rope_scaling=None, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, max_position_embeddings=40960, hidden_act="silu",
+                       attention_bias=False, use_sliding_window=False, initializer_range=0.02),
+    "qwen3-14b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=5120, intermediate_size=17408,
+                      num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                      vocab_size=151936, rope_theta=1000000, rope_scaling=None, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, max_position_embeddings=40960, hidden_act="silu",
+                      attention_bias=False, use_sliding_window=False, initializer_range=0.02),
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192, rope_type="llama3"),
+                         tie_word_embeddings=False, max_position_embeddings=131072, hidden_act="silu",
+                         attention_bias=False, mlp_bias=False, initializer_range=0.02),
+}
+
+
+def _tokens(cfg, batch=2, length=12, seed=1):
+  return jax.random.randint(jax.random.key(seed), (batch, length), 0, cfg.vocab_size)
+
+
+# Compilation dominates these tests' time on CPU: init and apply are jitted
+# once per config and shared.
+@functools.lru_cache(maxsize=None)
+def _init(name: str, **overrides):
+  cfg = models.get_config(name, **overrides)
+  params = jax.jit(models.CausalLM(cfg).init)(jax.random.key(0), _tokens(cfg))["params"]
+  return cfg, params
+
+
+@functools.lru_cache(maxsize=None)
+def _apply(cfg):
+  return jax.jit(models.CausalLM(cfg).apply)
+
+
+def _logits(cfg, params, tokens):
+  return _apply(cfg)({"params": params}, tokens)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_get_config_unknown_name_lists_the_presets():
+  with pytest.raises(ValueError, match="Unknown model config 'qwen3-9b'.*qwen3-0.6b.*llama-3.1-8b"):
+    models.get_config("qwen3-9b")
+
+
+def test_get_config_overrides():
+  cfg = models.get_config("qwen3-8b", linear="forge", remat="full", dtype="bfloat16")
+  assert (cfg.linear, cfg.remat, cfg.dtype, cfg.num_layers) == ("forge", "full", "bfloat16", 36)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("linear", "torch", "linear='torch' is not one of 'flax', 'forge'"),
+    ("remat", "save_only_these_names", "remat='save_only_these_names' is not one of"),
+    ("num_kv_heads", 3, "num_heads=4 must be a multiple of num_kv_heads=3"),
+    ("dtype", "int8", "dtype='int8' must be the name of a float dtype"),
+    ("family", "gemma", "family='gemma' is not one of"),
+])
+def test_config_validation(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    models.get_config("tiny-llama", **{field: value})
+
+
+@pytest.mark.parametrize("name", sorted(HUB_CONFIGS))
+def test_presets_match_the_hub_config_json(name):
+  assert hf_io.config_from_hf(HUB_CONFIGS[name]) == models.get_config(name)
+
+
+# Published totals (model cards: 0.6B/1.7B/4.0B/8.2B/14.8B, tied weights counted once;
+# Llama-3.1-8B exactly 8,030,261,248).
+@pytest.mark.parametrize("name, billions", [
+    ("qwen3-0.6b", 0.596), ("qwen3-1.7b", 1.72), ("qwen3-4b", 4.02), ("qwen3-8b", 8.19),
+    ("qwen3-14b", 14.77), ("llama-3.1-8b", 8.030),
+])
+def test_preset_parameter_counts(name, billions):
+  cfg = models.get_config(name)
+  assert cfg.num_params / 1e9 == pytest.approx(billions, abs=0.006)
+
+
+def test_num_params_counts_the_initialized_tree():
+  # And eval_shape of a full-size preset builds without allocating it.
+  for name in TINY:
+    cfg, params = _init(name)
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params
+  cfg = models.get_config("llama-3.1-8b")
+  shapes = jax.eval_shape(models.CausalLM(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.num_params == 8_030_261_248
+
+
+def test_llama3_rope_scaling_keeps_short_divides_long_interpolates_between():
+  cfg = models.get_config("tiny-llama")
+  plain = rope_inv_frequencies(dataclasses.replace(cfg, rope_scaling=None))
+  scaled = rope_inv_frequencies(cfg)
+  s = cfg.rope_scaling
+  wavelen = 2 * np.pi / plain
+  short = wavelen < s.original_max_position_embeddings / s.high_freq_factor
+  long = wavelen > s.original_max_position_embeddings / s.low_freq_factor
+  assert short.any() and long.any() and (~short & ~long).any()  # all three bands occur
+  np.testing.assert_array_equal(scaled[short], plain[short])
+  np.testing.assert_allclose(scaled[long], plain[long] / s.factor, rtol=1e-6)
+  mid = ~short & ~long
+  assert np.all(scaled[mid] < plain[mid]) and np.all(scaled[mid] > plain[mid] / s.factor)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_param_tree_uses_hf_names(name):
+  cfg, params = _init(name)
+  block = params["decoder"]["layers"]["block"]
+  assert set(block) == {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"}
+  attn = {"q_proj", "k_proj", "v_proj", "o_proj"} | ({"q_norm", "k_norm"} if cfg.qk_norm else set())
+  assert set(block["self_attn"]) == attn
+  assert block["self_attn"]["q_proj"]["kernel"].shape == (cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+  assert ("lm_head" in params) == (not cfg.tie_word_embeddings)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_scanned_equals_unrolled(name):
+  cfg, params = _init(name)
+  unrolled_cfg = dataclasses.replace(cfg, scan_layers=False)
+  unrolled = hf_io.params_from_hf(hf_io.params_to_hf(params, cfg), unrolled_cfg)
+  assert sorted(unrolled["decoder"]) == [f"layers_{i}" for i in range(cfg.num_layers)]
+  tokens = _tokens(cfg)
+  np.testing.assert_allclose(_logits(unrolled_cfg, unrolled, tokens), _logits(cfg, params, tokens),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_attention_is_causal():
+  cfg, params = _init("tiny-qwen3")
+  tokens = _tokens(cfg)
+  changed = tokens.at[:, 7:].set((tokens[:, 7:] + 1) % cfg.vocab_size)
+  a, b = _logits(cfg, params, tokens), _logits(cfg, params, changed)
+  np.testing.assert_array_equal(a[:, :7], b[:, :7])
+  assert not np.allclose(a[:, 7:], b[:, 7:])
+
+
+@pytest.mark.parametrize("scan_layers, remat", [(True, "full"), (False, "dots_with_no_batch_dims_saveable")])
+def test_remat_changes_neither_logits_nor_gradients(scan_layers, remat):
+  cfg, params = _init("tiny-llama")
+  cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
+  params = hf_io.params_from_hf(hf_io.params_to_hf(params, dataclasses.replace(cfg, scan_layers=True)), cfg)
+  tokens = _tokens(cfg)
+
+  def loss(c, p):
+    return jnp.mean(_logits(c, p, tokens) ** 2)
+
+  remat_cfg = dataclasses.replace(cfg, remat=remat)
+  (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(functools.partial(loss, c)))(params)
+                        for c in (cfg, remat_cfg))
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g0)
+
+
+def test_bfloat16_compute_with_float32_params():
+  cfg, params = _init("tiny-qwen3")
+  bf16 = dataclasses.replace(cfg, dtype="bfloat16")
+  tokens = _tokens(cfg)
+  logits = _logits(bf16, params, tokens)
+  assert logits.dtype == jnp.bfloat16
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+  np.testing.assert_allclose(logits.astype(jnp.float32), _logits(cfg, params, tokens), atol=0.05)
+
+
+def test_bfloat16_params():
+  cfg = models.get_config("tiny-llama", param_dtype="bfloat16")
+  params = jax.eval_shape(models.CausalLM(cfg).init, jax.random.key(0), _tokens(cfg))["params"]
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
+
+
+# ----------------------------------------------------------------------------- FORGE switch
+
+
+def test_param_labels():
+  cfg, params = _init("tiny-llama")
+  assert set(jax.tree.leaves(models.param_labels(cfg, params))) == {"optax"}
+  forge_cfg = dataclasses.replace(cfg, linear="forge")
+  labels = models.param_labels(forge_cfg, params)
+  block = labels["decoder"]["layers"]["block"]
+  assert block["self_attn"]["q_proj"]["kernel"] == block["mlp"]["down_proj"]["kernel"] == "forge"
+  assert block["input_layernorm"]["scale"] == labels["embed_tokens"]["embedding"] == "optax"
+  assert labels["lm_head"]["kernel"] == "forge"
+  assert "lm_head" in forge_cfg.forge_layer_names
+  # A tied head is the embedding: optax's.
+  assert "lm_head" not in models.get_config("tiny-qwen3", linear="forge").forge_layer_names
+
+
+def test_forge_needs_an_optimizer():
+  cfg = models.get_config("tiny-qwen3", linear="forge")
+  with pytest.raises(ValueError, match="needs a FORGE optimizer"):
+    models.CausalLM(cfg).init(jax.random.key(0), _tokens(cfg))
+
+
+def test_forge_linear_trains_like_optax():
+  """One step with FORGE layers equals one optax step of the same optimizer."""
+  forge_jax = pytest.importorskip("forge_jax")
+  if not hasattr(forge_jax, "train_step"):
+    pytest.skip("forge_jax.train_step is not available")
+  cfg = models.get_config("tiny-llama", linear="forge")  # scanned, untied: lm_head is FORGE too
+  opt = forge_jax.adamw(1e-2, weight_decay=0.1)
+  model = models.CausalLM(cfg, optimizer=opt)
+  batch = _tokens(cfg, length=9)
+  variables = jax.jit(model.init)(jax.random.key(0), batch[:, :-1])
+  assert "forge_state" in variables
+
+  def loss_fn(apply_fn, variables, batch):
+    logits = apply_fn(variables, batch[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+  params = variables["params"]
+  flax_apply = models.CausalLM(dataclasses.replace(cfg, linear="flax")).apply
+  grads = jax.jit(jax.grad(lambda p: loss_fn(flax_apply, {"params": p}, batch)))(params)
+  reference_opt = optax.adamw(1e-2, weight_decay=0.1)
+  updates, _ = reference_opt.update(grads, reference_opt.init(params), params)
+  expected = optax.apply_updates(params, updates)
+
+  state = forge_jax.TrainState.create(model.apply, variables, opt)
+  state, _ = forge_jax.train_step(state, batch, functools.partial(loss_fn, model.apply))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5), state.params, expected)
+
+
+# ----------------------------------------------------------------------------- checkpoint I/O
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_save_load_round_trip(tmp_path, name, scan_layers):
+  cfg, params = _init(name)
+  cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
+  params = hf_io.params_from_hf(hf_io.params_to_hf(params, dataclasses.replace(cfg, scan_layers=True)), cfg)
+  models.save_checkpoint(tmp_path, cfg, params, base_config={"bos_token_id": 7})
+  assert json.loads((tmp_path / "config.json").read_text())["bos_token_id"] == 7
+  loaded_cfg, loaded = models.load_checkpoint(tmp_path, scan_layers=scan_layers)
+  assert loaded_cfg == cfg
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_tied_checkpoint_has_no_lm_head(tmp_path):
+  cfg, params = _init("tiny-qwen3")
+  names = set(hf_io.params_to_hf(params, cfg))
+  assert "lm_head.weight" not in names and "model.layers.1.self_attn.k_norm.weight" in names
+
+
+def test_sharded_bfloat16_checkpoint(tmp_path):
+  cfg, params = _init("tiny-llama")
+  models.save_checkpoint(tmp_path, cfg, params, dtype="bfloat16", max_shard_bytes=40_000)
+  index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+  files = sorted(set(index["weight_map"].values()))
+  assert len(files) > 1 and all((tmp_path / f).is_file() for f in files)
+  loaded_cfg, loaded = models.load_checkpoint(tmp_path)
+  assert loaded_cfg.param_dtype == "float32"  # the storage dtype is the caller's choice
+  rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+  jax.tree.map(np.testing.assert_array_equal, loaded, rounded)
+
+
+def test_config_json_round_trip_and_transformers5_rope_parameters():
+  for name in list(models.PRESETS):
+    cfg = models.get_config(name)
+    assert hf_io.config_from_hf(hf_io.config_to_hf(cfg)) == cfg
+  # transformers 5 writes rope settings as one `rope_parameters` dict.
+  hf = dict(HUB_CONFIGS["llama-3.1-8b"])
+  rope = dict(hf.pop("rope_scaling"), rope_theta=hf.pop("rope_theta"))
+  assert hf_io.config_from_hf({**hf, "rope_parameters": rope}) == models.get_config("llama-3.1-8b")
+
+
+def _tensors(name="tiny-llama"):
+  cfg, params = _init(name)
+  return cfg, hf_io.params_to_hf(params, cfg)
+
+
+def test_error_missing_tensor():
+  cfg, tensors = _tensors()
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  with pytest.raises(ValueError, match=r"missing 1 tensor\(s\): 'model.layers.1.mlp.up_proj.weight'"):
+    hf_io.params_from_hf(tensors, cfg)
+
+
+def test_error_unexpected_tensor():
+  cfg, tensors = _tensors()
+  tensors["model.layers.2.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"]
+  with pytest.raises(ValueError, match=r"unexpected 1 tensor\(s\): 'model.layers.2.mlp.up_proj.weight'"):
+    hf_io.params_from_hf(tensors, cfg)
+
+
+def test_error_wrong_shape():
+  cfg, tensors = _tensors()
+  tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((64, 64), np.float32)
+  with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(64, 64\), "
+                                       r"expected \(32, 64\)"):
+    hf_io.params_from_hf(tensors, cfg)
+
+
+def test_qwen3_checkpoint_read_as_llama_names_the_q_k_norms():
+  cfg, tensors = _tensors("tiny-qwen3")
+  with pytest.raises(ValueError, match=r"unexpected 4 tensor\(s\): 'model.layers.0.self_attn.k_norm.weight'"):
+    hf_io.params_from_hf(tensors, dataclasses.replace(cfg, family="llama"))
+
+
+def test_tied_checkpoint_with_a_different_head_is_refused():
+  cfg, tensors = _tensors("tiny-qwen3")
+  tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+  hf_io.params_from_hf(tensors, cfg)  # an identical copy of the embedding is fine
+  tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
+  with pytest.raises(ValueError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'"):
+    hf_io.params_from_hf(tensors, cfg)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["MistralForCausalLM"]}, r"Unsupported architecture \['MistralForCausalLM'\]"),
+    ({"architectures": None, "model_type": "gemma"}, "Unsupported architecture 'gemma'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "Unsupported rope type 'yarn'"),
+])
+def test_error_unsupported_config(change, message):
+  with pytest.raises(ValueError, match=message):
+    hf_io.config_from_hf({**HUB_CONFIGS["llama-3.1-8b"], **change})
+
+
+def test_error_missing_files(tmp_path):
+  with pytest.raises(FileNotFoundError, match="No config.json"):
+    models.load_checkpoint(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(hf_io.config_to_hf(models.get_config("tiny-llama"))))
+  with pytest.raises(FileNotFoundError, match="No model.safetensors or model.safetensors.index.json"):
+    models.load_checkpoint(tmp_path)
+
+
+def test_error_params_of_the_other_layout():
+  cfg, params = _init("tiny-llama")
+  with pytest.raises(ValueError, match="params have no decoder/layers_0/input_layernorm/scale"):
+    hf_io.params_to_hf(params, dataclasses.replace(cfg, scan_layers=False))
