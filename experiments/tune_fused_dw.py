@@ -405,12 +405,16 @@ def _ranked(rows: list[dict], shape: str) -> list[TileConfig]:
 
 def sweep_one_t(t: int, shapes_kn, space: SweepSpace, rule, *, interpret: bool, timing: dict,
                 deadline: float, baseline: TileConfig) -> list[dict]:
-  """Stages 1-3 for one token count; stops at ``deadline`` (rest: skipped)."""
+  """Stages 1-3 for one token count; stops at ``deadline`` (rest: skipped).
+
+  Stages 1-2 may use 60% of the time left, so that stage 3 (the other
+  (K, N), which the per-class table needs) always gets its share.
+  """
   rows: list[dict] = []
 
-  def run(problem: Problem, configs: Sequence[TileConfig]):
+  def run(problem: Problem, configs: Sequence[TileConfig], until: float):
     for cfg in configs:
-      if time.perf_counter() > deadline:
+      if time.perf_counter() > until:
         rows.append({"shape": problem.name, "t": problem.t, "k": problem.k, "n": problem.n,
                      "config": dataclasses.asdict(cfg), "status": "skipped", "error": "time budget"})
         continue
@@ -420,17 +424,20 @@ def sweep_one_t(t: int, shapes_kn, space: SweepSpace, rule, *, interpret: bool, 
                   + (f"{row['ms']:.3f} ms {row['tflops']:.0f} TF/s" if row["status"] == "ok" else row.get("error", "")))
 
   first, *others = shapes_kn
+  now = time.perf_counter()
+  first_deadline = now + (0.6 * (deadline - now) if others else deadline - now)
   problem = Problem(t, *first, rule)
   seen: set = set()
-  run(problem, _unique([baseline, *coarse_configs(space)], seen))
+  run(problem, _unique([baseline, *coarse_configs(space)], seen), first_deadline)
   top = _ranked(rows, problem.name)[: space.top_coarse]
-  run(problem, _unique([c for cfg in top for c in neighbours(cfg, space)], seen))
-  carried = _unique([baseline, *_ranked(rows, problem.name)[: space.top_transfer]], set())
+  run(problem, _unique([c for cfg in top for c in neighbours(cfg, space)], seen), first_deadline)
+  # Best first: if time runs short, the best candidates are the ones timed.
+  carried = _unique([*_ranked(rows, problem.name)[: space.top_transfer], baseline], set())
   del problem
   for kn in others:
     gc.collect()
     problem = Problem(t, *kn, rule)
-    run(problem, carried)
+    run(problem, carried, deadline)
     del problem
   gc.collect()
   return rows

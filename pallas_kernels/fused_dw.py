@@ -385,7 +385,8 @@ def fused_dw_update(
     dy: [T, N] output cotangent, float32 or bfloat16.
     w: [K, N] weight, or [L, K, N] stacked weights with ``layer`` given.
     slots: optimizer-state arrays shaped like ``w`` (any float dtypes).
-    scalars: pytree of 0-d float32 values passed to ``update_fn``.
+    scalars: pytree of 0-d float32 values passed to ``update_fn`` (packed
+      into one float32 vector; other numeric leaves arrive as float32).
     update_fn: the elementwise rule (see the module docstring).
     layer: int32 scalar (may be traced) selecting the slice of stacked
       ``w``/slots; clamped to ``[0, L)`` like ``lax.dynamic_index_in_dim``.

@@ -6,13 +6,15 @@ edge (masked loads and stores) is exercised.
 
 Tolerance. The kernel and the reference both accumulate ``x.T @ dy`` in
 float32; only the order of the sum over T differs (``block_t``-token dots
-summed in a loop vs one XLA dot). Higham's bound for that difference is
-``2 * T * 2**-24 * sum_t |x||dy|`` per element, i.e. about 1e-5 relative for
-T <= 77; so float32 outputs are compared with ``rtol=2e-5`` (plus an ``atol``
-of the same relative size against the array's scale, for elements that
-cancel to near zero). A bfloat16 output may additionally land one bf16 ulp
-apart (a tiny float32 difference can flip round-to-nearest), so bf16 outputs
-get ``rtol=2**-7``.
+summed in a loop vs one XLA dot). Higham's worst-case bound for that
+difference is ``2 * T * 2**-24 * sum_t |x||dy|`` per element (9e-6 of
+``sum_t |x||dy|`` at T = 77); the differences seen here are about 3e-7 of
+each array's largest value. float32 outputs are compared with ``rtol=2e-5``
+and ``atol = 2e-5 * max|expected|`` (elements that cancel to near zero have
+no meaningful relative error): ~60x the observed error, below anything a
+wrong tile, mask or layer produces (order 1). A bfloat16 output may land one
+bf16 ulp apart (a tiny float32 difference can flip round-to-nearest; 2 of
+66k elements do in the bf16 case), so bf16 outputs get ``rtol=2**-7``.
 """
 
 from __future__ import annotations
