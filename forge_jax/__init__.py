@@ -21,6 +21,7 @@ Public API:
 
 from forge_jax._dense import FORGE_STATE
 from forge_jax._dense import Dense
+from forge_jax._dense import fused_backward
 from forge_jax._dense import KernelState
 from forge_jax._fused import BACKENDS
 from forge_jax._fused import fused_linear_update
@@ -75,6 +76,7 @@ __all__ = [
     "adamw",
     "apply_rule",
     "as_forge_optimizer",
+    "fused_backward",
     "fused_linear_update",
     "lion",
     "nadam",

@@ -19,6 +19,8 @@ for evaluation) the layer is an ordinary ``nn.Dense``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -53,6 +55,28 @@ def init_kernel_state(optimizer, kernel) -> KernelState:
   return KernelState(optimizer.init(kernel), jnp.zeros((), jnp.float32))
 
 
+_FUSED_BACKWARD = contextvars.ContextVar("forge_fused_backward", default=False)
+
+
+@contextlib.contextmanager
+def fused_backward():
+  """Allows the backward pass of FORGE layers to be traced in this scope.
+
+  :func:`forge_jax.train_step` opens it around its VJP. A FORGE layer's
+  backward pass *overwrites* its weight and returns the new weight where
+  autodiff expects a gradient, so a plain ``jax.grad`` of a loss through FORGE
+  layers, gradient accumulation over micro-batches, or an all-reduce of the
+  returned "gradients" would silently compute nonsense; outside this scope the
+  backward pass raises instead. Open it yourself only in a custom training
+  step that overwrites FORGE kernels with their cotangents exactly once.
+  """
+  token = _FUSED_BACKWARD.set(True)
+  try:
+    yield
+  finally:
+    _FUSED_BACKWARD.reset(token)
+
+
 def _float0_like(x):
   return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
@@ -74,6 +98,17 @@ def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, x, ke
 
 
 def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, res, dy):
+  if not _FUSED_BACKWARD.get():
+    raise ValueError(
+        "the backward pass of a forge_jax.Dense was traced outside "
+        "forge_jax.train_step. It updates the weight in place and returns the new "
+        "weight where a gradient is expected, so plain jax.grad, gradient "
+        "accumulation over micro-batches or a data-parallel all-reduce of its "
+        "cotangents would be silently wrong. Train with forge_jax.train_step, use "
+        "flax.linen.Dense where you need true gradients, or open "
+        "forge_jax.fused_backward() in a custom step that overwrites each FORGE "
+        "kernel with its cotangent exactly once."
+    )
   x, kernel, kstate = res
   dx = jax.lax.dot_general(
       dy, kernel.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision

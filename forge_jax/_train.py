@@ -145,7 +145,8 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
   else:
     loss, vjp_fn = jax.vjp(loss_of, state.params, state.forge_state)
     aux = None
-  ct_params, ct_forge = vjp_fn(jnp.ones_like(loss))
+  with _dense.fused_backward():
+    ct_params, ct_forge = vjp_fn(jnp.ones_like(loss))
 
   # FORGE kernels: the cotangent is the new kernel (already updated in place).
   new_managed, grads_rest = _split(ct_params, paths)
@@ -175,7 +176,28 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
   return new_state, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("loss_fn", "has_aux"), donate_argnums=(0,))
+_train_step_jit = jax.jit(_train_step, static_argnums=(2, 3), donate_argnums=(0,))
+
+
+def _check_not_data_parallel(state: TrainState, batch):
+  if not forge_paths(state.forge_state):
+    return
+  for leaf in jax.tree.leaves(batch):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(leaf, jax.core.Tracer) or sharding is None:
+      continue
+    if len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
+      raise ValueError(
+          f"the batch is split over {len(sharding.device_set)} devices ({sharding}). "
+          "Under data parallelism each FORGE weight would need the all-reduced "
+          "gradient of the whole batch before its update, but the fused kernel "
+          "consumes each device's partial gradient tile by tile and never forms "
+          "it. Replicate the batch (tensor or sequence parallelism keep each "
+          "shard's gradient complete), or train these layers with "
+          "flax.linen.Dense + optax."
+      )
+
+
 def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False):
   """One FORGE training step: forward, backward with fused updates, optax for the rest.
 
@@ -194,4 +216,13 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
     (the exact global gradient norm: the FORGE kernels' part is accumulated
     tile by tile inside the fused kernels) and ``metrics["aux"]`` if any.
   """
-  return _train_step(state, batch, loss_fn, has_aux)
+  _check_not_data_parallel(state, batch)
+  return _train_step_jit(state, batch, loss_fn, has_aux)
+
+
+def _lower(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False):
+  _check_not_data_parallel(state, batch)
+  return _train_step_jit.lower(state, batch, loss_fn, has_aux)
+
+
+train_step.lower = _lower  # type: ignore[attr-defined]
