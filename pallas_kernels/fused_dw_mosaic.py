@@ -681,8 +681,10 @@ def fused_dw_update_mosaic(
   rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars)
   # The kernel addresses one 2-D [L*K, N] array; the layer is a row offset.
   flat = lambda a: a.reshape(num_layers * k, n)
+  # One row of per-W-row partial sums per warpgroup column block; each entry
+  # is written exactly once, and the NaN start makes a missed one loud.
   norm_init = (
-      jnp.zeros((n // cfg.tile_n, k), jnp.float32) if compute_grad_sq_norm else None
+      jnp.full((n // cfg.tile_n, k), jnp.nan, jnp.float32) if compute_grad_sq_norm else None
   )
   mesh = plgpu.Mesh(
       grid=(plan.num_sms,), grid_names=("sm",),
