@@ -115,11 +115,13 @@ class ModelConfig:
     for field in ("param_dtype", "dtype"):
       value = getattr(self, field)
       if not isinstance(value, str) or not jnp.issubdtype(jnp.dtype(value), jnp.floating):
-        raise ValueError(f"{field}={value!r} must be the name of a float dtype, e.g. 'float32' or 'bfloat16'")
+        raise ValueError(
+            f"{field}={value!r} must be the name of a float dtype, e.g. 'float32' or 'bfloat16'")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "
-          "(grouped-query attention shares each kv head among num_heads // num_kv_heads query heads)"
+          "(grouped-query attention shares each kv head among num_heads // num_kv_heads "
+          "query heads)"
       )
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of channels")

@@ -30,8 +30,9 @@ def dense(cfg: ModelConfig, features: int, name: str, optimizer: Any = None,
   collection of its own.
   """
   kernel_init = nn.initializers.normal(stddev=cfg.init_std)
-  common = dict(use_bias=use_bias, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-                precision=None, kernel_init=kernel_init, bias_init=nn.initializers.zeros, name=name)
+  common = dict(use_bias=use_bias, dtype=jnp.dtype(cfg.dtype),
+                param_dtype=jnp.dtype(cfg.param_dtype), precision=None, kernel_init=kernel_init,
+                bias_init=nn.initializers.zeros, name=name)
   if cfg.linear == "flax":
     return nn.Dense(features, **common)
   import forge_jax  # Imported here so that models stay importable while forge_jax grows.
@@ -44,7 +45,8 @@ def dense(cfg: ModelConfig, features: int, name: str, optimizer: Any = None,
     )
   if optimizer is None:
     raise ValueError(
-        "ModelConfig(linear='forge') needs a FORGE optimizer: CausalLM(cfg, optimizer=forge_jax.adamw(...))"
+        "ModelConfig(linear='forge') needs a FORGE optimizer: "
+        "CausalLM(cfg, optimizer=forge_jax.adamw(...))"
     )
   return forge_dense(features, optimizer=optimizer, **common)
 
@@ -144,7 +146,8 @@ class Attention(nn.Module):
     k_BxLxKxH = apply_rope(k_BxLxKxH, rope)
     # GQA is native here: query head i reads kv head i // (N // K), as HF's repeat_kv.
     out_BxLxNxH = jax.nn.dot_product_attention(
-        q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True, implementation=attention_implementation(cfg))
+        q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True,
+        implementation=attention_implementation(cfg))
     return dense(cfg, cfg.hidden_size, "o_proj", opt, bias)(out_BxLxNxH.reshape(b, l, n * h))
 
 

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from models._config import ModelConfig
-from models._layers import Attention, Mlp, RopeBxLxH2, _norm, dense, rope_inv_frequencies, rope_sin_cos
+from models._layers import Attention, Mlp, RopeBxLxH2, _norm, dense
+from models._layers import rope_inv_frequencies, rope_sin_cos
 
 
 class DecoderBlock(nn.Module):
@@ -142,7 +143,8 @@ class CausalLM(nn.Module):
     cfg = self.cfg
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=jnp.dtype(cfg.dtype),
                      param_dtype=jnp.dtype(cfg.param_dtype),
-                     embedding_init=nn.initializers.normal(stddev=cfg.init_std), name="embed_tokens")
+                     embedding_init=nn.initializers.normal(stddev=cfg.init_std),
+                     name="embed_tokens")
     x_BxLxD = embed(tokens_BxL)
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)

@@ -59,14 +59,17 @@ def _layer_entries(cfg: ModelConfig) -> list[_Entry]:
   d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
   q, kv = cfg.num_heads * h, cfg.num_kv_heads * h
   p = "model.layers.{i}."
-  out = [_Entry(p + "input_layernorm.weight", ("input_layernorm", "scale"), (d,), False),
-         _Entry(p + "post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), (d,), False)]
-  for proj, (n_out, n_in) in {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}.items():
-    out.append(_Entry(p + f"self_attn.{proj}.weight", ("self_attn", proj, "kernel"), (n_out, n_in), True))
+  out = [_Entry(p + f"{norm}.weight", (norm, "scale"), (d,), False)
+         for norm in ("input_layernorm", "post_attention_layernorm")]
+  attn_shapes = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}
+  for proj, shape in attn_shapes.items():
+    out.append(_Entry(p + f"self_attn.{proj}.weight", ("self_attn", proj, "kernel"), shape, True))
     if cfg.attention_bias:
-      out.append(_Entry(p + f"self_attn.{proj}.bias", ("self_attn", proj, "bias"), (n_out,), False))
+      out.append(
+          _Entry(p + f"self_attn.{proj}.bias", ("self_attn", proj, "bias"), shape[:1], False))
   if cfg.qk_norm:
-    out += [_Entry(p + f"self_attn.{n}.weight", ("self_attn", n, "scale"), (h,), False) for n in ("q_norm", "k_norm")]
+    out += [_Entry(p + f"self_attn.{n}.weight", ("self_attn", n, "scale"), (h,), False)
+            for n in ("q_norm", "k_norm")]
   for proj, shape in {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}.items():
     out.append(_Entry(p + f"mlp.{proj}.weight", ("mlp", proj, "kernel"), shape, True))
   return out
@@ -107,16 +110,17 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
         f"{' and '.join(ARCHITECTURES)} checkpoints"
     )
   family = ARCHITECTURES[archs[0]]
-  for key, ok, expected in [("hidden_act", hf.get("hidden_act", "silu") == "silu", "'silu'"),
-                            ("mlp_bias", not hf.get("mlp_bias", False), "false"),
-                            ("use_sliding_window", not hf.get("use_sliding_window", False), "false")]:
-    if not ok:
-      raise ValueError(f"Unsupported {archs[0]} config: {key}={hf[key]!r} (models supports only {expected})")
+  only = [("hidden_act", "silu"), ("mlp_bias", False), ("use_sliding_window", False)]
+  for key, supported in only:
+    if hf.get(key, supported) != supported:
+      raise ValueError(f"Unsupported {archs[0]} config: {key}={hf[key]!r} "
+                       f"(models supports only {supported!r})")
   heads = hf["num_attention_heads"]
   rope_theta, rope_scaling = _rope_from_hf(hf)
   fields = dict(
       family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-      intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
+      intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+      num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rope_theta=float(rope_theta),
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -135,7 +139,8 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, Optional[RopeScaling]]:
   if kind == "default":
     return theta, None
   if kind != "llama3":
-    raise ValueError(f"Unsupported rope type {kind!r} in config.json: models supports 'default' and 'llama3'")
+    raise ValueError(f"Unsupported rope type {kind!r} in config.json: "
+                     "models supports 'default' and 'llama3'")
   return theta, RopeScaling(
       factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
       high_freq_factor=float(params["high_freq_factor"]),
@@ -150,7 +155,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
       "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+      "head_dim": cfg.head_dim, "hidden_act": "silu",
+      "max_position_embeddings": cfg.max_position_embeddings,
       "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
       "rope_scaling": None if s is None else {"rope_type": "llama3", **dataclasses.asdict(s)},
       "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
@@ -204,9 +210,11 @@ def _check_names(given: set[str], cfg: ModelConfig, tensors: Mapping[str, np.nda
   expected = set(hf_tensor_shapes(cfg))
   if cfg.tie_word_embeddings and "lm_head.weight" in given:
     # Some tied checkpoints still store the head; accept it only as the same tensor.
-    if not np.array_equal(np.asarray(tensors["lm_head.weight"]), np.asarray(tensors["model.embed_tokens.weight"])):
-      raise ValueError("config.json ties the embeddings (tie_word_embeddings=true) but the checkpoint's "
-                       "'lm_head.weight' differs from 'model.embed_tokens.weight'")
+    head, embedding = (np.asarray(tensors[n])
+                       for n in ("lm_head.weight", "model.embed_tokens.weight"))
+    if not np.array_equal(head, embedding):
+      raise ValueError("config.json ties the embeddings (tie_word_embeddings=true) but the "
+                       "checkpoint's 'lm_head.weight' differs from 'model.embed_tokens.weight'")
     given.discard("lm_head.weight")
   missing, extra = sorted(expected - given, key=_natural), sorted(given - expected, key=_natural)
   problems = []
@@ -218,7 +226,8 @@ def _check_names(given: set[str], cfg: ModelConfig, tensors: Mapping[str, np.nda
     raise ValueError(f"Checkpoint does not match {_describe(cfg)}: " + "; ".join(problems))
 
 
-def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig, dtype: Optional[str] = None) -> dict[str, np.ndarray]:
+def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig,
+                 dtype: Optional[str] = None) -> dict[str, np.ndarray]:
   """HF-named numpy tensors ([out, in] weights) from ``CausalLM(cfg)`` params.
 
   Args:
@@ -231,11 +240,12 @@ def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig, dtype: Optional[st
   def to_hf(entry: _Entry, name: str, array: np.ndarray) -> np.ndarray:
     array = array.T if entry.transpose else array
     if tuple(array.shape) != entry.shape:
-      raise ValueError(f"params for {name!r} have HF shape {tuple(array.shape)}, expected {entry.shape} "
-                       f"for {_describe(cfg)}")
+      raise ValueError(f"params for {name!r} have HF shape {tuple(array.shape)}, "
+                       f"expected {entry.shape} for {_describe(cfg)}")
     return np.ascontiguousarray(cast(array))
 
-  out = {e.name: to_hf(e, e.name, np.asarray(_get(params, e.path, cfg))) for e in _global_entries(cfg)}
+  out = {e.name: to_hf(e, e.name, np.asarray(_get(params, e.path, cfg)))
+         for e in _global_entries(cfg)}
   for e in _layer_entries(cfg):
     if cfg.scan_layers:
       path = layer_path(cfg, 0) + e.path
@@ -245,7 +255,8 @@ def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig, dtype: Optional[st
                          f"{cfg.num_layers} stacked layers on the leading axis")
       layers = list(stacked)
     else:
-      layers = [np.asarray(_get(params, layer_path(cfg, i) + e.path, cfg)) for i in range(cfg.num_layers)]
+      layers = [np.asarray(_get(params, layer_path(cfg, i) + e.path, cfg))
+                for i in range(cfg.num_layers)]
     for i, array in enumerate(layers):
       name = e.name.format(i=i)
       out[name] = to_hf(e, name, array)
@@ -308,7 +319,8 @@ def save_checkpoint(path: str | pathlib.Path, cfg: ModelConfig, params: Mapping[
     file_name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
     save_file(shard, path / file_name, metadata=metadata)
     weight_map.update(dict.fromkeys(shard, file_name))
-  index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+  total_size = sum(a.nbytes for a in tensors.values())
+  index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
   (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -337,12 +349,12 @@ def _open_tensors(path: pathlib.Path) -> Iterator[_LazyTensors]:
   else:
     raise FileNotFoundError(f"No {WEIGHTS_NAME} or {INDEX_NAME} in {path}")
   with contextlib.ExitStack() as stack:
-    open_file = lambda name: stack.enter_context(safe_open(path / name, framework="np"))  # noqa: E731
     if weight_map is None:
-      handle = open_file(WEIGHTS_NAME)
+      handle = stack.enter_context(safe_open(path / WEIGHTS_NAME, framework="np"))
       yield _LazyTensors(dict.fromkeys(handle.keys(), handle))
       return
-    handles = {name: open_file(name) for name in sorted(set(weight_map.values()))}
+    handles = {name: stack.enter_context(safe_open(path / name, framework="np"))
+               for name in sorted(set(weight_map.values()))}
     yield _LazyTensors({t: handles[f] for t, f in weight_map.items()})
 
 
@@ -365,8 +377,9 @@ def _get(tree: Mapping[str, Any], path: tuple[str, ...], cfg: ModelConfig) -> An
 
 
 def _describe(cfg: ModelConfig) -> str:
-  return (f"{_ARCHITECTURE_OF[cfg.family]}(num_layers={cfg.num_layers}, hidden_size={cfg.hidden_size}, "
-          f"tie_word_embeddings={cfg.tie_word_embeddings}, scan_layers={cfg.scan_layers})")
+  return (f"{_ARCHITECTURE_OF[cfg.family]}(num_layers={cfg.num_layers}, "
+          f"hidden_size={cfg.hidden_size}, tie_word_embeddings={cfg.tie_word_embeddings}, "
+          f"scan_layers={cfg.scan_layers})")
 
 
 def _natural(name: str) -> tuple:
@@ -376,4 +389,5 @@ def _natural(name: str) -> tuple:
 
 def _listing(names: list[str]) -> str:
   shown = ", ".join(repr(n) for n in names[:_LIST_AT_MOST])
-  return shown + (f", ... ({len(names) - _LIST_AT_MOST} more)" if len(names) > _LIST_AT_MOST else "")
+  more = len(names) - _LIST_AT_MOST
+  return shown + (f", ... ({more} more)" if more > 0 else "")

@@ -17,7 +17,8 @@ import models
 from models import hf_io
 from models._layers import rope_inv_frequencies
 
-torch = pytest.importorskip("torch", reason="the parity tests need torch (pip install -e '.[test]')")
+torch = pytest.importorskip(
+    "torch", reason="the parity tests need torch (pip install -e '.[test]')")
 transformers = pytest.importorskip(
     "transformers", reason="the parity tests need transformers (pip install -e '.[test]')")
 
@@ -28,7 +29,8 @@ CASES = {
     "qwen3-tied": models.get_config("tiny-qwen3"),
     "qwen3-untied": models.get_config("tiny-qwen3", tie_word_embeddings=False),
     "llama-llama3-rope-untied": models.get_config("tiny-llama"),
-    "llama-plain-rope-tied": models.get_config("tiny-llama", tie_word_embeddings=True, rope_scaling=None),
+    "llama-plain-rope-tied": models.get_config("tiny-llama", tie_word_embeddings=True,
+                                               rope_scaling=None),
 }
 
 
@@ -49,7 +51,8 @@ def _random_hf_checkpoint(cfg, path, seed=0):
   with torch.no_grad():
     for name, p in model.named_parameters():
       # Norm scales start at 1: perturb them so that a mixed-up scale shows.
-      p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+      noise = torch.randn_like(p)
+      p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.1 * noise)
   model.save_pretrained(path)
   return model
 
@@ -86,7 +89,8 @@ def test_saved_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, case
   params = jax.tree_util.tree_map_with_path(
       lambda path, x: x * (1 + 0.2 * jax.random.normal(jax.random.key(len(path)), x.shape))
       if path[-1].key == "scale" else x, params)
-  models.save_checkpoint(tmp_path, cfg, params, max_shard_bytes=100_000)  # sharded, as large checkpoints are
+  # Sharded, as large checkpoints are.
+  models.save_checkpoint(tmp_path, cfg, params, max_shard_bytes=100_000)
   hf_model = _hf_logits(_hf_model_from_dir(tmp_path), tokens)
   logits = jax.jit(model.apply)({"params": params}, tokens)
   np.testing.assert_allclose(np.asarray(logits), hf_model, atol=ATOL, rtol=RTOL)
@@ -99,4 +103,5 @@ def test_rope_frequencies_match_transformers(tmp_path, case):
   hf_inv_freq = hf_model.model.rotary_emb.inv_freq.numpy()
   np.testing.assert_allclose(rope_inv_frequencies(cfg), hf_inv_freq, rtol=1e-6)
   if cfg.rope_scaling is not None:  # the scaling really changes something
-    assert not np.allclose(rope_inv_frequencies(dataclasses.replace(cfg, rope_scaling=None)), hf_inv_freq)
+    plain = rope_inv_frequencies(dataclasses.replace(cfg, rope_scaling=None))
+    assert not np.allclose(plain, hf_inv_freq)

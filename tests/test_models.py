@@ -18,24 +18,23 @@ TINY = ("tiny-qwen3", "tiny-llama")
 
 # Abridged config.json files of the real checkpoints (Hugging Face Hub,
 # transformers 4.4x/4.5x era), to check the presets against.
+_QWEN3_COMMON = dict(
+    architectures=["Qwen3ForCausalLM"], num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    rope_theta=1000000, rope_scaling=None, rms_norm_eps=1e-6, max_position_embeddings=40960,
+    hidden_act="silu", attention_bias=False, use_sliding_window=False, initializer_range=0.02)
 HUB_CONFIGS = {
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       vocab_size=151936, rope_theta=1000000, rope_scaling=None, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, max_position_embeddings=40960, hidden_act="silu",
-                       attention_bias=False, use_sliding_window=False, initializer_range=0.02),
-    "qwen3-14b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=5120, intermediate_size=17408,
-                      num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
-                      vocab_size=151936, rope_theta=1000000, rope_scaling=None, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False, max_position_embeddings=40960, hidden_act="silu",
-                      attention_bias=False, use_sliding_window=False, initializer_range=0.02),
-    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
-                         rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                           original_max_position_embeddings=8192, rope_type="llama3"),
-                         tie_word_embeddings=False, max_position_embeddings=131072, hidden_act="silu",
-                         attention_bias=False, mlp_bias=False, initializer_range=0.02),
+    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-14b": dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=17408,
+                      num_hidden_layers=40, num_attention_heads=40, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192, rope_type="llama3"),
+        max_position_embeddings=131072, hidden_act="silu", attention_bias=False, mlp_bias=False,
+        initializer_range=0.02),
 }
 
 
@@ -59,6 +58,12 @@ def _apply(cfg):
 
 def _logits(cfg, params, tokens):
   return _apply(cfg)({"params": params}, tokens)
+
+
+def _relayout(scanned_params, cfg):
+  """Scanned params in the layout ``cfg.scan_layers`` asks for (via the HF names)."""
+  return hf_io.params_from_hf(
+      hf_io.params_to_hf(scanned_params, dataclasses.replace(cfg, scan_layers=True)), cfg)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -108,7 +113,8 @@ def test_num_params_counts_the_initialized_tree():
     cfg, params = _init(name)
     assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params
   cfg = models.get_config("llama-3.1-8b")
-  shapes = jax.eval_shape(models.CausalLM(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  shapes = jax.eval_shape(models.CausalLM(cfg).init, jax.random.key(0),
+                          jnp.zeros((1, 8), jnp.int32))
   assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.num_params == 8_030_261_248
 
 
@@ -137,7 +143,8 @@ def test_param_tree_uses_hf_names(name):
   assert set(block) == {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"}
   attn = {"q_proj", "k_proj", "v_proj", "o_proj"} | ({"q_norm", "k_norm"} if cfg.qk_norm else set())
   assert set(block["self_attn"]) == attn
-  assert block["self_attn"]["q_proj"]["kernel"].shape == (cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+  q_shape = (cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+  assert block["self_attn"]["q_proj"]["kernel"].shape == q_shape
   assert ("lm_head" in params) == (not cfg.tie_word_embeddings)
 
 
@@ -145,7 +152,7 @@ def test_param_tree_uses_hf_names(name):
 def test_scanned_equals_unrolled(name):
   cfg, params = _init(name)
   unrolled_cfg = dataclasses.replace(cfg, scan_layers=False)
-  unrolled = hf_io.params_from_hf(hf_io.params_to_hf(params, cfg), unrolled_cfg)
+  unrolled = _relayout(params, unrolled_cfg)
   assert sorted(unrolled["decoder"]) == [f"layers_{i}" for i in range(cfg.num_layers)]
   tokens = _tokens(cfg)
   np.testing.assert_allclose(_logits(unrolled_cfg, unrolled, tokens), _logits(cfg, params, tokens),
@@ -161,11 +168,12 @@ def test_attention_is_causal():
   assert not np.allclose(a[:, 7:], b[:, 7:])
 
 
-@pytest.mark.parametrize("scan_layers, remat", [(True, "full"), (False, "dots_with_no_batch_dims_saveable")])
+@pytest.mark.parametrize("scan_layers, remat",
+                         [(True, "full"), (False, "dots_with_no_batch_dims_saveable")])
 def test_remat_changes_neither_logits_nor_gradients(scan_layers, remat):
   cfg, params = _init("tiny-llama")
   cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
-  params = hf_io.params_from_hf(hf_io.params_to_hf(params, dataclasses.replace(cfg, scan_layers=True)), cfg)
+  params = _relayout(params, cfg)
   tokens = _tokens(cfg)
 
   def loss(c, p):
@@ -253,7 +261,7 @@ def test_forge_linear_trains_like_optax():
 def test_save_load_round_trip(tmp_path, name, scan_layers):
   cfg, params = _init(name)
   cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
-  params = hf_io.params_from_hf(hf_io.params_to_hf(params, dataclasses.replace(cfg, scan_layers=True)), cfg)
+  params = _relayout(params, cfg)
   models.save_checkpoint(tmp_path, cfg, params, base_config={"bos_token_id": 7})
   assert json.loads((tmp_path / "config.json").read_text())["bos_token_id"] == 7
   loaded_cfg, loaded = models.load_checkpoint(tmp_path, scan_layers=scan_layers)
@@ -297,28 +305,31 @@ def _tensors(name="tiny-llama"):
 def test_error_missing_tensor():
   cfg, tensors = _tensors()
   del tensors["model.layers.1.mlp.up_proj.weight"]
-  with pytest.raises(ValueError, match=r"missing 1 tensor\(s\): 'model.layers.1.mlp.up_proj.weight'"):
+  message = r"missing 1 tensor\(s\): 'model.layers.1.mlp.up_proj.weight'"
+  with pytest.raises(ValueError, match=message):
     hf_io.params_from_hf(tensors, cfg)
 
 
 def test_error_unexpected_tensor():
   cfg, tensors = _tensors()
   tensors["model.layers.2.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"]
-  with pytest.raises(ValueError, match=r"unexpected 1 tensor\(s\): 'model.layers.2.mlp.up_proj.weight'"):
+  message = r"unexpected 1 tensor\(s\): 'model.layers.2.mlp.up_proj.weight'"
+  with pytest.raises(ValueError, match=message):
     hf_io.params_from_hf(tensors, cfg)
 
 
 def test_error_wrong_shape():
   cfg, tensors = _tensors()
   tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((64, 64), np.float32)
-  with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(64, 64\), "
-                                       r"expected \(32, 64\)"):
+  message = r"'model.layers.0.self_attn.k_proj.weight' has shape \(64, 64\), expected \(32, 64\)"
+  with pytest.raises(ValueError, match=message):
     hf_io.params_from_hf(tensors, cfg)
 
 
 def test_qwen3_checkpoint_read_as_llama_names_the_q_k_norms():
   cfg, tensors = _tensors("tiny-qwen3")
-  with pytest.raises(ValueError, match=r"unexpected 4 tensor\(s\): 'model.layers.0.self_attn.k_norm.weight'"):
+  message = r"unexpected 4 tensor\(s\): 'model.layers.0.self_attn.k_norm.weight'"
+  with pytest.raises(ValueError, match=message):
     hf_io.params_from_hf(tensors, dataclasses.replace(cfg, family="llama"))
 
 
@@ -332,7 +343,8 @@ def test_tied_checkpoint_with_a_different_head_is_refused():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"architectures": ["MistralForCausalLM"]}, r"Unsupported architecture \['MistralForCausalLM'\]"),
+    ({"architectures": ["MistralForCausalLM"]},
+     r"Unsupported architecture \['MistralForCausalLM'\]"),
     ({"architectures": None, "model_type": "gemma"}, "Unsupported architecture 'gemma'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "Unsupported rope type 'yarn'"),
@@ -345,8 +357,10 @@ def test_error_unsupported_config(change, message):
 def test_error_missing_files(tmp_path):
   with pytest.raises(FileNotFoundError, match="No config.json"):
     models.load_checkpoint(tmp_path)
-  (tmp_path / "config.json").write_text(json.dumps(hf_io.config_to_hf(models.get_config("tiny-llama"))))
-  with pytest.raises(FileNotFoundError, match="No model.safetensors or model.safetensors.index.json"):
+  config = hf_io.config_to_hf(models.get_config("tiny-llama"))
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(FileNotFoundError,
+                     match="No model.safetensors or model.safetensors.index.json"):
     models.load_checkpoint(tmp_path)
 
 
