@@ -35,20 +35,15 @@ def dense(cfg: ModelConfig, features: int, name: str, optimizer: Any = None,
                 bias_init=nn.initializers.zeros, name=name)
   if cfg.linear == "flax":
     return nn.Dense(features, **common)
-  import forge_jax  # Imported here so that models stay importable while forge_jax grows.
+  # Imported only when asked for: plain-Flax models need none of forge_jax's kernels.
+  import forge_jax
 
-  forge_dense = getattr(forge_jax, "Dense", None)
-  if forge_dense is None:
-    raise NotImplementedError(
-        "ModelConfig(linear='forge') needs forge_jax.Dense, which this forge_jax does not "
-        "provide yet; use linear='flax' (plain nn.Dense trained by optax) meanwhile."
-    )
   if optimizer is None:
     raise ValueError(
         "ModelConfig(linear='forge') needs a FORGE optimizer: "
         "CausalLM(cfg, optimizer=forge_jax.adamw(...))"
     )
-  return forge_dense(features, optimizer=optimizer, **common)
+  return forge_jax.Dense(features, optimizer=optimizer, **common)
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,7 @@ import pytest
 
 import models
 from models import hf_io
-from models._layers import rope_inv_frequencies
+from models._layers import rope_inv_frequencies, rope_sin_cos
 
 TINY = ("tiny-qwen3", "tiny-llama")
 
@@ -223,6 +223,24 @@ def test_forge_needs_an_optimizer():
   cfg = models.get_config("tiny-qwen3", linear="forge")
   with pytest.raises(ValueError, match="needs a FORGE optimizer"):
     models.CausalLM(cfg).init(jax.random.key(0), _tokens(cfg))
+
+
+def test_scanned_layout_is_forge_scanned_stacks():
+  """forge_jax.ScannedStack can replace the scanned branch: same tree, same init, same output."""
+  forge_jax = pytest.importorskip("forge_jax")
+  if not hasattr(forge_jax, "ScannedStack"):
+    pytest.skip("forge_jax.ScannedStack is not available")
+  cfg = models.get_config("tiny-qwen3", linear="forge")
+  opt = forge_jax.adamw(1e-3)
+  x_BxLxD = jax.random.normal(jax.random.key(0), (2, 8, cfg.hidden_size))
+  rope = rope_sin_cos(jnp.broadcast_to(jnp.arange(8), (2, 8)), rope_inv_frequencies(cfg))
+  ours = models.DecoderStack(cfg, opt)
+  theirs = forge_jax.ScannedStack(functools.partial(models.DecoderBlock, cfg, opt), cfg.num_layers)
+  ours_vars, theirs_vars = (jax.jit(m.init)(jax.random.key(1), x_BxLxD, rope) for m in (ours, theirs))
+  jax.tree.map(np.testing.assert_array_equal, ours_vars, theirs_vars)
+  params = {"params": ours_vars["params"]}
+  np.testing.assert_allclose(theirs.apply(params, x_BxLxD, rope), ours.apply(params, x_BxLxD, rope),
+                             rtol=1e-6, atol=1e-6)
 
 
 def test_forge_linear_trains_like_optax():
