@@ -572,6 +572,9 @@ _DEFAULT_CANDIDATES = (
     MosaicTileConfig(max_concurrent_steps=2, epi_n=32),
     MosaicTileConfig(max_concurrent_steps=2, epi_n=16),
     MosaicTileConfig(tile_n=64, max_concurrent_steps=3, epi_n=16),
+    # Shapes with K a multiple of 64 only, or N of 128 only.
+    MosaicTileConfig(tile_m=64, max_concurrent_steps=3, epi_n=16),
+    MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=4, epi_n=16),
 )
 
 

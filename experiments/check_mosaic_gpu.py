@@ -1,0 +1,658 @@
+"""First GPU contact for the Mosaic GPU fused dW + optimizer kernel (pallas_kernels/fused_dw_mosaic.py).
+
+On one H200, from the repository root (about 7 minutes):
+
+    PYTHONPATH=$PWD python -m experiments.check_mosaic_gpu --out $OUT
+
+On a CPU (Mosaic GPU interpreter, tiny shapes, about a minute):
+
+    PYTHONPATH=$PWD python -m experiments.check_mosaic_gpu --smoke --out /tmp/check_mosaic
+
+Four sections, each in its own subprocess with a time limit, so that a
+compile error is recorded and a hang or a CUDA fault in one section (the
+kernel has never run on a GPU before this script) cannot take the others
+down; every section writes its JSON as it goes:
+
+1. ``audit``: for every forge_jax rule, does the kernel lower on this jax
+   with the rule as written (``sqrt`` included) and with the kernel's
+   ``sqrt -> x * rsqrt(x)`` rewrite? (lowering only, no compile).
+2. ``correctness``: a tiny first run; every rule (adam, adamw, nadamw, radam,
+   lion, rmsprop centered+momentum, adagrad, sgd, sgd+momentum) with fp32 and
+   bf16 w/slots at 4096^3; AdamW with fp32, bf16 and fp32-w/bf16-slots on
+   the four (K, N) shapes at T=4096; a stacked [L, K, N] layer with the grad
+   norm; odd shapes, which must get a clean ``supports() == False``. Random
+   w and slots (never zeros), step count 10, against
+   ``fused_dw_update_reference``; relative errors reported.
+3. ``sweep``: tiling configs (block tile, stages, epilogue sub-tile and
+   ring, grid band) timed on AdamW fp32 at 4096x4096x4096 and
+   1024x4096x4096; the fastest config that passed the check on both is
+   reported as ``best`` (and used by the timing section).
+4. ``timing``: for T in {4096, 1024, 16384} (in that order) and (K, N) in
+   {(4096, 4096), (4096, 14336), (14336, 4096), (5120, 17408)}, AdamW, Lion
+   and SGD-momentum: the kernel vs XLA's GEMM alone vs XLA GEMM + optax in one
+   donated jit, measured by ``experiments.bench_fused_dw`` (device-side:
+   warm-up, 30 back-to-back calls blocked once, median of 3).
+
+Each section keeps to a time budget (what is left is recorded as skipped), so
+the whole run stays under about 8 minutes. Writes ``<section>.json`` for each
+section plus ``check_mosaic_gpu.json`` (all merged, with run info) and
+``check_mosaic_gpu.md`` (tables) to ``--out`` (default ``$OUT`` or ``./runs``);
+6 files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import math
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+SECTIONS = ("audit", "correctness", "sweep", "timing")
+# Seconds: (soft budget inside the section, hard limit on its subprocess).
+BUDGETS = {"audit": (25, 60), "correctness": (110, 170), "sweep": (80, 130), "timing": (170, 230)}
+SMOKE_BUDGETS = {"audit": (60, 240), "correctness": (120, 400), "sweep": (60, 300), "timing": (60, 300)}
+TOKENS = (4096, 1024, 16384)
+SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (5120, 17408))
+ODD_SHAPES = ((4096, 4096, 4100), (4000, 4096, 4096), (4096, 4095, 4096), (1000, 1000, 3000))
+# Accepted relative errors (Frobenius). The update of w is compared as
+# (w_new - w) against the reference's; a sign-based rule (Lion) may flip where
+# its argument is within rounding of 0, hence the looser update tolerance.
+UPDATE_TOL = 1e-2
+SLOT_TOL = 1e-4
+BF16_TOL = 2.0**-7  # a bf16 result may be one ulp off (a rounding tie flips)
+
+
+def _rules() -> dict[str, Any]:
+  import forge_jax  # pylint: disable=g-import-not-at-top
+
+  return {
+      "adam": forge_jax.adam(1e-3),
+      "adamw": forge_jax.adamw(1e-3, weight_decay=0.1),
+      "nadamw": forge_jax.nadamw(1e-3, weight_decay=0.1),
+      "radam": forge_jax.radam(1e-3),
+      "lion": forge_jax.lion(1e-4, weight_decay=0.1),
+      "rmsprop_centered_momentum": forge_jax.rmsprop(1e-3, centered=True, momentum=0.9),
+      "adagrad": forge_jax.adagrad(1e-2),
+      "sgd": forge_jax.sgd(1e-2),
+      "sgd_momentum": forge_jax.sgd(1e-2, momentum=0.9),
+  }
+
+
+def _sweep_configs(fm) -> list[Any]:
+  """The tilings the sweep times (invalid ones for a problem are skipped)."""
+  c = fm.MosaicTileConfig
+  return [
+      c(max_concurrent_steps=3, epi_n=16),  # the fp32-AdamW default
+      c(max_concurrent_steps=2, epi_n=32),
+      c(max_concurrent_steps=3, epi_n=16, epi_slots=3),
+      c(max_concurrent_steps=4, epi_n=16, epi_slots=1),
+      c(max_concurrent_steps=3, epi_n=16, grid_tile_width=16),
+      c(max_concurrent_steps=3, epi_n=16, grid_minor_dim="m", grid_tile_width=8),
+      c(tile_n=64, max_concurrent_steps=3, epi_n=32),
+      c(tile_n=64, max_concurrent_steps=4, epi_n=16),
+      c(tile_m=256, tile_n=64, max_concurrent_steps=3, epi_n=16),
+      c(tile_m=64, tile_n=128, max_concurrent_steps=3, epi_n=32),
+      c(tile_n=64, tile_t=128, max_concurrent_steps=2, epi_n=16),
+      c(tile_n=256, max_concurrent_steps=2, epi_n=16, epi_slots=1),
+  ]
+
+
+# ----------------------------------------------------------------------------
+# Inputs and checks.
+# ----------------------------------------------------------------------------
+
+
+def _inputs(t, k, n, rule, w_dtype, slot_dtype, *, seed=0, layers=None):
+  """bf16 x/dy; random w and slots with realistic scales (never zeros)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3 + len(rule.slot_names))
+  x = (jax.random.normal(keys[0], (t, k), jnp.float32) * 0.1).astype(jnp.bfloat16)
+  dy = (jax.random.normal(keys[1], (t, n), jnp.float32) * 0.1).astype(jnp.bfloat16)
+  shape = (k, n) if layers is None else (layers, k, n)
+  w = (0.02 * jax.random.normal(keys[2], shape, jnp.float32)).astype(w_dtype)
+  named = {}
+  for i, name in enumerate(rule.slot_names):
+    r = jax.random.normal(keys[3 + i], shape, jnp.float32)
+    if name == "nu":  # >= mu**2, so centered RMSProp's variance stays positive
+      mu = named.get("mu", jnp.zeros(shape, jnp.float32))
+      named[name] = mu * mu + 1e-4 * jnp.abs(r) + 1e-6
+    elif name == "sum_of_squares":
+      named[name] = 0.1 + jnp.abs(r)
+    else:
+      named[name] = 1e-2 * r
+  slots = tuple(named[name].astype(slot_dtype) for name in rule.slot_names)
+  return x, dy, w, slots
+
+
+def _errors(new_w, new_slots, w, ref_w, ref_slots) -> dict[str, Any]:
+  """Relative errors of the w update and of each slot, and whether they pass.
+
+  A float32 result is compared by relative Frobenius error (of the update
+  ``new_w - w`` for the weight); a bfloat16 one elementwise, to an ulp (its
+  update may be below an ulp, so the update error is reported, not checked).
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  f32 = jnp.float32
+
+  def rel(a, b):
+    a, b = jnp.asarray(a, f32), jnp.asarray(b, f32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+  def max_rel_elem(a, b):
+    a, b = jnp.asarray(a, f32), jnp.asarray(b, f32)
+    return float(jnp.max(jnp.abs(a - b) / jnp.maximum(jnp.abs(b), 1e-30)))
+
+  out: dict[str, Any] = {}
+  w32 = jnp.asarray(w, f32)
+  out["err_update"] = rel(jnp.asarray(new_w, f32) - w32, jnp.asarray(ref_w, f32) - w32)
+  if w.dtype == f32:
+    ok = out["err_update"] <= UPDATE_TOL
+  else:
+    out["err_w_max_rel"] = max_rel_elem(new_w, ref_w)
+    ok = out["err_w_max_rel"] <= BF16_TOL
+  errs = []
+  for a, b in zip(new_slots, ref_slots):
+    if b.dtype == f32:
+      errs.append(rel(a, b))
+      ok = ok and errs[-1] <= SLOT_TOL
+    else:
+      errs.append(max_rel_elem(a, b))
+      ok = ok and errs[-1] <= BF16_TOL
+  out["err_slots"] = errs
+  out["ok"] = bool(ok)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Sections (each runs in a subprocess).
+# ----------------------------------------------------------------------------
+
+
+class _Section:
+  """Rows of one section, written to ``<section>.json`` after every row."""
+
+  def __init__(self, name: str, folder: pathlib.Path, budget_s: float, info: dict):
+    from experiments import _timing  # pylint: disable=g-import-not-at-top
+
+    self.name, self.path, self.budget_s = name, folder / f"{name}.json", budget_s
+    self.start = time.perf_counter()
+    self.payload: dict[str, Any] = {"section": name, "info": info, "rows": [], "skipped": []}
+    self._timing = _timing
+
+  def over_budget(self) -> bool:
+    return time.perf_counter() - self.start > self.budget_s
+
+  def add(self, row: dict) -> None:
+    self.payload["rows"].append(row)
+    self.save()
+
+  def skip(self, what: str) -> None:
+    self.payload["skipped"].append(what)
+    self.save()
+
+  def save(self) -> None:
+    self.payload["elapsed_s"] = round(time.perf_counter() - self.start, 1)
+    self._timing.write_json(self.path, self.payload)
+
+
+def _kernel_call(fm, x, dy, w, slots, rule, *, config=None, layer=None, norm=False, interpret=False):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  fn = jax.jit(functools.partial(
+      fm.fused_dw_update_mosaic, update_fn=rule.update, config=config,
+      compute_grad_sq_norm=norm, interpret=interpret,
+  ))
+  return fn(x, dy, w, slots, rule.scalars(jnp.int32(9)), layer=layer)
+
+
+def section_audit(sec: _Section, smoke: bool, interpret: bool) -> None:
+  """Lowering of every rule with and without the kernel's sqrt rewrite."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
+  platforms = ("cuda",) if interpret else None  # on a CPU: cross-lower for cuda
+  t, k, n = (256, 128, 256) if smoke else (1024, 1024, 1024)
+  for name, opt in _rules().items():
+    if sec.over_budget():
+      sec.skip(f"audit {name}")
+      continue
+    rule = opt.rule
+    x = jax.ShapeDtypeStruct((t, k), jnp.bfloat16)
+    dy = jax.ShapeDtypeStruct((t, n), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((k, n), jnp.float32)
+    slots = tuple(w for _ in rule.slot_names)
+    row: dict[str, Any] = {"rule": name}
+    for label, rewrites in (("as_written", {}), ("rewritten", dict(fm._REWRITES))):
+      saved = dict(fm._REWRITES)
+      fm._REWRITES.clear()
+      fm._REWRITES.update(rewrites)
+      try:
+        fn = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update))
+        traced = fn.trace(x, dy, w, slots, rule.scalars(jnp.int32(0)))
+        traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+        row[label] = "ok"
+      except Exception as e:  # the point of the audit
+        row[label] = _timing.short_error(e, 300)
+      finally:
+        fm._REWRITES.clear()
+        fm._REWRITES.update(saved)
+    sec.add(row)
+    _timing.log(f"  audit {name:<26} as written: {row['as_written'][:60]:<60} rewritten: {row['rewritten'][:40]}")
+
+
+def section_correctness(sec: _Section, smoke: bool, interpret: bool) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.fused_dw import fused_dw_update_reference  # pylint: disable=g-import-not-at-top
+
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  rules = _rules()
+  small = fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=16, num_sms=1)
+  cfg = small if smoke else None
+  big = (128, 128, 256) if smoke else (4096, 4096, 4096)
+  # (label, rule, (t, k, n), w dtype, slot dtype, layers, grad norm); most
+  # informative first, since the time budget may cut the list short.
+  cases: list[tuple[str, str, tuple, Any, Any, Optional[int], bool]] = [
+      ("first_run", "adamw", (128, 128, 256) if smoke else (512, 256, 512), f32, f32, None, False),
+      ("norm", "lion", big, f32, f32, None, True),
+      ("stacked_norm", "adamw", (64, 64, 128) if smoke else (2048, 4096, 4096), bf16, bf16, 3, True),
+  ]
+  if smoke:
+    cases += [("rule", "sgd_momentum", big, f32, bf16, None, False)]
+  else:
+    cases += [("rule", name, big, f32, f32, None, False) for name in rules]
+    cases += [("shape", "adamw", (4096, k, n), f32, f32, None, False) for k, n in SHAPES_KN]
+    cases += [("rule", name, big, bf16, bf16, None, False) for name in rules]
+    cases += [("shape", "adamw", (4096, k, n), bf16, bf16, None, False) for k, n in SHAPES_KN]
+    cases += [("shape", "adamw", (4096, k, n), f32, bf16, None, False) for k, n in SHAPES_KN]
+
+  for label, name, (t, k, n), w_dt, s_dt, layers, norm in cases:
+    row: dict[str, Any] = {
+        "case": label, "rule": name, "shape": f"{t}x{k}x{n}", "w_dtype": jnp.dtype(w_dt).name,
+        "slot_dtype": jnp.dtype(s_dt).name, "layers": layers, "grad_norm": norm,
+    }
+    if sec.over_budget():
+      sec.skip(f"{label} {name} {row['shape']} {row['w_dtype']}/{row['slot_dtype']}")
+      continue
+    rule = rules[name].rule
+    try:
+      x, dy, w, slots = _inputs(t, k, n, rule, w_dt, s_dt, layers=layers)
+      layer = None if layers is None else jnp.int32(layers - 2)
+      ok, why = fm.supports(x, dy, w, slots, cfg, compute_grad_sq_norm=norm) if cfg else (True, "")
+      if not ok:
+        raise ValueError(why)
+      start = time.perf_counter()
+      new_w, new_slots, g2 = _kernel_call(
+          fm, x, dy, w, slots, rule, config=cfg, layer=layer, norm=norm, interpret=interpret
+      )
+      jax.block_until_ready((new_w, new_slots))
+      row["first_call_s"] = round(time.perf_counter() - start, 2)
+      ref_w, ref_slots, ref_g2 = fused_dw_update_reference(
+          x, dy, w, slots, rule.scalars(jnp.int32(9)), rule.update, layer=layer,
+          compute_grad_sq_norm=norm,
+      )
+      if layers is not None:  # the other layers must be untouched
+        others = [i for i in range(layers) if i != layers - 2]
+        row["other_layers_untouched"] = bool(
+            jnp.array_equal(new_w[jnp.array(others)], w[jnp.array(others)])
+        )
+        new_w, ref_w, w0 = new_w[layers - 2], ref_w[layers - 2], w[layers - 2]
+        new_slots = tuple(s[layers - 2] for s in new_slots)
+        ref_slots = tuple(s[layers - 2] for s in ref_slots)
+      else:
+        w0 = w
+      row.update(_errors(new_w, new_slots, w0, ref_w, ref_slots))
+      if norm:
+        row["err_norm"] = abs(float(g2) - float(ref_g2)) / max(abs(float(ref_g2)), 1e-30)
+        row["ok"] = row["ok"] and row["err_norm"] <= 1e-4
+      if layers is not None:
+        row["ok"] = row["ok"] and row["other_layers_untouched"]
+      row["status"] = "ok" if row["ok"] else "check_failed"
+    except Exception as e:  # record and go on
+      row.update(status="error", error=_timing.short_error(e))
+    sec.add(row)
+    _timing.log(f"  {label:<12} {name:<26} {row['shape']:>16} {row['w_dtype']}/{row['slot_dtype']}: "
+                f"{row['status']} {_err_text(row)}")
+    gc.collect()
+
+  for t, k, n in ODD_SHAPES:
+    rule = rules["adamw"].rule
+    x = jax.ShapeDtypeStruct((t, k), bf16)
+    dy = jax.ShapeDtypeStruct((t, n), bf16)
+    w = jax.ShapeDtypeStruct((k, n), f32)
+    ok, why = fm.supports(x, dy, w, (w, w))
+    row = {"case": "odd_shape", "rule": "adamw", "shape": f"{t}x{k}x{n}", "supports": ok, "reason": why,
+           "status": "ok" if not ok and why else "unexpected_support"}
+    sec.add(row)
+    _timing.log(f"  odd_shape    {row['shape']:>16}: supports={ok} ({why})")
+
+
+def _err_text(row: dict) -> str:
+  parts = []
+  for key in ("err_update", "err_w_max_rel", "err_norm"):
+    if key in row:
+      parts.append(f"{key}={row[key]:.2e}")
+  if row.get("err_slots"):
+    parts.append("err_slots=" + ",".join(f"{e:.2e}" for e in row["err_slots"]))
+  if "error" in row:
+    parts.append(row["error"][:200])
+  return " ".join(parts)
+
+
+def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
+  import dataclasses as dc  # pylint: disable=g-import-not-at-top
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
+  from experiments import bench_fused_dw as bench  # pylint: disable=g-import-not-at-top
+
+  problems = [(64, 64, 128)] if smoke else [(4096, 4096, 4096), (1024, 4096, 4096)]
+  configs = _sweep_configs(fm)
+  if smoke:  # one valid config, one the kernel rejects (recorded, not run)
+    configs = [
+        fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=1, epi_n=32, epi_slots=1, num_sms=1),
+        fm.MosaicTileConfig(tile_m=96),
+    ]
+  timing = dict(warmup=1, iters=2, repeats=1) if smoke else dict(warmup=3, iters=30, repeats=3)
+  ms_by_config: dict[int, list[float]] = {}
+  for (t, k, n) in problems:
+    x, dy, w0 = bench.make_inputs(t, k, n)
+    p = bench.make_problem(x, dy, w0, "adamw", interpret)
+    reference = bench.reference_step(p)
+    for idx, cfg in enumerate(configs):
+      label = f"{p.name} config {idx}"
+      if sec.over_budget():
+        sec.skip(label)
+        continue
+      ok, why = fm.supports(x, dy, w0, p.rule.init_slots(w0), cfg)
+      if not ok:
+        sec.add({"problem": p.name, "config_index": idx, "config": dc.asdict(cfg), "status": "unsupported",
+                 "error": why})
+        continue
+      builder = bench.fused_builder(functools.partial(fm.fused_dw_update_mosaic, config=cfg))
+      row = bench.measure("mosaic", builder, p, reference, timing)
+      row.update(problem=p.name, config_index=idx, config=dc.asdict(cfg))
+      sec.add(row)
+      if row["status"] == "ok":
+        ms_by_config.setdefault(idx, []).append(row["ms"])
+      _timing.log(f"  sweep {p.name:>16} cfg {idx:>2} {_cfg_text(cfg):<44} {bench._cell(row)}")
+      gc.collect()
+    del reference, p, x, dy, w0
+    gc.collect()
+  complete = {i: v for i, v in ms_by_config.items() if len(v) == len(problems)}
+  if complete:
+    best = min(complete, key=lambda i: statistics.geometric_mean(complete[i]))
+    sec.payload["best"] = {"config_index": best, "config": dc.asdict(configs[best]),
+                           "geomean_ms": statistics.geometric_mean(complete[best])}
+    sec.payload["ranking"] = sorted(
+        ({"config_index": i, "geomean_ms": statistics.geometric_mean(v), "config": _cfg_text(configs[i])}
+         for i, v in complete.items()), key=lambda r: r["geomean_ms"])
+    sec.save()
+
+
+def _cfg_text(cfg) -> str:
+  return (f"{cfg.tile_m}x2*{cfg.tile_n}x{cfg.tile_t} st{cfg.max_concurrent_steps} "
+          f"epi{cfg.epi_m}x{cfg.epi_n}/{cfg.epi_slots} {cfg.grid_minor_dim}{cfg.grid_tile_width}")
+
+
+def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional[dict], kernel: bool) -> None:
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
+  from experiments import bench_fused_dw as bench  # pylint: disable=g-import-not-at-top
+
+  cfg = fm.MosaicTileConfig(**config) if config else None
+  if smoke:
+    cfg = fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=1, epi_n=32, epi_slots=1, num_sms=1)
+
+  def mosaic(x, dy, w, slots, scalars, update_fn, *, interpret=False):
+    use = cfg
+    if use is None or not fm.supports(x, dy, w, slots, use)[0]:
+      use = None  # the kernel's own default for these operands
+    return fm.fused_dw_update_mosaic(x, dy, w, slots, scalars, update_fn, config=use, interpret=interpret)
+
+  bench.IMPLEMENTATIONS["mosaic"] = bench.fused_builder(mosaic)
+  impls = ["xla_gemm", "xla_gemm_optax", "mosaic"]
+  sec.payload["impls"] = impls
+  sec.payload["mosaic_config"] = config
+  timing = dict(warmup=1, iters=2, repeats=1) if smoke else dict(warmup=3, iters=30, repeats=3)
+  sec.payload["timing"] = timing
+  tokens = (64,) if smoke else TOKENS
+  shapes = ((64, 128),) if smoke else SHAPES_KN
+  optimizers = ["adamw"] if smoke else list(bench.OPTIMIZERS)
+  if not kernel:
+    impls.remove("mosaic")
+  for t in tokens:
+    for k, n in shapes:
+      if sec.over_budget():
+        sec.skip(f"{t}x{k}x{n}")
+        continue
+      try:
+        rows = bench.bench_shape(t, k, n, optimizers, impls, interpret=interpret, timing=timing)
+      except Exception as e:  # e.g. out of memory making the inputs
+        rows = [{"impl": "-", "optimizer": "-", "shape": f"{t}x{k}x{n}", "status": "error",
+                 "floor_ms": float("nan"), "error": _timing.short_error(e)}]
+      for row in rows:
+        sec.payload["rows"].append(row)
+      sec.save()
+      gc.collect()
+
+
+def run_section(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict], kernel: bool) -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+
+  interpret = smoke or jax.default_backend() == "cpu"
+  budget = (SMOKE_BUDGETS if smoke else BUDGETS)[name][0]
+  info = _timing.run_info("experiments.check_mosaic_gpu", sys.argv[1:])
+  info.update(interpret=interpret, budget_s=budget)
+  info["sm_count"] = getattr(jax.devices()[0], "core_count", None)
+  sec = _Section(name, folder, budget, info)
+  sec.save()
+  _timing.log(f"[{name}] on {info['device']} (jax {info['jax']}), interpret={interpret}, budget {budget}s")
+  if name == "audit":
+    section_audit(sec, smoke, interpret)
+  elif name == "correctness":
+    section_correctness(sec, smoke, interpret)
+  elif name == "sweep" and kernel:
+    section_sweep(sec, smoke, interpret)
+  elif name == "sweep":
+    sec.skip("the kernel did not return from its first run (hang?): no sweep")
+  elif name == "timing":
+    section_timing(sec, smoke, interpret, config, kernel)
+  sec.payload["done"] = True
+  sec.save()
+  return 0
+
+
+# ----------------------------------------------------------------------------
+# The parent: runs the sections, merges, reports.
+# ----------------------------------------------------------------------------
+
+
+def _read(path: pathlib.Path) -> Optional[dict]:
+  try:
+    return json.loads(path.read_text())
+  except Exception:  # missing or cut short
+    return None
+
+
+def _spawn(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict], kernel: bool) -> dict:
+  limit = (SMOKE_BUDGETS if smoke else BUDGETS)[name][1]
+  cmd = [sys.executable, "-m", "experiments.check_mosaic_gpu", "--section", name, "--out", str(folder)]
+  if smoke:
+    cmd.append("--smoke")
+  if config:
+    cmd += ["--config-json", json.dumps(config)]
+  if not kernel:
+    cmd.append("--no-kernel")
+  start = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, timeout=limit, capture_output=True, text=True)
+    rc, out, err = proc.returncode, proc.stdout, proc.stderr
+  except subprocess.TimeoutExpired as e:
+    rc = "timeout"
+    out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+  sys.stdout.write(out)
+  sys.stdout.flush()
+  return {"section": name, "rc": rc, "elapsed_s": round(time.perf_counter() - start, 1),
+          "limit_s": limit, "stderr_tail": err[-3000:] if rc != 0 else err[-500:]}
+
+
+def _markdown(info: dict, runs: list[dict], parts: dict[str, Optional[dict]]) -> str:
+  from experiments import bench_fused_dw as bench  # pylint: disable=g-import-not-at-top
+
+  out = [
+      "# Mosaic GPU fused dW + optimizer kernel: first GPU check", "",
+      f"`{info.get('command', '')}`; {info.get('date', '')}; {info.get('device', '')}; "
+      f"jax {info.get('jax', '')}, jaxlib {info.get('jaxlib', '')}; interpret={info.get('interpret')}.", "",
+      "| section | exit | seconds | rows | skipped |", "|---|---|---|---|---|",
+  ]
+  for run in runs:
+    part = parts.get(run["section"]) or {}
+    out.append(f"| {run['section']} | {run['rc']} | {run['elapsed_s']} | {len(part.get('rows', []))} "
+               f"| {len(part.get('skipped', []))} |")
+  audit = parts.get("audit")
+  if audit and audit.get("rows"):
+    out += ["", "## Lowering of each rule (kernel lowered on this jax)", "",
+            "| rule | as written | with sqrt -> x*rsqrt(x) |", "|---|---|---|"]
+    for r in audit["rows"]:
+      out.append(f"| {r['rule']} | {r['as_written'][:120]} | {r['rewritten'][:80]} |")
+  corr = parts.get("correctness")
+  if corr and corr.get("rows"):
+    out += ["", "## Correctness against fused_dw_update_reference", "",
+            f"Tolerances: fp32 update {UPDATE_TOL:g} and slots {SLOT_TOL:g} (relative Frobenius); bf16 "
+            f"elementwise {BF16_TOL:g}.", "",
+            "| case | rule | T x K x N | w / slots | status | first call s | errors |", "|---|---|---|---|---|---|---|"]
+    for r in corr["rows"]:
+      if r["case"] == "odd_shape":
+        out.append(f"| odd shape | {r['rule']} | {r['shape']} | - | {r['status']} | - | {r['reason'][:100]} |")
+      else:
+        out.append(f"| {r['case']} | {r['rule']} | {r['shape']} | {r['w_dtype']} / {r['slot_dtype']} | "
+                   f"{r['status']} | {r.get('first_call_s', '-')} | {_err_text(r)[:160]} |")
+  sweep = parts.get("sweep")
+  if sweep and sweep.get("rows"):
+    out += ["", "## Tiling sweep (AdamW, fp32 w/slots)", "",
+            "| problem | config | status | ms | TF/s |", "|---|---|---|---|---|"]
+    for r in sweep["rows"]:
+      cfg = r.get("config", {})
+      text = (f"{cfg.get('tile_m')}x2*{cfg.get('tile_n')}x{cfg.get('tile_t')} st{cfg.get('max_concurrent_steps')} "
+              f"epi{cfg.get('epi_m')}x{cfg.get('epi_n')}/{cfg.get('epi_slots')} "
+              f"{cfg.get('grid_minor_dim')}{cfg.get('grid_tile_width')}")
+      ms = f"{r['ms']:.3f}" if "ms" in r else "-"
+      tf = f"{r['tflops']:.0f}" if "tflops" in r else "-"
+      status = r["status"] + (f": {r['error'][:100]}" if "error" in r else "")
+      out.append(f"| {r['problem']} | {r['config_index']}: {text} | {status} | {ms} | {tf} |")
+    if "best" in sweep:
+      out += ["", f"Best (geometric mean over the problems): config {sweep['best']['config_index']} "
+              f"`{sweep['best']['config']}`."]
+  timing = parts.get("timing")
+  if timing and timing.get("rows"):
+    tinfo = dict(timing.get("info", {}), timing=timing.get("timing", {"iters": "?", "repeats": "?"}))
+    tinfo.setdefault("triton", None)
+    out += ["", "## Timing", "", f"Mosaic config: {timing.get('mosaic_config') or 'default_config per operands'}.", ""]
+    table = bench.markdown(tinfo, timing["rows"], timing.get("impls", []))
+    out.append(table.replace("# Fused dW + optimizer update vs XLA\n", "", 1))
+  for name, part in parts.items():
+    if part and part.get("skipped"):
+      out += ["", f"Skipped in {name} (time budget): " + "; ".join(part["skipped"])]
+  return "\n".join(out) + "\n"
+
+
+def _summary(parts: dict[str, Optional[dict]]) -> str:
+  lines = []
+  corr = parts.get("correctness") or {}
+  rows = [r for r in corr.get("rows", []) if r.get("case") != "odd_shape"]
+  if rows:
+    bad = [f"{r['rule']} {r['shape']} {r['w_dtype']}/{r['slot_dtype']}: {r['status']}" for r in rows
+           if r["status"] != "ok"]
+    lines.append(f"correctness: {len(rows) - len(bad)}/{len(rows)} ok" + (f"; not ok: {bad[:6]}" if bad else ""))
+  audit = parts.get("audit") or {}
+  if audit.get("rows"):
+    raw_fail = [r["rule"] for r in audit["rows"] if r["as_written"] != "ok"]
+    rw_fail = [r["rule"] for r in audit["rows"] if r["rewritten"] != "ok"]
+    lines.append(f"audit: fail as written {raw_fail}; fail rewritten {rw_fail}")
+  sweep = parts.get("sweep") or {}
+  if "best" in sweep:
+    lines.append(f"sweep best: {sweep['best']['config']} ({sweep['best']['geomean_ms']:.3f} ms geomean)")
+  timing = parts.get("timing") or {}
+  by = {}
+  for r in timing.get("rows", []):
+    if "ms" in r:
+      by.setdefault((r["shape"], r["optimizer"]), {})[r["impl"]] = r["ms"]
+  ratios = [v["xla_gemm_optax"] / v["mosaic"] for v in by.values() if "mosaic" in v and "xla_gemm_optax" in v]
+  if ratios:
+    lines.append(f"timing: mosaic vs xla_gemm_optax speedup min {min(ratios):.2f}x, "
+                 f"geomean {statistics.geometric_mean(ratios):.2f}x, max {max(ratios):.2f}x over {len(ratios)} rows")
+  return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
+  parser.add_argument("--smoke", action="store_true", help="CPU: interpreter, tiny shapes")
+  parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+  parser.add_argument("--section", default=None, choices=SECTIONS, help=argparse.SUPPRESS)
+  parser.add_argument("--no-kernel", action="store_true",
+                      help="skip the kernel in sweep/timing (set by the parent after a hang)")
+  parser.add_argument("--config-json", default=None,
+                      help="MosaicTileConfig fields for the timing section (default: the sweep's best)")
+  args = parser.parse_args(argv)
+  from experiments import _timing  # pylint: disable=g-import-not-at-top  (no jax backend touched)
+
+  folder = _timing.out_dir(args.out)
+  config = json.loads(args.config_json) if args.config_json else None
+  if args.section:  # a child
+    return run_section(args.section, folder, args.smoke, config, not args.no_kernel)
+
+  start = time.perf_counter()
+  runs = []
+  kernel = True
+  for name in args.sections:
+    if name == "timing" and config is None:
+      sweep = _read(folder / "sweep.json") if "sweep" in args.sections else None
+      config = (sweep or {}).get("best", {}).get("config")
+    _timing.log(f"== {name} ==")
+    runs.append(_spawn(name, folder, args.smoke, config if name == "timing" else None, kernel))
+    if name == "correctness":
+      # A kernel that never came back from its first call (a hang) would eat
+      # every later section's time limit: leave it out of sweep and timing.
+      rows = (_read(folder / "correctness.json") or {}).get("rows", [])
+      kernel = any(r.get("case") == "first_run" for r in rows)
+    if runs[-1]["rc"] != 0:
+      _timing.log(f"   section {name} ended with {runs[-1]['rc']}; stderr tail:\n{runs[-1]['stderr_tail'][-1500:]}")
+  parts = {name: _read(folder / f"{name}.json") for name in args.sections}
+  info = next((p["info"] for p in parts.values() if p and "info" in p), {})
+  info["command"] = " ".join(["python -m experiments.check_mosaic_gpu", *argv])
+  merged = {"info": info, "runs": runs, "sections": parts, "elapsed_s": round(time.perf_counter() - start, 1)}
+  summary = _summary(parts)
+  merged["summary"] = summary
+  _timing.write_json(folder / "check_mosaic_gpu.json", merged)
+  (folder / "check_mosaic_gpu.md").write_text(_markdown(info, runs, parts) + "\n" + summary + "\n")
+  _timing.log("\n== summary ==\n" + summary)
+  _timing.log(f"wrote {folder / 'check_mosaic_gpu.json'} and {folder / 'check_mosaic_gpu.md'} "
+              f"({merged['elapsed_s']} s)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
