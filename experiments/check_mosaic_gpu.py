@@ -92,6 +92,8 @@ def _sweep_configs(fm) -> list[Any]:
   c = fm.MosaicTileConfig
   return [
       c(max_concurrent_steps=3, epi_n=16),  # the fp32-AdamW default
+      c(max_concurrent_steps=3, epi_n=16, l2_prefetch_steps=0),
+      c(max_concurrent_steps=3, epi_n=16, l2_prefetch_steps=32),
       c(max_concurrent_steps=2, epi_n=32),
       c(max_concurrent_steps=3, epi_n=16, epi_slots=3),
       c(max_concurrent_steps=4, epi_n=16, epi_slots=1),
@@ -371,17 +373,21 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
         fm.MosaicTileConfig(tile_m=96),
     ]
   timing = dict(warmup=1, iters=2, repeats=1) if smoke else dict(warmup=3, iters=30, repeats=3)
-  ms_by_config: dict[int, list[float]] = {}
+  # Every config on every problem before the next config: a budget cut then
+  # leaves whole configs unmeasured rather than a problem with no configs.
+  setups = []
   for (t, k, n) in problems:
     x, dy, w0 = bench.make_inputs(t, k, n)
     p = bench.make_problem(x, dy, w0, "adamw", interpret)
-    reference = bench.reference_step(p)
-    for idx, cfg in enumerate(configs):
+    setups.append((p, bench.reference_step(p)))
+  ms_by_config: dict[int, list[float]] = {}
+  for idx, cfg in enumerate(configs):
+    for p, reference in setups:
       label = f"{p.name} config {idx}"
       if sec.over_budget():
         sec.skip(label)
         continue
-      ok, why = fm.supports(x, dy, w0, p.rule.init_slots(w0), cfg)
+      ok, why = fm.supports(p.x, p.dy, p.w0, p.rule.init_slots(p.w0), cfg)
       if not ok:
         sec.add({"problem": p.name, "config_index": idx, "config": dc.asdict(cfg), "status": "unsupported",
                  "error": why})
@@ -392,10 +398,10 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
       sec.add(row)
       if row["status"] == "ok":
         ms_by_config.setdefault(idx, []).append(row["ms"])
-      _timing.log(f"  sweep {p.name:>16} cfg {idx:>2} {_cfg_text(cfg):<44} {bench._cell(row)}")
+      _timing.log(f"  sweep {p.name:>16} cfg {idx:>2} {_cfg_text(cfg):<52} {bench._cell(row)}")
       gc.collect()
-    del reference, p, x, dy, w0
-    gc.collect()
+  del setups
+  gc.collect()
   complete = {i: v for i, v in ms_by_config.items() if len(v) == len(problems)}
   if complete:
     best = min(complete, key=lambda i: statistics.geometric_mean(complete[i]))
@@ -409,7 +415,8 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
 
 def _cfg_text(cfg) -> str:
   return (f"{cfg.tile_m}x2*{cfg.tile_n}x{cfg.tile_t} st{cfg.max_concurrent_steps} "
-          f"epi{cfg.epi_m}x{cfg.epi_n}/{cfg.epi_slots} {cfg.grid_minor_dim}{cfg.grid_tile_width}")
+          f"epi{cfg.epi_m}x{cfg.epi_n}/{cfg.epi_slots} {cfg.grid_minor_dim}{cfg.grid_tile_width} "
+          f"l2pf{cfg.l2_prefetch_steps}")
 
 
 def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional[dict], kernel: bool) -> None:
@@ -556,7 +563,7 @@ def _markdown(info: dict, runs: list[dict], parts: dict[str, Optional[dict]]) ->
       cfg = r.get("config", {})
       text = (f"{cfg.get('tile_m')}x2*{cfg.get('tile_n')}x{cfg.get('tile_t')} st{cfg.get('max_concurrent_steps')} "
               f"epi{cfg.get('epi_m')}x{cfg.get('epi_n')}/{cfg.get('epi_slots')} "
-              f"{cfg.get('grid_minor_dim')}{cfg.get('grid_tile_width')}")
+              f"{cfg.get('grid_minor_dim')}{cfg.get('grid_tile_width')} l2pf{cfg.get('l2_prefetch_steps')}")
       ms = f"{r['ms']:.3f}" if "ms" in r else "-"
       tf = f"{r['tflops']:.0f}" if "tflops" in r else "-"
       status = r["status"] + (f": {r['error'][:100]}" if "error" in r else "")

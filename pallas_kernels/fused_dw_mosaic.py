@@ -99,6 +99,11 @@ class MosaicTileConfig:
       locality of the ``x``/``dy`` blocks).
     grid_tile_width: width of that band of tiles.
     memory_registers: registers per thread of the memory warpgroup.
+    l2_prefetch_steps: this many pipeline steps before a tile's main loop
+      ends, each compute warpgroup asks TMA to prefetch its whole ``W``/slot
+      tile into L2, so that the epilogue's loads beyond the prefetched ring
+      hit L2 rather than device memory (0: off). Early enough for the data to
+      arrive, late enough that the ``x``/``dy`` stream does not evict it.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -112,6 +117,7 @@ class MosaicTileConfig:
   grid_minor_dim: str = "n"
   grid_tile_width: int = 8
   memory_registers: int = 40
+  l2_prefetch_steps: int = 16
   num_sms: Optional[int] = None
 
 
@@ -163,6 +169,8 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
     return f"grid_minor_dim={cfg.grid_minor_dim!r} must be 'm' or 'n'"
   if cfg.grid_tile_width < 1:
     return f"grid_tile_width={cfg.grid_tile_width} must be >= 1"
+  if cfg.l2_prefetch_steps < 0:
+    return f"l2_prefetch_steps={cfg.l2_prefetch_steps} must be >= 0"
   return None
 
 
@@ -341,7 +349,7 @@ class _Plan:
   stages: int
   num_sms: int
   with_norm: bool
-  transpose_in_registers: bool
+  interpreting: bool  # under the CPU interpreter (see mma_body)
 
   @property
   def m_iters(self) -> int:
@@ -436,6 +444,10 @@ def _fused_kernel(
     )
 
   epi_shape = (_NUM_COMPUTE_WGS, num_epi, cfg.epi_m, cfg.epi_n)
+  # The interpreter has no L2 (and no rule for the prefetch); it is a hint.
+  prefetch_step = None
+  if cfg.l2_prefetch_steps and not plan.interpreting:
+    prefetch_step = max(0, plan.t_iters - cfg.l2_prefetch_steps)
   ignore = lambda *_, **__: None  # allocations do not depend on the bodies
 
   @functools.partial(
@@ -453,7 +465,7 @@ def _fused_kernel(
       ),
       xt_smem=(
           plgpu.SMEM((_NUM_COMPUTE_WGS, tile_m, tile_t), in_dtype, transforms=in_transforms)
-          if plan.transpose_in_registers else None
+          if plan.interpreting else None
       ),
       collective_axes="wg",
   )
@@ -467,11 +479,12 @@ def _fused_kernel(
           lin_idx, plan.m_iters, plan.n_iters, cfg.grid_minor_dim, cfg.grid_tile_width
       )
 
-      def compute_context(eval_pipeline):
-        # Stacked weights are flattened to [L*K, N]: the layer is a row offset.
-        row0 = layer_gmem[0] * plan.k + m_idx * tile_m
-        col0 = n_idx * block_n + wg_idx * tile_n
+      # This warpgroup's W tile. Stacked weights are flattened to [L*K, N]:
+      # the layer is a row offset.
+      row0 = layer_gmem[0] * plan.k + m_idx * tile_m
+      col0 = n_idx * block_n + wg_idx * tile_n
 
+      def compute_context(eval_pipeline):
         def sub_window(j):
           r, c = plan.sub_tiles[j]
           return (pl.ds(row0 + r, cfg.epi_m), pl.ds(col0 + c, cfg.epi_n))
@@ -534,9 +547,16 @@ def _fused_kernel(
                 norm_smem.at[wg_idx], norm_gmem.at[block, pl.ds(m_idx * tile_m, tile_m)]
             )
 
-      def mma_body(_, x_smem, dy_smem, acc_ref):
+      def mma_body(idxs, x_smem, dy_smem, acc_ref):
+        if prefetch_step is not None:
+          @pl.when(idxs[0] == prefetch_step)
+          def _prefetch_epilogue_operands():
+            tile = (pl.ds(row0, tile_m), pl.ds(col0, tile_n))
+            for src in (w_gmem, *slot_gmems):
+              plgpu.async_prefetch(src.at[tile])
+
         dy_wg = dy_smem.at[:, pl.ds(wg_idx * tile_n, tile_n)]
-        if plan.transpose_in_registers:
+        if plan.interpreting:
           # CPU interpreter only: it cannot read a transposed wgmma operand.
           xt_smem.at[wg_idx][...] = x_smem[...].T
           plgpu.commit_smem()
@@ -679,7 +699,7 @@ def fused_dw_update_mosaic(
       cfg=cfg, t=t, k=k, n=n, num_slots=len(slots), num_scalars=len(leaves),
       stages=max(1, min(cfg.max_concurrent_steps, t // cfg.tile_t)),
       num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
-      transpose_in_registers=_interpret_params(interpret) is not None,
+      interpreting=_interpret_params(interpret) is not None,
   )
   rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars)
   # The kernel addresses one 2-D [L*K, N] array; the layer is a row offset.
