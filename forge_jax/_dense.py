@@ -26,6 +26,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
+from flax import struct
+from flax.core import meta as flax_meta
 import jax.numpy as jnp
 import numpy as np
 from flax.linen import dtypes as flax_dtypes
@@ -49,6 +51,31 @@ class KernelState(NamedTuple):
 
   opt: Any
   grad_sq_norm: jax.Array
+
+
+class StackSlice(struct.PyTreeNode, flax_meta.AxisMetadata):
+  """Layer ``layer`` of a stacked variable, handed to a block by ScannedStack.
+
+  Reading it as a normal variable (``unbox``) gives the slice. A FORGE Dense
+  that finds one updates the layer *inside the stacked buffer* (the kernel
+  takes the stack and the layer index), so a scanned stack is updated in
+  place without slicing copies.
+  """
+
+  stack: Any
+  layer: jax.Array
+
+  def unbox(self):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False), self.stack)
+
+  def replace_boxed(self, val):
+    raise NotImplementedError("a StackSlice is read-only")
+
+  def add_axis(self, index, params):
+    return self
+
+  def remove_axis(self, index, params):
+    return self
 
 
 def init_kernel_state(optimizer, kernel) -> KernelState:
@@ -77,6 +104,20 @@ def fused_backward():
     _FUSED_BACKWARD.reset(token)
 
 
+def _check_fused_backward_allowed():
+  if not _FUSED_BACKWARD.get():
+    raise ValueError(
+        "the backward pass of a forge_jax.Dense was traced outside "
+        "forge_jax.train_step. It updates the weight in place and returns the new "
+        "weight where a gradient is expected, so plain jax.grad, gradient "
+        "accumulation over micro-batches or a data-parallel all-reduce of its "
+        "cotangents would be silently wrong. Train with forge_jax.train_step, use "
+        "flax.linen.Dense where you need true gradients, or open "
+        "forge_jax.fused_backward() in a custom step that overwrites each FORGE "
+        "kernel with its cotangent exactly once."
+    )
+
+
 def _float0_like(x):
   return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
@@ -98,17 +139,7 @@ def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, x, ke
 
 
 def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, res, dy):
-  if not _FUSED_BACKWARD.get():
-    raise ValueError(
-        "the backward pass of a forge_jax.Dense was traced outside "
-        "forge_jax.train_step. It updates the weight in place and returns the new "
-        "weight where a gradient is expected, so plain jax.grad, gradient "
-        "accumulation over micro-batches or a data-parallel all-reduce of its "
-        "cotangents would be silently wrong. Train with forge_jax.train_step, use "
-        "flax.linen.Dense where you need true gradients, or open "
-        "forge_jax.fused_backward() in a custom step that overwrites each FORGE "
-        "kernel with its cotangent exactly once."
-    )
+  _check_fused_backward_allowed()
   x, kernel, kstate = res
   dx = jax.lax.dot_general(
       dy, kernel.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
@@ -125,6 +156,40 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, res, 
 
 
 forge_matmul.defvjp(_forge_matmul_fwd, _forge_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def forge_matmul_stacked(optimizer, dtype, precision, backend, decay, config, x,
+                         kernels, kstates, layer):
+  """``x @ kernels[layer]`` whose VJP updates layer ``layer`` of the stacks in place."""
+  del optimizer, backend, decay, config, kstates
+  return _dot(x, jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False).astype(dtype), precision)
+
+
+def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, x,
+                              kernels, kstates, layer):
+  w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
+  return _dot(x, w.astype(dtype), precision), (x, kernels, kstates, layer)
+
+
+def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, config, res, dy):
+  _check_fused_backward_allowed()
+  x, kernels, kstates, layer = res
+  w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
+  dx = jax.lax.dot_general(
+      dy, w.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
+  )
+  new_kernels, new_opt, sq = _fused.fused_linear_update(
+      x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
+      decay=decay, config=config, return_grad_sq_norm=True,
+  )
+  new_opt = new_opt._replace(count=_float0_like(new_opt.count))
+  sq = jax.lax.dynamic_update_index_in_dim(
+      jnp.zeros_like(kstates.grad_sq_norm), sq, layer, 0)
+  return dx.astype(x.dtype), new_kernels, KernelState(new_opt, sq), _float0_like(layer)
+
+
+forge_matmul_stacked.defvjp(_forge_matmul_stacked_fwd, _forge_matmul_stacked_bwd)
 
 
 class Dense(nn.Module):
@@ -178,10 +243,13 @@ class Dense(nn.Module):
       kstate = self.variable(
           FORGE_STATE, "kernel", init_kernel_state, self.optimizer, kernel
       ).value
-      y = forge_matmul(
-          self.optimizer, dtype, self.precision, self.backend, self.decay,
-          self.tile_config, inputs, kernel, kstate,
-      )
+      static = (self.optimizer, dtype, self.precision, self.backend, self.decay, self.tile_config)
+      raw_kernel = self.scope.get_variable("params", "kernel")
+      raw_state = self.scope.get_variable(FORGE_STATE, "kernel")
+      if isinstance(raw_kernel, StackSlice) and isinstance(raw_state, StackSlice):
+        y = forge_matmul_stacked(*static, inputs, raw_kernel.stack, raw_state.stack, raw_kernel.layer)
+      else:
+        y = forge_matmul(*static, inputs, kernel, kstate)
     else:  # no optimizer state given: evaluation, an ordinary Dense
       y = _dot(inputs, kernel.astype(dtype), self.precision)
     if bias is not None:

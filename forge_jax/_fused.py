@@ -120,7 +120,8 @@ def fused_linear_update(
     dy: the cotangent of the layer output, [..., N].
     w: the weight [K, N] (float32 or bfloat16), or stacked weights [L, K, N]
       with ``layer`` selecting the one to update.
-    state: ``optimizer.init(w)``: ``count`` plus slots shaped like ``w``.
+    state: ``optimizer.init(w)``: ``count`` plus slots shaped like ``w``. With
+      stacked weights ``count`` may also be one count per layer ([L]).
     optimizer: a forge_jax optimizer (``forge_jax.adamw(...)``, ...).
     backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
     layer: int32 scalar index into stacked ``w`` and slots. The returned
@@ -144,7 +145,10 @@ def fused_linear_update(
   _check_inputs(x, dy, w, state, rule, layer)
   x2 = x.reshape(-1, x.shape[-1])
   dy2 = dy.reshape(-1, dy.shape[-1])
-  scalars = rule.scalars(state.count)
+  count = state.count
+  if layer is not None and jnp.ndim(count) == 1:  # a stack of per-layer counts
+    count = jax.lax.dynamic_index_in_dim(count, layer, keepdims=False)
+  scalars = rule.scalars(count)
   if after is not None:
     scalars = _order_after(scalars, after)
   update_fn = functools.partial(rule.update, decay=decay)

@@ -13,12 +13,12 @@ cotangent would hold two copies of the stacked weights and states
   ``nn.remat(block, policy=nothing_saveable)``);
 * backward: a ``fori_loop`` from the last layer to the first that carries the
   stacked FORGE kernels and their optimizer states. For layer ``l`` it
-  recomputes the block from its saved input, runs the block's VJP (inside
-  which every ``forge_jax.Dense`` applies its fused update), and writes the
-  new kernel and state back into the carried stacks with
-  ``dynamic_update_index_in_dim``, which XLA performs in place. The gradients
-  of the other stacked parameters (norm scales, biases) are collected into a
-  stacked gradient, which is small.
+  recomputes the block from its saved input and runs the block's VJP, handing
+  each ``forge_jax.Dense`` its kernel and state as a (stack, layer) box
+  (:class:`forge_jax._dense.StackSlice`): the fused kernel updates layer
+  ``l`` inside the stacked buffers, in place, with no per-layer slice copies.
+  The gradients of the other stacked parameters (norm scales, biases) are
+  collected into a stacked gradient, which is small.
 
 Without a ``"forge_state"`` collection (initialization, evaluation, or a model
 whose blocks use ``flax.linen.Dense`` and are trained by optax) the stack is an
@@ -105,25 +105,26 @@ def _stack_vjp(block_apply: Callable, length: int):
     def body(i, carry):
       dx, kernels, states, sq, grads = carry
       l = length - 1 - i
-      p_l = unflat(_index(kernels, l), [_index(flat_p[p], l) for p in rest])
-      f_l = traverse_util.unflatten_dict(dict(zip(managed, _index(states, l))))
+      # FORGE kernels and states enter the block as (stack, layer) boxes: each
+      # forge_jax.Dense updates its layer inside the stacked buffer, so the
+      # loop carries the stacks through the kernels in place, with no
+      # per-layer slice copies. Other parameters are sliced as usual.
+      boxed = [_dense.StackSlice(k, l) for k in kernels]
+      p_l = unflat(boxed, [_index(flat_p[p], l) for p in rest])
+      f_l = traverse_util.unflatten_dict(
+          {p: _dense.StackSlice(st, l) for p, st in zip(managed, states)})
       x_l = jax.lax.dynamic_index_in_dim(xs, l, keepdims=False)
-      # Materialize layer l's slices before anything else: otherwise XLA fuses
-      # the slicing into several consumers, some of which read the stack after
-      # the in-place write below, and protects it with a whole-stack copy.
-      p_l, f_l, x_l = jax.lax.optimization_barrier((p_l, f_l, x_l))
       _, vjp_fn = jax.vjp(lambda p, f, x: block_apply(p, f, x, args), p_l, f_l, x_l)
       ct_p, ct_f, dx = vjp_fn(dx)
       ct_p, ct_f = _flat(ct_p), _flat(ct_f)
-      # A FORGE kernel's cotangent is its new value; its state's cotangent is
-      # the new state (count untouched: train_step advances it once).
-      kernels = _update(kernels, [ct_p[p] for p in managed], l)
-      new_states = [
-          _dense.KernelState(ct_f[p].opt._replace(count=old.opt.count), old.grad_sq_norm)
-          for p, old in zip(managed, _index(states, l))
+      # A FORGE kernel's cotangent is its new (stacked) value; its state's is
+      # the new state stack (counts untouched: train_step advances them once).
+      kernels = [ct_p[p].stack for p in managed]
+      states = [
+          _dense.KernelState(ct_f[p].stack.opt._replace(count=old.opt.count), old.grad_sq_norm)
+          for p, old in zip(managed, states)
       ]
-      states = _update(states, new_states, l)
-      sq = _update(sq, [ct_f[p].grad_sq_norm for p in managed], l)
+      sq = [q + ct_f[p].stack.grad_sq_norm for q, p in zip(sq, managed)]
       grads = _update(grads, [ct_p[p] for p in rest], l)
       return dx, kernels, states, sq, grads
 

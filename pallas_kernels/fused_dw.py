@@ -115,14 +115,15 @@ def shape_class(t: int, k: int, n: int) -> str:
   return "t>8192"
 
 
-# Best tile per shape class for bf16 x/dy with fp32 w and AdamW slots.
-# Source: /work/shared/FINDINGS.md, "H200 measurements, 2026-11-29" (the best
-# of 7 configs of a first Triton kernel). To be replaced by the "table" entry
-# of runs/tune_fused_dw.json written by experiments/tune_fused_dw.py.
+# Best tile per shape class for bf16 x/dy with fp32 w and AdamW slots, chosen
+# by experiments/tune_fused_dw.py (lowest mean slowdown over the four model
+# shapes of each class).
 TUNED_TILES: dict[str, TileConfig] = {
-    "t<=2048": TileConfig(block_k=128, block_n=128, block_t=64, num_warps=8, num_stages=3),
-    "t<=8192": TileConfig(block_k=128, block_n=128, block_t=64, num_warps=8, num_stages=3),
-    "t>8192": TileConfig(block_k=128, block_n=256, block_t=64, num_warps=8, num_stages=3),
+    # Source: experiments/results/h200/tune_fused_dw.json (H200, jax 0.11.2,
+    # 2026-11-29, `python -m experiments.tune_fused_dw --budget-s 170`).
+    "t<=2048": TileConfig(block_k=128, block_n=64, block_t=64, num_warps=4, num_stages=4),
+    "t<=8192": TileConfig(block_k=128, block_n=128, block_t=64, num_warps=8, num_stages=4),
+    "t>8192": TileConfig(block_k=256, block_n=128, block_t=64, num_warps=8, num_stages=3),
 }
 
 
