@@ -23,8 +23,9 @@ down; every section writes its JSON as it goes:
    norm; odd shapes, which must get a clean ``supports() == False``. Random
    w and slots (never zeros), step count 10, against
    ``fused_dw_update_reference``; relative errors reported.
-3. ``sweep``: tiling configs (block tile, stages, epilogue sub-tile and
-   ring, grid band) timed on AdamW fp32 at 4096x4096x4096 and
+3. ``sweep``: configs (cooperative vs ping-pong schedule, block tile,
+   stages, epilogue sub-tile and ring, L2 prefetch, grid band) timed on
+   AdamW fp32 at 4096x4096x4096 and
    1024x4096x4096; the fastest config that passed the check on both is
    reported as ``best`` (and used by the timing section).
 4. ``timing``: for T in {4096, 1024, 16384} (in that order) and (K, N) in
@@ -58,7 +59,7 @@ from typing import Any, Callable, Optional, Sequence
 
 SECTIONS = ("audit", "correctness", "sweep", "timing")
 # Seconds: (soft budget inside the section, hard limit on its subprocess).
-BUDGETS = {"audit": (25, 60), "correctness": (110, 170), "sweep": (80, 130), "timing": (170, 230)}
+BUDGETS = {"audit": (25, 60), "correctness": (110, 170), "sweep": (100, 150), "timing": (160, 220)}
 SMOKE_BUDGETS = {"audit": (60, 240), "correctness": (120, 400), "sweep": (60, 300), "timing": (60, 300)}
 TOKENS = (4096, 1024, 16384)
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (5120, 17408))
@@ -90,21 +91,23 @@ def _rules() -> dict[str, Any]:
 def _sweep_configs(fm) -> list[Any]:
   """The tilings the sweep times (invalid ones for a problem are skipped)."""
   c = fm.MosaicTileConfig
+  pp = functools.partial(fm.MosaicTileConfig, schedule="pingpong")
+  # Alternating schedules, so that a budget cut leaves both measured.
   return [
       c(max_concurrent_steps=3, epi_n=16),  # the fp32-AdamW default
+      pp(max_concurrent_steps=4, epi_n=16),
       c(max_concurrent_steps=3, epi_n=16, l2_prefetch_steps=0),
+      pp(max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0),
       c(max_concurrent_steps=3, epi_n=16, l2_prefetch_steps=32),
+      pp(max_concurrent_steps=3, epi_n=32),
       c(max_concurrent_steps=2, epi_n=32),
+      pp(tile_m=256, tile_n=64, max_concurrent_steps=4, epi_n=16),
       c(max_concurrent_steps=3, epi_n=16, epi_slots=3),
-      c(max_concurrent_steps=4, epi_n=16, epi_slots=1),
+      pp(max_concurrent_steps=4, epi_n=16, grid_minor_dim="m"),
       c(max_concurrent_steps=3, epi_n=16, grid_tile_width=16),
-      c(max_concurrent_steps=3, epi_n=16, grid_minor_dim="m", grid_tile_width=8),
-      c(tile_n=64, max_concurrent_steps=3, epi_n=32),
       c(tile_n=64, max_concurrent_steps=4, epi_n=16),
       c(tile_m=256, tile_n=64, max_concurrent_steps=3, epi_n=16),
-      c(tile_m=64, tile_n=128, max_concurrent_steps=3, epi_n=32),
       c(tile_n=64, tile_t=128, max_concurrent_steps=2, epi_n=16),
-      c(tile_n=256, max_concurrent_steps=2, epi_n=16, epi_slots=1),
   ]
 
 
@@ -367,9 +370,11 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
 
   problems = [(64, 64, 128)] if smoke else [(4096, 4096, 4096), (1024, 4096, 4096)]
   configs = _sweep_configs(fm)
-  if smoke:  # one valid config, one the kernel rejects (recorded, not run)
+  if smoke:  # one config per schedule, one the kernel rejects (recorded, not run)
     configs = [
         fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=1, epi_n=32, epi_slots=1, num_sms=1),
+        fm.MosaicTileConfig(schedule="pingpong", tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=32,
+                            num_sms=1),
         fm.MosaicTileConfig(tile_m=96),
     ]
   timing = dict(warmup=1, iters=2, repeats=1) if smoke else dict(warmup=3, iters=30, repeats=3)
@@ -414,7 +419,7 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
 
 
 def _cfg_text(cfg) -> str:
-  return (f"{cfg.tile_m}x2*{cfg.tile_n}x{cfg.tile_t} st{cfg.max_concurrent_steps} "
+  return (f"{cfg.schedule[:4]} {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_t} st{cfg.max_concurrent_steps} "
           f"epi{cfg.epi_m}x{cfg.epi_n}/{cfg.epi_slots} {cfg.grid_minor_dim}{cfg.grid_tile_width} "
           f"l2pf{cfg.l2_prefetch_steps}")
 
@@ -561,7 +566,8 @@ def _markdown(info: dict, runs: list[dict], parts: dict[str, Optional[dict]]) ->
             "| problem | config | status | ms | TF/s |", "|---|---|---|---|---|"]
     for r in sweep["rows"]:
       cfg = r.get("config", {})
-      text = (f"{cfg.get('tile_m')}x2*{cfg.get('tile_n')}x{cfg.get('tile_t')} st{cfg.get('max_concurrent_steps')} "
+      text = (f"{cfg.get('schedule')} {cfg.get('tile_m')}x{cfg.get('tile_n')}x{cfg.get('tile_t')} "
+              f"st{cfg.get('max_concurrent_steps')} "
               f"epi{cfg.get('epi_m')}x{cfg.get('epi_n')}/{cfg.get('epi_slots')} "
               f"{cfg.get('grid_minor_dim')}{cfg.get('grid_tile_width')} l2pf{cfg.get('l2_prefetch_steps')}")
       ms = f"{r['ms']:.3f}" if "ms" in r else "-"

@@ -10,10 +10,15 @@ memory.
 Kernel structure (one CUDA block per SM, persistent):
 
 * three Pallas threads (warpgroups): two compute warpgroups and one memory
-  warpgroup, driven by ``plgpu.emit_pipeline_warp_specialized`` as in jax's
-  ``hopper_matmul_mgpu``. The block owns a ``tile_m x (2 * tile_n)`` tile of
-  ``W``; each compute warpgroup accumulates its ``tile_m x tile_n`` half in
-  float32 registers (``plgpu.ACC``) over the token dimension ``T``.
+  warpgroup, with one of two schedules (``MosaicTileConfig.schedule``):
+  ``"cooperative"`` (default), driven by
+  ``plgpu.emit_pipeline_warp_specialized`` as in jax's ``hopper_matmul_mgpu``:
+  the block owns a ``tile_m x (2 * tile_n)`` tile of ``W`` and each compute
+  warpgroup accumulates its ``tile_m x tile_n`` half in float32 registers
+  (``plgpu.ACC``) over the token dimension ``T``; or ``"pingpong"``, a
+  hand-written producer/consumer pipeline in which each compute warpgroup
+  owns whole ``tile_m x tile_n`` tiles, fed in turn through one stage ring,
+  so that one warpgroup's epilogue overlaps the other's main loop.
 * the contraction runs over ``T``, the major dimension of both ``x [T, K]``
   and ``dy [T, N]``, so the ``A`` operand is ``x`` block transposed. The
   ``(tile_t, tile_m)`` block of ``x`` is copied as is by TMA and handed to
@@ -35,10 +40,11 @@ Kernel structure (one CUDA block per SM, persistent):
   optional norm partials) to its outputs; under ``jit`` with those arrays
   donated there is no copy.
 
-What this file does not do yet (see ``MOSAIC_NOTES.md``): ping-pong compute
-warpgroups (one warpgroup's epilogue overlapping the other's main loop),
-pipelining across tiles (``pipeline_state``), clusters/multicast, stochastic
-rounding (``store_cast`` is round-to-nearest).
+What this file does not do yet (see ``MOSAIC_NOTES.md``): pipelining across
+tiles in the cooperative schedule (``pipeline_state``), clusters/multicast,
+stochastic rounding (``store_cast`` is round-to-nearest). Nothing here has
+run on a GPU yet: it is checked under the Mosaic GPU interpreter and by
+lowering for ``cuda`` on a CPU.
 
 Mosaic GPU has no ``sqrt`` lowering (jax 0.10.2 and 0.11), only ``rsqrt``.
 The kernel therefore evaluates the rule through its jaxpr and spells
@@ -104,6 +110,13 @@ class MosaicTileConfig:
       tile into L2, so that the epilogue's loads beyond the prefetched ring
       hit L2 rather than device memory (0: off). Early enough for the data to
       arrive, late enough that the ``x``/``dy`` stream does not evict it.
+    schedule: ``"cooperative"``: both compute warpgroups work on one block
+      tile (``tile_m x 2 tile_n``, sharing the ``x`` block) fed by jax's
+      warp-specialized pipeline, and run their epilogues together.
+      ``"pingpong"``: each compute warpgroup owns a whole ``tile_m x tile_n``
+      tile and the memory warpgroup feeds their tiles in turn through one
+      stage ring, so one warpgroup's epilogue runs while the other's main
+      loop keeps the tensor cores busy.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -118,12 +131,18 @@ class MosaicTileConfig:
   grid_tile_width: int = 8
   memory_registers: int = 40
   l2_prefetch_steps: int = 16
+  schedule: str = "cooperative"
   num_sms: Optional[int] = None
 
 
 # ----------------------------------------------------------------------------
 # Shape / dtype support.
 # ----------------------------------------------------------------------------
+
+
+def _block_n(cfg: MosaicTileConfig) -> int:
+  """Columns of W per block tile: both warpgroups' halves, or one warpgroup's."""
+  return cfg.tile_n * (_NUM_COMPUTE_WGS if cfg.schedule == "cooperative" else 1)
 
 
 def _ring_depth(cfg: MosaicTileConfig) -> int:
@@ -135,7 +154,7 @@ def _ring_depth(cfg: MosaicTileConfig) -> int:
 def _smem_bytes(cfg: MosaicTileConfig, in_dtype, w_dtype, slot_dtypes, with_norm: bool) -> int:
   """Shared memory the kernel allocates for ``cfg`` (pipeline + epilogue ring)."""
   ib = jnp.dtype(in_dtype).itemsize
-  stage = cfg.tile_t * (cfg.tile_m + _NUM_COMPUTE_WGS * cfg.tile_n) * ib
+  stage = cfg.tile_t * (cfg.tile_m + _block_n(cfg)) * ib
   per_sub = cfg.epi_m * cfg.epi_n * sum(jnp.dtype(d).itemsize for d in (w_dtype, *slot_dtypes))
   total = cfg.max_concurrent_steps * stage + _NUM_COMPUTE_WGS * _ring_depth(cfg) * per_sub
   if with_norm:
@@ -171,6 +190,10 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
     return f"grid_tile_width={cfg.grid_tile_width} must be >= 1"
   if cfg.l2_prefetch_steps < 0:
     return f"l2_prefetch_steps={cfg.l2_prefetch_steps} must be >= 0"
+  if cfg.schedule not in ("cooperative", "pingpong"):
+    return f"schedule={cfg.schedule!r} must be 'cooperative' or 'pingpong'"
+  if cfg.schedule == "pingpong" and cfg.max_concurrent_steps < 2:
+    return "schedule='pingpong' needs max_concurrent_steps >= 2"
   return None
 
 
@@ -225,9 +248,10 @@ def supports(
     return False, f"T={t} must be a multiple of tile_t={cfg.tile_t}"
   if k % cfg.tile_m:
     return False, f"K={k} must be a multiple of tile_m={cfg.tile_m}"
-  block_n = _NUM_COMPUTE_WGS * cfg.tile_n
+  block_n = _block_n(cfg)
   if n % block_n:
-    return False, f"N={n} must be a multiple of 2 * tile_n = {block_n}"
+    what = "2 * tile_n" if cfg.schedule == "cooperative" else "tile_n"
+    return False, f"N={n} must be a multiple of {what} = {block_n}"
   smem = _smem_bytes(cfg, in_dt, w.dtype, [s.dtype for s in slots], compute_grad_sq_norm)
   if smem > _SMEM_BUDGET_BYTES:
     return False, (
@@ -357,7 +381,7 @@ class _Plan:
 
   @property
   def n_iters(self) -> int:
-    return self.n // (_NUM_COMPUTE_WGS * self.cfg.tile_n)
+    return self.n // _block_n(self.cfg)
 
   @property
   def t_iters(self) -> int:
@@ -415,18 +439,177 @@ def _planar_snake(lin: Array, m_iters: int, n_iters: int, minor_dim: str, width:
   return (major, minor) if minor_dim == "n" else (minor, major)
 
 
+def _mma(acc_ref, x_smem, dy_smem, xt_smem, interpreting: bool) -> None:
+  """``acc += x_block.T @ dy_block`` on the tensor cores, awaited."""
+  if interpreting:
+    # CPU interpreter only: it cannot read a transposed wgmma operand, so the
+    # x block goes through registers into a scratch buffer.
+    xt_smem[...] = x_smem[...].T
+    plgpu.commit_smem()
+    plgpu.wgmma(acc_ref, xt_smem, dy_smem)
+  else:
+    # x.T without a copy: the tensor cores read the transposed operand.
+    plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)), dy_smem)
+  plgpu.wgmma_wait(0)
+
+
+@dataclasses.dataclass
+class _Epilogue:
+  """One compute warpgroup's epilogue: TMA ring of W/slot sub-tiles + the rule.
+
+  ``begin`` (before a tile's main loop) refills the first ring slots;
+  ``prefetch_l2`` (during it) asks for the whole tile in L2; ``finish``
+  (after it) streams the sub-tiles through the ring: rule on the fp32
+  accumulator, results stored in place by TMA.
+  """
+
+  plan: _Plan
+  rule: _TracedRule
+  scalars_treedef: Any
+  sc_gmem: Any
+  w_gmem: Any
+  slot_gmems: Sequence[Any]
+  norm_gmem: Any
+  w_ring: Any
+  slot_rings: Sequence[Any]
+  ring_ready: Any
+  norm_smem: Any
+  wg_idx: Any
+
+  @property
+  def depth(self) -> int:
+    return _ring_depth(self.plan.cfg)
+
+  def _window(self, j: int, row0, col0):
+    r, c = self.plan.sub_tiles[j]
+    return (pl.ds(row0 + r, self.plan.cfg.epi_m), pl.ds(col0 + c, self.plan.cfg.epi_n))
+
+  def _fetch(self, j: int, row0, col0) -> None:
+    slot = j % self.depth
+    win = self._window(j, row0, col0)
+    barrier = self.ring_ready.at[self.wg_idx * self.depth + slot]
+    plgpu.copy_gmem_to_smem(self.w_gmem.at[win], self.w_ring.at[self.wg_idx, slot], barrier)
+    for src, ring in zip(self.slot_gmems, self.slot_rings):
+      plgpu.copy_gmem_to_smem(src.at[win], ring.at[self.wg_idx, slot], barrier)
+
+  def begin(self, row0, col0) -> None:
+    # The previous tile's stores must have left the ring before it is refilled.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for j in range(self.depth):
+      self._fetch(j, row0, col0)  # lands while the main loop runs
+
+  def prefetch_l2(self, row0, col0) -> None:
+    cfg = self.plan.cfg
+    tile = (pl.ds(row0, cfg.tile_m), pl.ds(col0, cfg.tile_n))
+    for src in (self.w_gmem, *self.slot_gmems):
+      plgpu.async_prefetch(src.at[tile])
+
+  def finish(self, acc, row0, col0, norm_block, norm_row0) -> None:
+    plan, cfg = self.plan, self.plan.cfg
+    scalars = jax.tree.unflatten(
+        self.scalars_treedef, [self.sc_gmem[i] for i in range(plan.num_scalars)]
+    )
+    scalar_leaves = jax.tree.leaves(scalars)
+    row_sums = {}
+    for j, (r, c) in enumerate(plan.sub_tiles):
+      slot = j % self.depth
+      plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
+      g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
+      w_ref = self.w_ring.at[self.wg_idx, slot]
+      s_refs = [ring.at[self.wg_idx, slot] for ring in self.slot_rings]
+      # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
+      # accumulator's, so the rule's arithmetic needs no relayout.
+      w32 = w_ref[...].astype(jnp.float32)
+      s32 = tuple(ref[...].astype(jnp.float32) for ref in s_refs)
+      u, new_slots = self.rule(g, w32, s32, scalar_leaves)
+      w_ref[...] = store_cast(w32 + u, w_ref.dtype)
+      for ref, new in zip(s_refs, new_slots):
+        ref[...] = store_cast(new, ref.dtype)
+      if plan.with_norm:
+        part = jnp.sum(g * g, axis=1)
+        row_sums[r] = part if r not in row_sums else row_sums[r] + part
+      plgpu.commit_smem()
+      win = self._window(j, row0, col0)
+      plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[win], commit_group=False)
+      for ref, dst in zip(s_refs, self.slot_gmems):
+        plgpu.copy_smem_to_gmem(ref, dst.at[win], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      if j + self.depth < len(plan.sub_tiles):
+        # Refill this slot once its results have been read out.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        self._fetch(j + self.depth, row0, col0)
+    if plan.with_norm:
+      for r, part in row_sums.items():
+        self.norm_smem[self.wg_idx, pl.ds(r, cfg.epi_m)] = part
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          self.norm_smem.at[self.wg_idx],
+          self.norm_gmem.at[norm_block, pl.ds(norm_row0, cfg.tile_m)],
+      )
+
+
 def _fused_kernel(
     x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm_gmem,
     *, plan: _Plan, rule: _TracedRule, scalars_treedef, w_dtype, slot_dtypes,
 ):
   """Body of one block: persistent loop over ``W`` tiles, warp-specialized."""
   cfg = plan.cfg
-  tile_m, tile_n, tile_t = cfg.tile_m, cfg.tile_n, cfg.tile_t
-  block_n = _NUM_COMPUTE_WGS * tile_n
-  num_epi = _ring_depth(cfg)
+  epi_shape = (_NUM_COMPUTE_WGS, _ring_depth(cfg), cfg.epi_m, cfg.epi_n)
   in_dtype = x_gmem.dtype
   # Both x and dy blocks hold >= 64 16-bit elements per row: 128-byte swizzle.
   in_transforms = _mma_transforms(64, in_dtype)
+  epilogue_allocs = dict(
+      w_ring=plgpu.SMEM(epi_shape, w_dtype, transforms=_mma_transforms(cfg.epi_n, w_dtype)),
+      slot_rings=[
+          plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d)) for d in slot_dtypes
+      ],
+      ring_ready=plgpu.Barrier(
+          num_arrivals=1 + plan.num_slots, num_barriers=_NUM_COMPUTE_WGS * _ring_depth(cfg)
+      ),
+      norm_smem=(
+          plgpu.SMEM((_NUM_COMPUTE_WGS, cfg.tile_m), jnp.float32) if plan.with_norm else None
+      ),
+      xt_smem=(
+          plgpu.SMEM((_NUM_COMPUTE_WGS, cfg.tile_m, cfg.tile_t), in_dtype, transforms=in_transforms)
+          if plan.interpreting else None
+      ),
+  )
+
+  def make_epilogue(w_ring, slot_rings, ring_ready, norm_smem, wg_idx) -> _Epilogue:
+    return _Epilogue(
+        plan, rule, scalars_treedef, sc_gmem, w_gmem, slot_gmems, norm_gmem,
+        w_ring, slot_rings, ring_ready, norm_smem, wg_idx,
+    )
+
+  # The interpreter has no L2 (and no rule for the prefetch); it is a hint.
+  prefetch_step = None
+  if cfg.l2_prefetch_steps and not plan.interpreting:
+    prefetch_step = max(0, plan.t_iters - cfg.l2_prefetch_steps)
+
+  def tile_origin(m_idx, n_idx, wg_idx):
+    """Top-left of this warpgroup's W tile in the [L*K, N] view (layer = row offset)."""
+    row0 = layer_gmem[0] * plan.k + m_idx * cfg.tile_m
+    col0 = n_idx * _block_n(cfg)
+    if cfg.schedule == "cooperative":
+      col0 = col0 + wg_idx * cfg.tile_n
+    return row0, col0
+
+  body = _cooperative_body if cfg.schedule == "cooperative" else _pingpong_body
+  body(
+      x_gmem, dy_gmem, plan=plan, in_transforms=in_transforms,
+      epilogue_allocs=epilogue_allocs, make_epilogue=make_epilogue,
+      prefetch_step=prefetch_step, tile_origin=tile_origin,
+  )
+
+
+def _cooperative_body(
+    x_gmem, dy_gmem, *, plan, in_transforms, epilogue_allocs, make_epilogue,
+    prefetch_step, tile_origin,
+):
+  """Both compute warpgroups on one block tile, jax's warp-specialized pipeline."""
+  cfg = plan.cfg
+  tile_m, tile_n, tile_t = cfg.tile_m, cfg.tile_n, cfg.tile_t
+  block_n = _block_n(cfg)
 
   def get_pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -443,34 +626,17 @@ def _fused_kernel(
         compute_context=compute_context,
     )
 
-  epi_shape = (_NUM_COMPUTE_WGS, num_epi, cfg.epi_m, cfg.epi_n)
-  # The interpreter has no L2 (and no rule for the prefetch); it is a hint.
-  prefetch_step = None
-  if cfg.l2_prefetch_steps and not plan.interpreting:
-    prefetch_step = max(0, plan.t_iters - cfg.l2_prefetch_steps)
   ignore = lambda *_, **__: None  # allocations do not depend on the bodies
 
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, dy_gmem),
-      w_ring=plgpu.SMEM(epi_shape, w_dtype, transforms=_mma_transforms(cfg.epi_n, w_dtype)),
-      slot_rings=[
-          plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d)) for d in slot_dtypes
-      ],
-      ring_ready=plgpu.Barrier(
-          num_arrivals=1 + plan.num_slots, num_barriers=_NUM_COMPUTE_WGS * num_epi
-      ),
-      norm_smem=(
-          plgpu.SMEM((_NUM_COMPUTE_WGS, tile_m), jnp.float32) if plan.with_norm else None
-      ),
-      xt_smem=(
-          plgpu.SMEM((_NUM_COMPUTE_WGS, tile_m, tile_t), in_dtype, transforms=in_transforms)
-          if plan.interpreting else None
-      ),
       collective_axes="wg",
+      **epilogue_allocs,
   )
   def _scope(pipeline_allocs, w_ring, slot_rings, ring_ready, norm_smem, xt_smem):
     wg_idx = lax.axis_index("wg")
+    epi = make_epilogue(w_ring, slot_rings, ring_ready, norm_smem, wg_idx)
 
     @plgpu.nd_loop((plan.m_iters * plan.n_iters,), collective_axes="sm")
     def _tile_loop(loop_info):
@@ -478,93 +644,25 @@ def _fused_kernel(
       m_idx, n_idx = _planar_snake(
           lin_idx, plan.m_iters, plan.n_iters, cfg.grid_minor_dim, cfg.grid_tile_width
       )
-
-      # This warpgroup's W tile. Stacked weights are flattened to [L*K, N]:
-      # the layer is a row offset.
-      row0 = layer_gmem[0] * plan.k + m_idx * tile_m
-      col0 = n_idx * block_n + wg_idx * tile_n
+      row0, col0 = tile_origin(m_idx, n_idx, wg_idx)
 
       def compute_context(eval_pipeline):
-        def sub_window(j):
-          r, c = plan.sub_tiles[j]
-          return (pl.ds(row0 + r, cfg.epi_m), pl.ds(col0 + c, cfg.epi_n))
-
-        def fetch(j):
-          slot = j % num_epi
-          win = sub_window(j)
-          barrier = ring_ready.at[wg_idx * num_epi + slot]
-          plgpu.copy_gmem_to_smem(w_gmem.at[win], w_ring.at[wg_idx, slot], barrier)
-          for src, ring in zip(slot_gmems, slot_rings):
-            plgpu.copy_gmem_to_smem(src.at[win], ring.at[wg_idx, slot], barrier)
-
-        # The previous tile's stores must have left the ring before it is refilled.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for j in range(num_epi):
-          fetch(j)  # lands while the main loop below runs
+        epi.begin(row0, col0)
 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc_scope(acc_ref):
           eval_pipeline(acc_ref)
-          acc = acc_ref[...]
-          scalars = jax.tree.unflatten(
-              scalars_treedef, [sc_gmem[i] for i in range(plan.num_scalars)]
+          epi.finish(
+              acc_ref[...], row0, col0,
+              norm_block=n_idx * _NUM_COMPUTE_WGS + wg_idx, norm_row0=m_idx * tile_m,
           )
-          scalar_leaves = jax.tree.leaves(scalars)
-          row_sums = {}
-          for j, (r, c) in enumerate(plan.sub_tiles):
-            slot = j % num_epi
-            plgpu.barrier_wait(ring_ready.at[wg_idx * num_epi + slot])
-            g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
-            w_ref = w_ring.at[wg_idx, slot]
-            s_refs = [ring.at[wg_idx, slot] for ring in slot_rings]
-            # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
-            # accumulator's, so the rule's arithmetic needs no relayout.
-            w32 = w_ref[...].astype(jnp.float32)
-            s32 = tuple(ref[...].astype(jnp.float32) for ref in s_refs)
-            u, new_slots = rule(g, w32, s32, scalar_leaves)
-            w_ref[...] = store_cast(w32 + u, w_ref.dtype)
-            for ref, new in zip(s_refs, new_slots):
-              ref[...] = store_cast(new, ref.dtype)
-            if plan.with_norm:
-              part = jnp.sum(g * g, axis=1)
-              row_sums[r] = part if r not in row_sums else row_sums[r] + part
-            plgpu.commit_smem()
-            win = sub_window(j)
-            plgpu.copy_smem_to_gmem(w_ref, w_gmem.at[win], commit_group=False)
-            for ref, dst in zip(s_refs, slot_gmems):
-              plgpu.copy_smem_to_gmem(ref, dst.at[win], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
-            if j + num_epi < len(plan.sub_tiles):
-              # Refill this slot once its results have been read out.
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              fetch(j + num_epi)
-          if plan.with_norm:
-            for r, part in row_sums.items():
-              norm_smem[wg_idx, pl.ds(r, cfg.epi_m)] = part
-            plgpu.commit_smem()
-            block = n_idx * _NUM_COMPUTE_WGS + wg_idx
-            plgpu.copy_smem_to_gmem(
-                norm_smem.at[wg_idx], norm_gmem.at[block, pl.ds(m_idx * tile_m, tile_m)]
-            )
 
       def mma_body(idxs, x_smem, dy_smem, acc_ref):
         if prefetch_step is not None:
-          @pl.when(idxs[0] == prefetch_step)
-          def _prefetch_epilogue_operands():
-            tile = (pl.ds(row0, tile_m), pl.ds(col0, tile_n))
-            for src in (w_gmem, *slot_gmems):
-              plgpu.async_prefetch(src.at[tile])
-
+          pl.when(idxs[0] == prefetch_step)(lambda: epi.prefetch_l2(row0, col0))
         dy_wg = dy_smem.at[:, pl.ds(wg_idx * tile_n, tile_n)]
-        if plan.interpreting:
-          # CPU interpreter only: it cannot read a transposed wgmma operand.
-          xt_smem.at[wg_idx][...] = x_smem[...].T
-          plgpu.commit_smem()
-          plgpu.wgmma(acc_ref, xt_smem.at[wg_idx], dy_wg)
-        else:
-          # x.T without a copy: the tensor cores read the transposed operand.
-          plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)), dy_wg)
-        plgpu.wgmma_wait(0)
+        _mma(acc_ref, x_smem, dy_wg, xt_smem.at[wg_idx] if plan.interpreting else None,
+             plan.interpreting)
         return acc_ref
 
       get_pipeline(mma_body, compute_context)(
@@ -572,6 +670,125 @@ def _fused_kernel(
           dy_gmem.at[:, pl.ds(n_idx * block_n, block_n)],
           allocations=pipeline_allocs,
       )
+
+    # All results must be in device memory before the kernel exits.
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _compute_registers(memory_registers: int) -> int:
+  """Registers per compute thread: what the memory warpgroup leaves, /2, multiple of 8."""
+  return min(256, (512 - memory_registers) // _NUM_COMPUTE_WGS) // 8 * 8
+
+
+def _pingpong_body(
+    x_gmem, dy_gmem, *, plan, in_transforms, epilogue_allocs, make_epilogue,
+    prefetch_step, tile_origin,
+):
+  """Each compute warpgroup owns whole tiles; the memory warpgroup feeds them in turn.
+
+  The block's tiles (every ``num_sms``-th of the snake order) alternate
+  between the two compute warpgroups. The memory warpgroup walks the tiles
+  in order and streams every step of a tile through one ring of ``stages``
+  shared-memory slots before moving to the next tile, so the main loops of
+  consecutive tiles (i.e. of the two warpgroups) follow each other while
+  each warpgroup's epilogue overlaps the other's main loop.
+
+  Barriers: ``stage_ready[w * S + s]`` (two TMA arrivals) is completed only
+  for steps of warpgroup ``w``'s tiles, so each compute warpgroup waits on
+  exactly the completions of its own barriers; ``stage_free[s]`` (one
+  arrival, from whichever warpgroup read slot ``s``) is waited only by the
+  memory warpgroup, which drains the last completions before it exits.
+  """
+  cfg = plan.cfg
+  tile_m, tile_n, tile_t = cfg.tile_m, cfg.tile_n, cfg.tile_t
+  stages, t_iters, num_sms = plan.stages, plan.t_iters, plan.num_sms
+  in_dtype = x_gmem.dtype
+  num_tiles = plan.m_iters * plan.n_iters
+
+  @functools.partial(
+      pl.run_scoped,
+      x_stages=plgpu.SMEM((stages, tile_t, tile_m), in_dtype, transforms=in_transforms),
+      dy_stages=plgpu.SMEM((stages, tile_t, tile_n), in_dtype, transforms=in_transforms),
+      stage_ready=plgpu.Barrier(num_arrivals=2, num_barriers=_NUM_COMPUTE_WGS * stages),
+      stage_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      collective_axes="wg",
+      **epilogue_allocs,
+  )
+  def _scope(x_stages, dy_stages, stage_ready, stage_free,
+             w_ring, slot_rings, ring_ready, norm_smem, xt_smem):
+    wg_idx = lax.axis_index("wg")
+    sm_idx = lax.axis_index("sm")
+    # This block's tiles: sm_idx, sm_idx + num_sms, ... of the snake order.
+    num_local = lax.div(num_tiles - sm_idx + (num_sms - 1), jnp.int32(num_sms))
+
+    def tile_coords(i):
+      return _planar_snake(
+          sm_idx + i * num_sms, plan.m_iters, plan.n_iters, cfg.grid_minor_dim,
+          cfg.grid_tile_width,
+      )
+
+    @pl.when(wg_idx == _NUM_COMPUTE_WGS)
+    def _memory_warpgroup():
+      plgpu.set_max_registers(cfg.memory_registers, action="decrease")
+
+      @pl.loop(0, num_local)
+      def _tile(i):
+        m_idx, n_idx = tile_coords(i)
+        owner = lax.rem(i, _NUM_COMPUTE_WGS)
+
+        @pl.loop(0, t_iters)
+        def _step(k):
+          step = i * t_iters + k
+          slot = lax.rem(step, stages)
+
+          @pl.when(step >= stages)
+          def _wait_free():
+            plgpu.barrier_wait(stage_free.at[slot])
+
+          ready = stage_ready.at[owner * stages + slot]
+          rows = pl.ds(k * tile_t, tile_t)
+          plgpu.copy_gmem_to_smem(
+              x_gmem.at[rows, pl.ds(m_idx * tile_m, tile_m)], x_stages.at[slot], ready
+          )
+          plgpu.copy_gmem_to_smem(
+              dy_gmem.at[rows, pl.ds(n_idx * tile_n, tile_n)], dy_stages.at[slot], ready
+          )
+
+      # Every completion of a barrier must be awaited before it goes away.
+      total = num_local * t_iters
+
+      @pl.loop(jnp.maximum(total - stages, 0), total)
+      def _drain(step):
+        plgpu.barrier_wait(stage_free.at[lax.rem(step, stages)])
+
+    @pl.when(wg_idx < _NUM_COMPUTE_WGS)
+    def _compute_warpgroup():
+      plgpu.set_max_registers(_compute_registers(cfg.memory_registers), action="increase")
+      epi = make_epilogue(w_ring, slot_rings, ring_ready, norm_smem, wg_idx)
+      xt = xt_smem.at[wg_idx] if plan.interpreting else None
+      # Tiles wg_idx, wg_idx + 2, ... of this block's list.
+      num_mine = lax.div(num_local - wg_idx + (_NUM_COMPUTE_WGS - 1), _NUM_COMPUTE_WGS)
+
+      @pl.loop(0, num_mine)
+      def _tile(j):
+        i = wg_idx + j * _NUM_COMPUTE_WGS
+        m_idx, n_idx = tile_coords(i)
+        row0, col0 = tile_origin(m_idx, n_idx, wg_idx)
+        epi.begin(row0, col0)
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          @pl.loop(0, t_iters)
+          def _step(k):
+            step = i * t_iters + k
+            slot = lax.rem(step, stages)
+            if prefetch_step is not None:
+              pl.when(k == prefetch_step)(lambda: epi.prefetch_l2(row0, col0))
+            plgpu.barrier_wait(stage_ready.at[wg_idx * stages + slot])
+            _mma(acc_ref, x_stages.at[slot], dy_stages.at[slot], xt, plan.interpreting)
+            plgpu.barrier_arrive(stage_free.at[slot])
+
+          epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m)
 
     # All results must be in device memory before the kernel exits.
     plgpu.wait_smem_to_gmem(0)

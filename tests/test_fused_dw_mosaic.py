@@ -125,6 +125,22 @@ def test_grad_sq_norm_and_every_tile_written():
     _assert_close(a, e, "slot")
 
 
+def test_pingpong_schedule_matches_reference():
+  """Each warpgroup owns whole tiles; 6 tiles on 4 blocks: some get 1 (one idle warpgroup), some 2."""
+  rule = _rules()["adamw"]
+  cfg = fm.MosaicTileConfig(
+      schedule="pingpong", tile_m=64, tile_n=64, max_concurrent_steps=3, epi_n=16, num_sms=4,
+  )
+  x, dy, w, slots = _inputs(4, 128, 128, 192, rule, slot_dtype=BF16)
+  (new_w, new_slots, norm), (ref_w, ref_slots, ref_norm) = _run_both(
+      x, dy, w, slots, rule, norm=True, config=cfg
+  )
+  np.testing.assert_allclose(float(norm), float(ref_norm), rtol=2e-5)
+  _assert_close(new_w, ref_w, "w")
+  for a, e in zip(new_slots, ref_slots):
+    _assert_close(a, e, "slot")
+
+
 def test_stacked_layer_updates_only_its_slice():
   rule = _rules()["adamw"]
   x, dy, w, slots = _inputs(2, 64, 64, 128, rule, w_dtype=BF16, slot_dtype=BF16, layers=3)
@@ -159,19 +175,22 @@ def _all_rules():
 
 
 @pytest.mark.parametrize(
-    "name, state_dtype",
-    [(name, F32) for name in sorted(_all_rules())]
-    + [(name, BF16) for name in ("adamw", "lion", "rmsprop_centered_momentum")],
+    "name, state_dtype, schedule",
+    [(name, F32, "cooperative") for name in sorted(_all_rules())]
+    + [(name, BF16, "cooperative") for name in ("adamw", "lion", "rmsprop_centered_momentum")]
+    + [(name, dt, "pingpong") for name in ("adamw", "sgd") for dt in (F32, BF16)],
 )
-def test_lowers_for_cuda(name, state_dtype):
+def test_lowers_for_cuda(name, state_dtype, schedule):
   rule = _all_rules()[name].rule
   x = jax.ShapeDtypeStruct((512, 256), BF16)
   dy = jax.ShapeDtypeStruct((512, 512), BF16)
   w = jax.ShapeDtypeStruct((256, 512), state_dtype)
   slots = tuple(jax.ShapeDtypeStruct((256, 512), state_dtype) for _ in rule.slot_names)
+  config = fm.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
+  if schedule == "pingpong":
+    config = fm.MosaicTileConfig(schedule="pingpong", max_concurrent_steps=4, epi_n=16, num_sms=132)
   kernel = jax.jit(functools.partial(
-      fm.fused_dw_update_mosaic, update_fn=rule.update, compute_grad_sq_norm=True,
-      config=fm.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132),
+      fm.fused_dw_update_mosaic, update_fn=rule.update, compute_grad_sq_norm=True, config=config,
   ))
   lowered = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0))).lower(
       lowering_platforms=("cuda",)
