@@ -44,18 +44,15 @@ section plus ``check_mosaic_gpu.json`` (all merged, with run info) and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
 import json
-import math
-import os
 import pathlib
 import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 SECTIONS = ("audit", "correctness", "sweep", "timing")
 # Seconds: (soft budget inside the section, hard limit on its subprocess).
@@ -405,17 +402,18 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
         ms_by_config.setdefault(idx, []).append(row["ms"])
       _timing.log(f"  sweep {p.name:>16} cfg {idx:>2} {_cfg_text(cfg):<52} {bench._cell(row)}")
       gc.collect()
+    # Best so far after every config: a later hang (killed section) keeps it.
+    complete = {i: v for i, v in ms_by_config.items() if len(v) == len(problems)}
+    if complete:
+      best = min(complete, key=lambda i: statistics.geometric_mean(complete[i]))
+      sec.payload["best"] = {"config_index": best, "config": dc.asdict(configs[best]),
+                             "geomean_ms": statistics.geometric_mean(complete[best])}
+      sec.payload["ranking"] = sorted(
+          ({"config_index": i, "geomean_ms": statistics.geometric_mean(v), "config": _cfg_text(configs[i])}
+           for i, v in complete.items()), key=lambda r: r["geomean_ms"])
+      sec.save()
   del setups
   gc.collect()
-  complete = {i: v for i, v in ms_by_config.items() if len(v) == len(problems)}
-  if complete:
-    best = min(complete, key=lambda i: statistics.geometric_mean(complete[i]))
-    sec.payload["best"] = {"config_index": best, "config": dc.asdict(configs[best]),
-                           "geomean_ms": statistics.geometric_mean(complete[best])}
-    sec.payload["ranking"] = sorted(
-        ({"config_index": i, "geomean_ms": statistics.geometric_mean(v), "config": _cfg_text(configs[i])}
-         for i, v in complete.items()), key=lambda r: r["geomean_ms"])
-    sec.save()
 
 
 def _cfg_text(cfg) -> str:

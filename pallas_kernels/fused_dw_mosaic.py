@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
