@@ -127,6 +127,14 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of channels")
     if self.remat in REMAT_POLICIES and not hasattr(jax.checkpoint_policies, self.remat):
       raise ValueError(f"remat={self.remat!r} is not in this jax's jax.checkpoint_policies")
+    if self.linear == "forge" and self.scan_layers and self.remat != "full":
+      raise ValueError(
+          f"linear='forge' with scan_layers=True runs the layers as a "
+          f"forge_jax.ScannedStack, whose backward pass recomputes every block from "
+          f"its input, but remat={self.remat!r}: set remat='full' (and the same for "
+          "optax runs you compare against, so both checkpoint alike), or "
+          "scan_layers=False."
+      )
 
   @property
   def qk_norm(self) -> bool:

@@ -113,6 +113,24 @@ class DecoderStack(nn.Module):
     return x_BxLxD
 
 
+def _decoder(cfg: ModelConfig, optimizer: Any) -> nn.Module:
+  """The layer stack, named ``decoder``: FORGE scanned stacks get their own VJP.
+
+  With ``linear="forge"`` and ``scan_layers=True`` the stack is a
+  ``forge_jax.ScannedStack``: one custom VJP around all layers whose backward
+  updates the stacked kernels and optimizer states in place (a plain
+  ``nn.scan`` would build a second stacked copy of them). Its parameters have
+  the ``decoder/layers/block`` layout of the ``nn.scan`` branch, and it
+  recomputes every block from the block's input in the backward pass, i.e.
+  ``remat="full"`` (``ModelConfig`` refuses other settings for it).
+  """
+  if not (cfg.scan_layers and cfg.linear == "forge"):
+    return DecoderStack(cfg, optimizer, name="decoder")
+  import forge_jax  # pylint: disable=g-import-not-at-top  (forge is optional here)
+  block = functools.partial(DecoderBlock, cfg, optimizer)
+  return forge_jax.ScannedStack(block, cfg.num_layers, remat=True, name="decoder")
+
+
 class CausalLM(nn.Module):
   """A Llama-3.x / Qwen3 causal language model.
 
@@ -149,7 +167,7 @@ class CausalLM(nn.Module):
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
     rope = rope_sin_cos(positions_BxL, rope_inv_frequencies(cfg))
-    x_BxLxD = DecoderStack(cfg, self.optimizer, name="decoder")(x_BxLxD, rope)
+    x_BxLxD = _decoder(cfg, self.optimizer)(x_BxLxD, rope)
     x_BxLxD = _norm(cfg, "norm")(x_BxLxD)
     if cfg.tie_word_embeddings:
       return embed.attend(x_BxLxD)

@@ -208,7 +208,7 @@ def test_bfloat16_params():
 def test_param_labels():
   cfg, params = _init("tiny-llama")
   assert set(jax.tree.leaves(models.param_labels(cfg, params))) == {"optax"}
-  forge_cfg = dataclasses.replace(cfg, linear="forge")
+  forge_cfg = dataclasses.replace(cfg, linear="forge", remat="full")
   labels = models.param_labels(forge_cfg, params)
   block = labels["decoder"]["layers"]["block"]
   assert block["self_attn"]["q_proj"]["kernel"] == block["mlp"]["down_proj"]["kernel"] == "forge"
@@ -216,11 +216,11 @@ def test_param_labels():
   assert labels["lm_head"]["kernel"] == "forge"
   assert "lm_head" in forge_cfg.forge_layer_names
   # A tied head is the embedding: optax's.
-  assert "lm_head" not in models.get_config("tiny-qwen3", linear="forge").forge_layer_names
+  assert "lm_head" not in models.get_config("tiny-qwen3", linear="forge", remat="full").forge_layer_names
 
 
 def test_forge_needs_an_optimizer():
-  cfg = models.get_config("tiny-qwen3", linear="forge")
+  cfg = models.get_config("tiny-qwen3", linear="forge", remat="full")
   with pytest.raises(ValueError, match="needs a FORGE optimizer"):
     models.CausalLM(cfg).init(jax.random.key(0), _tokens(cfg))
 
@@ -230,7 +230,7 @@ def test_scanned_layout_is_forge_scanned_stacks():
   forge_jax = pytest.importorskip("forge_jax")
   if not hasattr(forge_jax, "ScannedStack"):
     pytest.skip("forge_jax.ScannedStack is not available")
-  cfg = models.get_config("tiny-qwen3", linear="forge")
+  cfg = models.get_config("tiny-qwen3", linear="forge", remat="full")
   opt = forge_jax.adamw(1e-3)
   x_BxLxD = jax.random.normal(jax.random.key(0), (2, 8, cfg.hidden_size))
   rope = rope_sin_cos(jnp.broadcast_to(jnp.arange(8), (2, 8)), rope_inv_frequencies(cfg))
@@ -248,7 +248,7 @@ def test_forge_linear_trains_like_optax():
   forge_jax = pytest.importorskip("forge_jax")
   if not hasattr(forge_jax, "train_step"):
     pytest.skip("forge_jax.train_step is not available")
-  cfg = models.get_config("tiny-llama", linear="forge")  # scanned, untied: lm_head is FORGE too
+  cfg = models.get_config("tiny-llama", linear="forge", remat="full")  # scanned, untied: lm_head is FORGE too
   opt = forge_jax.adamw(1e-2, weight_decay=0.1)
   model = models.CausalLM(cfg, optimizer=opt)
   batch = _tokens(cfg, length=9)
