@@ -19,6 +19,8 @@ Public API:
   run a whole in-place training step.
 """
 
+from forge_jax._checkpoint import restore_train_state
+from forge_jax._checkpoint import save_train_state
 from forge_jax._dense import FORGE_STATE
 from forge_jax._dense import Dense
 from forge_jax._dense import fused_backward
@@ -82,7 +84,9 @@ __all__ = [
     "nadam",
     "nadamw",
     "radam",
+    "restore_train_state",
     "rmsprop",
+    "save_train_state",
     "sgd",
     "train_step",
 ]
