@@ -23,3 +23,12 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_command_runs_quickstart():
   readme = (ROOT / "README.md").read_text()
   assert "python -m experiments.quickstart" in _bash_blocks(readme)[0]
+
+
+def test_readme_python_examples_run():
+  readme = (ROOT / "README.md").read_text()
+  blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+  # The one-line fused_linear_update example names undefined x, dy, w.
+  code = "\n".join(b for b in blocks if "fused_linear_update(x" not in b)
+  assert "train_step" in code
+  exec(compile(code, "README.md", "exec"), {})
