@@ -43,24 +43,28 @@ def _optax_step(tx, x, dy, w, state):
   return optax.apply_updates(w32, updates), state
 
 
-def _tolerances(name, w_dtype):
+def _tolerances(w_dtype):
   # Both sides sum the same bf16/f32 products in float32, in different orders:
-  # relative error of a T-term sum is ~ sqrt(T) * 2**-24, far under 1e-5.
+  # the relative error of a T-term sum is ~ sqrt(T) * 2**-24, far under 1e-5.
   if w_dtype == jnp.bfloat16:
     return dict(rtol=2**-7, atol=2**-7)  # one bf16 ulp at |w| ~ 1
   return dict(rtol=1e-5, atol=1e-6)
 
 
-def _compare(name, got, want, what, w_dtype):
+def _compare(got, want, what, w_dtype, loose_atol):
+  """Nearly every element to summation rounding; every element within `loose_atol`.
+
+  A few elements are ill-conditioned: where the gradient sum cancels to nearly
+  zero its relative error is large, and sign(.) (Lion) or Adam's first step
+  (about g / |g|) turn that into an O(lr) difference. Such elements are rare;
+  any real bug moves far more of them, or moves one by more than an update.
+  """
   got = np.asarray(got, np.float64)
   want = np.asarray(want, np.float64)
-  if name == "lion":
-    # sign(.) of a value within rounding of zero may flip: allow a tiny fraction
-    # of elements to differ (by 2 * lr), never more.
-    bad = ~np.isclose(got, want, **_tolerances(name, w_dtype))
-    assert bad.mean() <= 1e-3, f"{what}: {bad.sum()} of {bad.size} elements differ"
-    return
-  np.testing.assert_allclose(got, want, err_msg=what, **_tolerances(name, w_dtype))
+  close = np.isclose(got, want, **_tolerances(w_dtype))
+  assert close.mean() >= 0.999, f"{what}: {(~close).sum()} of {close.size} elements differ"
+  ulp = 2**-7 if w_dtype == jnp.bfloat16 else 0.0  # a bf16 rounding may flip too
+  np.testing.assert_allclose(got, want, rtol=ulp, atol=loose_atol, err_msg=what)
 
 
 def _run_case(backend, opt_case, t, k, n, in_dtype, w_dtype, seed=0):
@@ -78,10 +82,14 @@ def _run_case(backend, opt_case, t, k, n, in_dtype, w_dtype, seed=0):
     w_ref, s_ref = _optax_step(theirs, x, dy, w_ref, s_ref)
     w_ref = w_ref.astype(w_dtype).astype(jnp.float32)  # the stored weight's rounding
     assert w.dtype == w_dtype
-    _compare(case_id, w, w_ref, f"{case_id} {backend} w step {i}", w_dtype)
+    # At most a few updates' worth (|u| <~ 3 lr per step for these rules).
+    lr = kwargs["learning_rate"]
+    _compare(w, w_ref, f"{case_id} {backend} w step {i}", w_dtype, 4 * lr * (i + 1))
     for slot in state._fields[1:]:
       want = _find(s_ref, slot)
-      _compare(case_id, getattr(state, slot), want, f"{case_id} {backend} {slot} step {i}", w_dtype)
+      scale = float(jnp.max(jnp.abs(want)))
+      _compare(getattr(state, slot), want, f"{case_id} {backend} {slot} step {i}", w_dtype,
+               max(1e-4 * scale, _tolerances(w_dtype)["atol"]))
   assert int(state.count) == STEPS
 
 
@@ -98,9 +106,18 @@ def test_xla_backend_matches_optax(opt_case, in_dtype):
   _run_case("xla", opt_case, 77, 200, 333, in_dtype, jnp.float32)
 
 
+@pytest.mark.parametrize("opt_case", OPTIMIZERS, ids=[c[0] for c in OPTIMIZERS])
+@pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_interpret_backend_matches_optax(opt_case, in_dtype):
+  # The Pallas kernel itself (interpret mode), with its per-shape default tiles
+  # on a shape that is a multiple of nothing.
+  _run_case("interpret", opt_case, 77, 200, 333, in_dtype, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
 @pytest.mark.parametrize("opt_case", OPTIMIZERS[:1] + OPTIMIZERS[4:5], ids=["adamw", "lion"])
-def test_xla_backend_bf16_weights(opt_case):
-  _run_case("xla", opt_case, 64, 48, 40, jnp.bfloat16, jnp.bfloat16)
+def test_bf16_weights(opt_case, backend):
+  _run_case(backend, opt_case, 64, 48, 40, jnp.bfloat16, jnp.bfloat16)
 
 
 def test_leading_dims_are_flattened():
