@@ -61,6 +61,11 @@ SMOKE_BUDGETS = {"audit": (60, 240), "correctness": (120, 400), "sweep": (60, 30
 TOKENS = (4096, 1024, 16384)
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (5120, 17408))
 ODD_SHAPES = ((4096, 4096, 4100), (4000, 4096, 4096), (4096, 4095, 4096), (1000, 1000, 3000))
+FIRST_SHAPE = (512, 256, 512)  # T, K, N of the very first kernel call
+RULE_SHAPE = (4096, 4096, 4096)  # every rule and dtype
+SHAPE_T = 4096  # T for the (K, N) shapes
+STACKED_SHAPE = (2048, 4096, 4096)  # [3, K, N] stacked weights, grad norm
+SWEEP_PROBLEMS = ((4096, 4096, 4096), (1024, 4096, 4096))
 # Accepted relative errors (Frobenius). The update of w is compared as
 # (w_new - w) against the reference's; a sign-based rule (Lion) may flip where
 # its argument is within rounding of 0, hence the looser update tolerance.
@@ -268,22 +273,22 @@ def section_correctness(sec: _Section, smoke: bool, interpret: bool) -> None:
   rules = _rules()
   small = fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=16, num_sms=1)
   cfg = small if smoke else None
-  big = (128, 128, 256) if smoke else (4096, 4096, 4096)
+  big = (128, 128, 256) if smoke else RULE_SHAPE
   # (label, rule, (t, k, n), w dtype, slot dtype, layers, grad norm); most
   # informative first, since the time budget may cut the list short.
   cases: list[tuple[str, str, tuple, Any, Any, Optional[int], bool]] = [
-      ("first_run", "adamw", (128, 128, 256) if smoke else (512, 256, 512), f32, f32, None, False),
+      ("first_run", "adamw", (128, 128, 256) if smoke else FIRST_SHAPE, f32, f32, None, False),
       ("norm", "lion", big, f32, f32, None, True),
-      ("stacked_norm", "adamw", (64, 64, 128) if smoke else (2048, 4096, 4096), bf16, bf16, 3, True),
+      ("stacked_norm", "adamw", (64, 64, 128) if smoke else STACKED_SHAPE, bf16, bf16, 3, True),
   ]
   if smoke:
     cases += [("rule", "sgd_momentum", big, f32, bf16, None, False)]
   else:
     cases += [("rule", name, big, f32, f32, None, False) for name in rules]
-    cases += [("shape", "adamw", (4096, k, n), f32, f32, None, False) for k, n in SHAPES_KN]
+    cases += [("shape", "adamw", (SHAPE_T, k, n), f32, f32, None, False) for k, n in SHAPES_KN]
     cases += [("rule", name, big, bf16, bf16, None, False) for name in rules]
-    cases += [("shape", "adamw", (4096, k, n), bf16, bf16, None, False) for k, n in SHAPES_KN]
-    cases += [("shape", "adamw", (4096, k, n), f32, bf16, None, False) for k, n in SHAPES_KN]
+    cases += [("shape", "adamw", (SHAPE_T, k, n), bf16, bf16, None, False) for k, n in SHAPES_KN]
+    cases += [("shape", "adamw", (SHAPE_T, k, n), f32, bf16, None, False) for k, n in SHAPES_KN]
 
   for label, name, (t, k, n), w_dt, s_dt, layers, norm in cases:
     row: dict[str, Any] = {
@@ -365,7 +370,7 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
 
   from experiments import bench_fused_dw as bench  # pylint: disable=g-import-not-at-top
 
-  problems = [(64, 64, 128)] if smoke else [(4096, 4096, 4096), (1024, 4096, 4096)]
+  problems = [(64, 64, 128)] if smoke else list(SWEEP_PROBLEMS)
   configs = _sweep_configs(fm)
   if smoke:  # one config per schedule, one the kernel rejects (recorded, not run)
     configs = [
@@ -389,7 +394,7 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
       if sec.over_budget():
         sec.skip(label)
         continue
-      ok, why = fm.supports(p.x, p.dy, p.w0, p.rule.init_slots(p.w0), cfg)
+      ok, why = fm.supports(p.x, p.dy, p.w0, [p.w0] * len(p.rule.slot_names), cfg)
       if not ok:
         sec.add({"problem": p.name, "config_index": idx, "config": dc.asdict(cfg), "status": "unsupported",
                  "error": why})

@@ -196,6 +196,25 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
   return None
 
 
+def _device_problem() -> Optional[str]:
+  """Why the default device cannot run the kernel, or None.
+
+  ``wgmma`` exists on Hopper (sm_90) only: not before, and Blackwell has
+  ``tcgen05`` instead. A CPU passes: there the kernel runs interpreted (or is
+  only lowered).
+  """
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:  # no backend at all
+    return None
+  if device.platform != "gpu":
+    return None
+  capability = getattr(device, "compute_capability", None)
+  if capability is not None and not str(capability).startswith("9."):
+    return f"needs a Hopper GPU (sm_90, wgmma); {device.device_kind} is sm_{capability}"
+  return None
+
+
 def supports(
     x: Any,
     dy: Any,
@@ -217,6 +236,8 @@ def supports(
   cfg = config or MosaicTileConfig()
   if (problem := _config_problem(cfg)) is not None:
     return False, f"invalid MosaicTileConfig: {problem}"
+  if (problem := _device_problem()) is not None:
+    return False, problem
   if len(x.shape) != 2 or len(dy.shape) != 2:
     return False, f"x and dy must be 2-D [T, K] / [T, N], got {x.shape} and {dy.shape}"
   t, k = x.shape
