@@ -934,7 +934,12 @@ def fused_dw_update_mosaic(
 
   plan = _Plan(
       cfg=cfg, t=t, k=k, n=n, num_slots=len(slots), num_scalars=len(leaves),
-      stages=max(1, min(cfg.max_concurrent_steps, t // cfg.tile_t)),
+      # jax's pipeline wants no more stages than steps; the ping-pong ring
+      # runs across tiles and keeps them all.
+      stages=(
+          cfg.max_concurrent_steps if cfg.schedule == "pingpong"
+          else max(1, min(cfg.max_concurrent_steps, t // cfg.tile_t))
+      ),
       num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
       interpreting=_interpret_params(interpret) is not None,
   )
