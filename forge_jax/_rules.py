@@ -341,7 +341,11 @@ class RAdamRule(ElementwiseRule):
     mu_hat = _adam_mu_hat(mu, g, s, self.nesterov)
     nu_hat = nu / s.bc2
     rectified = s.r * mu_hat / (_math.sqrt(nu_hat + s.eps_root) + s.eps)
-    u = jnp.where(s.rectify > 0.5, rectified, mu_hat)
+    # optax selects with jnp.where on the step's scalar flag. A blend with the
+    # flag (exactly 0.0 or 1.0) gives the same values (x*1 + y*0 == x for
+    # finite y) and needs no scalar-predicate select, which Mosaic GPU cannot
+    # lower under warpgroup semantics ("implicit broadcast").
+    u = rectified * s.rectify + mu_hat * (1.0 - s.rectify)
     return s.neg_lr * u, (mu, nu)
 
 
