@@ -14,6 +14,14 @@ The contract shared by every implementation in this package:
   packed vector); ``u`` is the float32 update (the weight becomes ``w + u``)
   and ``new_slots`` the float32 slots. Plain jnp arithmetic only.
 
+Stored forms (:mod:`pallas_kernels.numerics`): every value is read through
+a codec's ``decode`` into float32 and written back through its ``encode``.
+The weight's codec is an argument (``weight_codec``: round to nearest by
+default, or stochastic rounding to bfloat16 with bits hashed from ``seed``,
+``step``, ``layer`` and the element's index); a slot is either a float array
+(round to nearest) or a :class:`~pallas_kernels.numerics.QuantizedArray`
+(int8 codes + per-block scales, dequantized and re-quantized in registers).
+
 Stacked weights: ``w`` and the slots may carry a leading layer axis
 ([L, K, N]); then ``layer`` (an int32 scalar) selects the one slice that is
 read and rewritten, and every other slice is left untouched, so a loop over
@@ -31,7 +39,11 @@ The Triton-lowered kernel (:func:`fused_dw_update`):
 * ``w`` and the slots are aliased to the outputs (``input_output_aliases``),
   so under a jit that donates them the update is in place;
 * ``scalars`` (any pytree of 0-d floats) travels as one small float32 vector
-  and is rebuilt with its treedef inside the kernel.
+  and is rebuilt with its treedef inside the kernel; the integers (layer,
+  rounding seed, step) travel as one small int32 vector;
+* a block-quantized slot is two arrays (codes, scales); a tile of
+  ``block_n`` columns (a multiple of the quantization block) owns whole
+  blocks, so re-quantizing needs no other tile.
 """
 
 from __future__ import annotations
@@ -46,6 +58,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
+
+from pallas_kernels import numerics
+from pallas_kernels.numerics import store_cast  # re-exported: the default write-back
 
 Array = jax.Array
 UpdateFn = Callable[..., tuple[Array, tuple[Array, ...]]]
@@ -149,20 +164,6 @@ def default_tile_config(t: int, k: int, n: int, dtype=jnp.bfloat16) -> TileConfi
 
 
 # ----------------------------------------------------------------------------
-# Helpers shared by every backend.
-# ----------------------------------------------------------------------------
-
-
-def store_cast(value: Array, dtype) -> Array:
-  """The write-back conversion from the float32 result to a storage dtype.
-
-  Round to nearest for now; stochastic rounding and quantized slots plug in
-  here (one definition for every backend).
-  """
-  return value.astype(dtype)
-
-
-# ----------------------------------------------------------------------------
 # The Triton-lowered kernel.
 # ----------------------------------------------------------------------------
 
@@ -195,7 +196,7 @@ def _load(view, mask: Optional[Array]) -> Array:
   """Loads a tile; masked-off elements read as 0 (and touch no memory)."""
   if mask is None:
     return pltriton.load(view)
-  return pltriton.load(view, mask=mask, other=0.0)
+  return pltriton.load(view, mask=mask, other=jnp.zeros((), view.dtype))
 
 
 def _store(view, value: Array, mask: Optional[Array]) -> None:
@@ -229,13 +230,15 @@ def _accumulate_grad(
 
 
 def _fused_dw_kernel(
-    # Inputs: x [T, K], dy [T, N], packed scalars [S], (layer [1]), w, *slots.
+    # Inputs: x [T, K], dy [T, N], packed scalars [S], (ints [3]), then the
+    # parts of w and of every slot (see `codecs`).
     x_ref, dy_ref, scalars_ref, *refs,
-    # Outputs (w and slots aliased to the inputs), then (grad_sq [gk, gn]).
+    # Outputs: the same parts (aliased to the inputs), then (grad_sq [gk, gn]).
     t: int,
     k: int,
     n: int,
-    num_slots: int,
+    codecs: tuple[numerics.Codec, ...],
+    with_ints: bool,
     stacked: bool,
     with_norm: bool,
     scalars_treedef: Any,
@@ -245,40 +248,63 @@ def _fused_dw_kernel(
     precision: Any,
 ):
   """One (block_k, block_n) weight tile: gradient, update, write-back."""
-  layer_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
-  w_ref, slot_refs, refs = refs[0], refs[1 : 1 + num_slots], refs[1 + num_slots :]
-  w_out_ref, slot_out_refs = refs[0], refs[1 : 1 + num_slots]
-  norm_ref = refs[1 + num_slots] if with_norm else None
+  ints_ref, refs = (refs[0], refs[1:]) if with_ints else (None, refs)
+  num_parts = sum(len(c.col_divisors()) for c in codecs)
+  in_refs, out_refs = refs[:num_parts], refs[num_parts : 2 * num_parts]
+  norm_ref = refs[2 * num_parts] if with_norm else None
+  bk, bn = config.block_k, config.block_n
 
   pid_k, pid_n = pl.program_id(0), pl.program_id(1)
-  k0, n0 = pid_k * config.block_k, pid_n * config.block_n
-  k_mask = _edge_mask(k0, config.block_k, k)
-  n_mask = _edge_mask(n0, config.block_n, n)
+  k0, n0 = pid_k * bk, pid_n * bn
+  k_mask = _edge_mask(k0, bk, k)
+  n_mask = _edge_mask(n0, bn, n)
   g = _accumulate_grad(
       x_ref, dy_ref, k0, n0, k_mask, n_mask,
       t=t, config=config, compute_dtype=compute_dtype, precision=precision,
   )
 
-  # The weight tile of this program, in the selected layer if stacked.
-  tile = (pl.ds(k0, config.block_k), pl.ds(n0, config.block_n))
-  if stacked:
-    tile = (layer_ref[0],) + tile
-  mask = _tile_mask(k_mask, n_mask, (config.block_k, config.block_n))
-  w32 = _load(w_ref.at[tile], mask).astype(jnp.float32)
-  slots32 = tuple(_load(r.at[tile], mask).astype(jnp.float32) for r in slot_refs)
+  # Where each part's tile lives: a part with one column per `d` columns of
+  # the weight (per-block scales) has a tile of bn // d columns at n0 // d.
+  layer = (ints_ref[0],) if stacked else ()
+  views = []
+  for d in (d for c in codecs for d in c.col_divisors()):
+    tile = layer + (pl.ds(k0, bk), pl.ds(n0 // d, bn // d))
+    col_mask = n_mask if d == 1 else _edge_mask(n0 // d, bn // d, n // d)
+    views.append((tile, _tile_mask(k_mask, col_mask, (bk, bn // d))))
+
+  values32, i = [], 0
+  for c in codecs:
+    m = len(c.col_divisors())
+    values32.append(c.decode(tuple(_load(r.at[v[0]], v[1]) for r, v in zip(in_refs[i : i + m], views[i : i + m]))))
+    i += m
   scalars = scalars_treedef.unflatten(
-      [scalars_ref[i] for i in range(scalars_treedef.num_leaves)]
+      [scalars_ref[j] for j in range(scalars_treedef.num_leaves)]
   )
-  u, new_slots = update_fn(g, w32, slots32, scalars)
+  w32 = values32[0]
+  u, new_slots = update_fn(g, w32, tuple(values32[1:]), scalars)
   new_slots = tuple(new_slots)
-  if len(new_slots) != num_slots:
+  if len(new_slots) != len(codecs) - 1:
     raise ValueError(
-        f"update_fn returned {len(new_slots)} slots for {num_slots} slot inputs; "
+        f"update_fn returned {len(new_slots)} slots for {len(codecs) - 1} slot inputs; "
         "it must return (u, new_slots) with one new slot per slot."
     )
-  _store(w_out_ref.at[tile], store_cast(w32 + u, w_out_ref.dtype), mask)
-  for ref, value in zip(slot_out_refs, new_slots):
-    _store(ref.at[tile], store_cast(value, ref.dtype), mask)
+
+  bits = None
+  if any(c.needs_bits for c in codecs):
+    # The hash of (seed, step, layer, row * N + col): independent of the tile.
+    rows = k0 + jnp.arange(bk, dtype=jnp.int32)
+    cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+    key = numerics.rounding_key(ints_ref[1], ints_ref[2], ints_ref[0])
+    bits = numerics.element_bits(key, numerics.element_index(rows[:, None], cols[None, :], n))
+
+  i = 0
+  for c, value in zip(codecs, (w32 + u,) + new_slots):
+    m = len(c.col_divisors())
+    refs_i, views_i = out_refs[i : i + m], views[i : i + m]
+    parts = c.encode(value, tuple(r.dtype for r in refs_i), bits)
+    for r, (tile, mask), part in zip(refs_i, views_i, parts):
+      _store(r.at[tile], part, mask)
+    i += m
   if with_norm:
     # Masked-off rows and columns of g are exact zeros (masked loads).
     norm_ref[pid_k, pid_n] = jnp.sum(g * g)
@@ -333,8 +359,57 @@ def _check_inputs(x: Array, dy: Array, w: Array, slots: tuple, layer) -> None:
           f"slots[{i}].shape={s.shape} must equal w.shape={w.shape}: every "
           "optimizer slot is elementwise, shaped like its weight."
       )
-    if not jnp.issubdtype(s.dtype, jnp.floating):
-      raise ValueError(f"slots[{i}].dtype={s.dtype} must be a floating dtype.")
+    if isinstance(s, numerics.QuantizedArray):
+      _check_quantized(s, f"slots[{i}]")
+    elif not jnp.issubdtype(s.dtype, jnp.floating):
+      raise ValueError(
+          f"slots[{i}].dtype={s.dtype} must be a floating dtype (int8 states are "
+          "passed as a numerics.QuantizedArray, codes with their scales)."
+      )
+
+
+def _check_quantized(s: numerics.QuantizedArray, name: str) -> None:
+  s.codec.check(s.shape, name)
+  scale_shape = s.shape[:-1] + (s.shape[-1] // s.codec.block,)
+  if s.codes.dtype != numerics.CODE_DTYPE or s.scale.dtype != numerics.SCALE_DTYPE:
+    raise ValueError(
+        f"{name} has codes of dtype {s.codes.dtype} and scales of dtype {s.scale.dtype}; "
+        f"expected {numerics.CODE_DTYPE} and {numerics.SCALE_DTYPE} (build it with "
+        "BlockQuantized.quantize)."
+    )
+  if tuple(s.scale.shape) != scale_shape:
+    raise ValueError(
+        f"{name}.scale.shape={tuple(s.scale.shape)} must be {scale_shape}: one scale "
+        f"per block of {s.codec.block} values along the last axis."
+    )
+
+
+def _codecs(w: Array, slots: tuple, weight_codec) -> tuple[numerics.Codec, ...]:
+  return (weight_codec or numerics.Cast(),) + tuple(numerics.codec_of(s) for s in slots)
+
+
+def _parts(codecs, w: Array, slots: tuple) -> list[Array]:
+  return [p for c, v in zip(codecs, (w,) + slots) for p in c.parts(v)]
+
+
+def _rebuild(codecs, parts: Sequence[Array]) -> tuple[Array, tuple]:
+  values, i = [], 0
+  for c in codecs:
+    m = len(c.col_divisors())
+    values.append(c.rebuild(parts[i : i + m]))
+    i += m
+  return values[0], tuple(values[1:])
+
+
+def _rounding_ints(codecs, seed, step) -> tuple[Array, Array]:
+  """(seed, step) as int32 scalars; a ValueError if bits are needed but missing."""
+  if any(c.needs_bits for c in codecs) and (seed is None or step is None):
+    raise ValueError(
+        f"seed={seed!r} and step={step!r}: stochastic rounding needs both (the random "
+        "bits hash seed, step, layer and the element index). Pass seed= and step=."
+    )
+  as_i32 = lambda v: jax.lax.bitcast_convert_type(numerics._u32(0 if v is None else v), jnp.int32)
+  return as_i32(seed), as_i32(step)
 
 
 def _pack_scalars(scalars: Any) -> tuple[Array, Any]:
@@ -374,6 +449,9 @@ def fused_dw_update(
     config: Optional[TileConfig] = None,
     compute_grad_sq_norm: bool = False,
     interpret: bool = False,
+    weight_codec: Optional[numerics.Codec] = None,
+    seed: Optional[Any] = None,
+    step: Optional[Any] = None,
 ):
   """``dW = x.T @ dy`` consumed tile by tile by ``update_fn``, in place.
 
@@ -385,7 +463,9 @@ def fused_dw_update(
     x: [T, K] layer input, float32 or bfloat16.
     dy: [T, N] output cotangent, float32 or bfloat16.
     w: [K, N] weight, or [L, K, N] stacked weights with ``layer`` given.
-    slots: optimizer-state arrays shaped like ``w`` (any float dtypes).
+    slots: optimizer-state arrays shaped like ``w``: float arrays of any float
+      dtype, or :class:`~pallas_kernels.numerics.QuantizedArray` (N a multiple
+      of its block; ``config.block_n`` must be a multiple of the block too).
     scalars: pytree of 0-d float32 values passed to ``update_fn`` (packed
       into one float32 vector; other numeric leaves arrive as float32).
     update_fn: the elementwise rule (see the module docstring).
@@ -394,6 +474,14 @@ def fused_dw_update(
     config: tiling; :func:`default_tile_config` when None.
     compute_grad_sq_norm: also return ``sum(dW**2)`` (float32).
     interpret: run the same kernel in Pallas interpret mode (CPU).
+    weight_codec: how the new weight is written back
+      (:class:`~pallas_kernels.numerics.Cast`, round to nearest, by default;
+      :class:`~pallas_kernels.numerics.StochasticRound` for stochastic
+      rounding).
+    seed: int or int32/uint32 scalar: the rounding seed (needed by
+      stochastic rounding; see :func:`~pallas_kernels.numerics.rounding_key`).
+    step: int32 scalar (may be traced): the optimizer step, hashed with
+      ``seed`` and ``layer``.
 
   Returns:
     ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless
@@ -402,29 +490,42 @@ def fused_dw_update(
   slots = tuple(slots)
   _check_inputs(x, dy, w, slots, layer)
   (t, k), n = x.shape, dy.shape[1]
+  codecs = _codecs(w, slots, weight_codec)
+  block = max(d for c in codecs for d in c.col_divisors())
   if config is None:
     config = default_tile_config(t, k, n, x.dtype)
+    # A tile must hold whole quantization blocks.
+    config = config.replace(block_n=max(config.block_n, block))
+  elif config.block_n % block:
+    raise ValueError(
+        f"config.block_n={config.block_n} must be a multiple of the quantization "
+        f"block={block}: a tile re-quantizes whole blocks. Use a larger block_n."
+    )
+  seed_i32, step_i32 = _rounding_ints(codecs, seed, step)
   compute_dtype = jnp.promote_types(x.dtype, dy.dtype)
   # Full fp32 (no TF32) for fp32 inputs, as the reference; bf16 is exact in
   # the tensor cores' products either way.
   precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
   scalar_vec, scalars_treedef = _pack_scalars(scalars)
   stacked = w.ndim == 3
+  with_ints = stacked or any(c.needs_bits for c in codecs)
   inputs = [x, dy, scalar_vec]
-  if stacked:
+  if with_ints:
     # Clamped: an out-of-range layer must never become an out-of-bounds write.
-    layer_vec = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1).reshape(1)
-    inputs.append(layer_vec)
+    layer_i32 = jnp.int32(0) if not stacked else jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
+    inputs.append(jnp.stack([layer_i32, seed_i32, step_i32]))
   first_state = len(inputs)
-  inputs += [w, *slots]
+  parts = _parts(codecs, w, slots)
+  inputs += parts
   grid = (pl.cdiv(k, config.block_k), pl.cdiv(n, config.block_n))
-  out_shape = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (w, *slots)]
+  out_shape = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in parts]
   if compute_grad_sq_norm:
     out_shape.append(jax.ShapeDtypeStruct(grid, jnp.float32))
   kernel = functools.partial(
       _fused_dw_kernel,
       t=t, k=k, n=n,
-      num_slots=len(slots),
+      codecs=codecs,
+      with_ints=with_ints,
       stacked=stacked,
       with_norm=compute_grad_sq_norm,
       scalars_treedef=scalars_treedef,
@@ -438,7 +539,7 @@ def fused_dw_update(
       kernel,
       out_shape=out_shape,
       grid=grid,
-      input_output_aliases={first_state + i: i for i in range(1 + len(slots))},
+      input_output_aliases={first_state + i: i for i in range(len(parts))},
       # Explicit Triton params: without them jax >= 0.9 picks Mosaic GPU.
       compiler_params=pltriton.CompilerParams(
           num_warps=config.num_warps, num_stages=config.num_stages
@@ -446,7 +547,7 @@ def fused_dw_update(
       interpret=interpret,
       name="fused_dw_update",
   )(*inputs)
-  new_w, new_slots = outs[0], tuple(outs[1 : 1 + len(slots)])
+  new_w, new_slots = _rebuild(codecs, outs[: len(parts)])
   norm = jnp.sum(outs[-1]) if compute_grad_sq_norm else None
   return new_w, new_slots, norm
 
@@ -466,6 +567,9 @@ def fused_dw_update_reference(
     *,
     layer: Optional[Array] = None,
     compute_grad_sq_norm: bool = False,
+    weight_codec: Optional[numerics.Codec] = None,
+    seed: Optional[Any] = None,
+    step: Optional[Any] = None,
 ):
   """Plain-jnp reference: the same contract as the kernels.
 
@@ -473,11 +577,15 @@ def fused_dw_update_reference(
     x: [T, K] layer input (any float dtype).
     dy: [T, N] output cotangent.
     w: [K, N] weight, or [L, K, N] stacked weights with ``layer`` given.
-    slots: optimizer-state arrays shaped like ``w``.
+    slots: optimizer-state arrays shaped like ``w`` (float arrays or
+      :class:`~pallas_kernels.numerics.QuantizedArray`).
     scalars: pytree of float32 0-d arrays passed to ``update_fn``.
     update_fn: the elementwise rule (see the module docstring).
     layer: int32 scalar index into the leading axis of stacked ``w``/slots.
     compute_grad_sq_norm: also return ``sum(dW**2)`` in float32.
+    weight_codec: the weight's write-back (see :func:`fused_dw_update`).
+    seed: the rounding seed (stochastic rounding).
+    step: the optimizer step (stochastic rounding).
 
   Returns:
     ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless
@@ -489,19 +597,33 @@ def fused_dw_update_reference(
       preferred_element_type=jnp.float32,
   )
   slots = tuple(slots)
+  codecs = _codecs(w, slots, weight_codec)
+  seed_i32, step_i32 = _rounding_ints(codecs, seed, step)
+  parts = _parts(codecs, w, slots)
   if layer is None:
-    w_l, slots_l = w, slots
+    parts_l, layer_i32 = parts, jnp.int32(0)
   else:
-    w_l = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
-    slots_l = tuple(jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in slots)
-  w32 = w_l.astype(jnp.float32)
-  u, new = update_fn(g, w32, tuple(s.astype(jnp.float32) for s in slots_l), scalars)
-  new_w = store_cast(w32 + u, w.dtype)
-  new_slots = tuple(store_cast(n, s.dtype) for n, s in zip(new, slots))
+    # Clamped like dynamic_index_in_dim (and like the kernel's index).
+    layer_i32 = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
+    parts_l = [jax.lax.dynamic_index_in_dim(p, layer_i32, keepdims=False) for p in parts]
+  w_l, slots_l = _rebuild(codecs, parts_l)
+  w32 = codecs[0].decode(codecs[0].parts(w_l))
+  slots32 = tuple(c.decode(c.parts(s)) for c, s in zip(codecs[1:], slots_l))
+  u, new = update_fn(g, w32, slots32, scalars)
+  bits = None
+  if any(c.needs_bits for c in codecs):
+    key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
+    bits = numerics.element_bits(key, numerics.matrix_index(g.shape))
+  new_parts, i = [], 0
+  for c, value in zip(codecs, (w32 + u, *new)):
+    m = len(c.col_divisors())
+    new_parts += c.encode(value, tuple(p.dtype for p in parts_l[i : i + m]), bits)
+    i += m
   if layer is not None:
-    new_w = jax.lax.dynamic_update_index_in_dim(w, new_w, layer, 0)
-    new_slots = tuple(
-        jax.lax.dynamic_update_index_in_dim(s, n, layer, 0) for s, n in zip(slots, new_slots)
-    )
+    new_parts = [
+        jax.lax.dynamic_update_index_in_dim(p, q.astype(p.dtype), layer_i32, 0)
+        for p, q in zip(parts, new_parts)
+    ]
+  new_w, new_slots = _rebuild(codecs, new_parts)
   norm = jnp.sum(g * g) if compute_grad_sq_norm else None
   return new_w, new_slots, norm

@@ -1,0 +1,419 @@
+"""Low-precision write-back: stochastic rounding and block-quantized states.
+
+One definition of every conversion between the float32 values a kernel
+computes and what is stored, shared by the Triton kernel, the XLA reference
+and the optax-protocol path (:mod:`forge_jax`). Everything here is plain
+``jnp``/``lax`` arithmetic on float32, int32 and uint32 (add, mul, xor,
+shifts, bitcasts, min/max, floor, a max-reduction over the last axis of a
+reshaped tile), so it lowers in Pallas Triton, plain XLA and, by design,
+Mosaic GPU.
+
+**Stochastic rounding to bfloat16.** A float32 ``x`` lies between two
+neighbouring bfloat16 values ``lo <= x <= hi``; it is rounded to ``hi`` with
+probability ``(x - lo) / (hi - lo)`` and to ``lo`` otherwise, so
+``E[round(x)] = x``: sub-ulp updates survive on average instead of being
+lost (round-to-nearest drops every update below half an ulp). bfloat16 is
+the top half of a float32, so this is one integer add: the 16 low bits of
+``x`` plus 16 uniform random bits carry into the kept half with exactly that
+probability; then the low half is cleared.
+
+**Random bits.** A counter-based hash, not a stateful generator: the bits of
+an element are ``element_bits(rounding_key(seed, step, layer), index)`` with
+``index = row * N + col`` of the element in its [K, N] weight. The same
+element of the same step always gets the same bits, whatever the tile shape,
+the backend or the order in which tiles run, so runs are reproducible and the
+kernel equals its reference bit for bit. The mixer is Wellons' ``lowbias32``
+(xor-shift-multiply, a bijection of uint32, avalanche bias ~0.17%), applied
+twice per element; for a fixed key the map from index to bits is a
+permutation, so no two elements of one weight share bits in one step.
+Indices wrap modulo 2**32 (only weights of more than 4G elements would repeat
+bits).
+
+**Block quantization (8 bits).** A state ``[..., N]`` is stored as int8 codes
+of the same shape plus one float32 scale (the block's absolute maximum) per
+``block`` consecutive values along the last axis (``[..., N // block]``). A
+kernel tile whose ``block_n`` is a multiple of ``block`` holds whole blocks,
+so it dequantizes in registers, updates in float32 and re-quantizes with the
+new block maximum, without reading any other tile. Codes live in [-127, 127]
+(255 levels; -128 is never written). Two maps (:class:`QuantMap`):
+
+* ``"linear"``: ``x ~ code / 127 * absmax`` (signed; unsigned maps spend all
+  255 levels on [0, absmax]). Round to nearest; error <= absmax / 254 per
+  element (unsigned: absmax / 508).
+* ``"float"``: a minifloat relative to the block maximum: ``m`` mantissa bits
+  and the remaining bits of exponent, decoded by building a float32 from the
+  code's bits (``(code + base) << (23 - m)``), so it costs integer adds and
+  shifts, no table lookup. Relative error <= 2**-(m+1) per element over
+  ``(255 or 127) / 2**m`` octaves below the block maximum. Code 0 is exact
+  zero. Below the range, signed maps flush to zero and unsigned maps clamp to
+  the smallest positive code: a second moment is never rounded to 0 (which
+  would make ``m / (sqrt(v) + eps)`` explode), only overestimated.
+
+See ``docs/precision.md`` for the choice per optimizer state and measured
+errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+_U32 = jnp.uint32
+_F32 = jnp.float32
+_I32 = jnp.int32
+CODE_DTYPE = jnp.dtype(jnp.int8)
+SCALE_DTYPE = jnp.dtype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------
+# Counter-based random bits.
+# ----------------------------------------------------------------------------
+
+
+def _u32(value) -> Array:
+  """uint32 of an int (negative ints and int32 arrays wrap, bit for bit)."""
+  if isinstance(value, (int, np.integer)):
+    return jnp.asarray(np.uint32(int(value) % 2**32))
+  value = jnp.asarray(value)
+  if value.dtype == jnp.dtype(jnp.int32):
+    return lax.bitcast_convert_type(value, _U32)
+  return value.astype(_U32)
+
+
+def mix32(x: Array) -> Array:
+  """Wellons' ``lowbias32``: a bijective uint32 -> uint32 mixer."""
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x7FEB352D)
+  x = x ^ (x >> np.uint32(15))
+  x = x * np.uint32(0x846CA68B)
+  return x ^ (x >> np.uint32(16))
+
+
+def rounding_key(seed, step, layer=0) -> Array:
+  """The uint32 key of one (seed, step, layer): all three absorbed and mixed.
+
+  Args:
+    seed: int or int32/uint32 scalar (callers fold a per-weight stream id
+      into it, see :func:`stream_seed`).
+    step: the optimizer step (int32 scalar, may be traced).
+    layer: index into stacked weights (0 for an unstacked weight).
+  """
+  k = mix32(_u32(seed) + np.uint32(0x9E3779B9))
+  k = mix32(k ^ _u32(step))
+  return mix32(k + _u32(layer))
+
+
+def stream_seed(seed, stream) -> Array:
+  """Folds a stream id (which weight) into a seed, as a uint32."""
+  return mix32(_u32(seed) ^ mix32(_u32(stream) + np.uint32(0x632BE5AB)))
+
+
+def element_bits(key: Array, index: Array) -> Array:
+  """32 uniform bits per element from the key and the element's uint32 index."""
+  h = mix32(_u32(index) ^ key)
+  return mix32(h + key)
+
+
+def element_index(rows: Array, cols: Array, n: int) -> Array:
+  """``row * n + col`` in uint32 (wrapping), broadcast over rows x cols."""
+  return _u32(rows) * np.uint32(n % 2**32) + _u32(cols)
+
+
+def matrix_index(shape: Sequence[int]) -> Array:
+  """The uint32 element index of every entry of an array of ``shape``.
+
+  Its flat position: for a 2-d [K, N] weight, ``row * N + col``, the index
+  the kernel computes per tile.
+  """
+  size = int(np.prod(shape, dtype=np.int64))
+  return lax.iota(_U32, size).reshape(tuple(shape))
+
+
+# ----------------------------------------------------------------------------
+# Stochastic rounding.
+# ----------------------------------------------------------------------------
+
+
+def stochastic_round(x: Array, bits: Array, dtype) -> Array:
+  """Rounds float32 ``x`` to ``dtype`` up or down, unbiased, with ``bits``.
+
+  ``dtype`` bfloat16: rounds to one of the two bfloat16 neighbours of ``x``
+  with probability proportional to the distance to the other one (16 random
+  bits: probabilities are multiples of 2**-16). float32: ``x`` unchanged.
+  NaN stays NaN, infinities stay infinite; values beyond the largest
+  bfloat16 may round to infinity, as round-to-nearest does.
+
+  Raises:
+    ValueError: for any other ``dtype``.
+  """
+  dtype = jnp.dtype(dtype)
+  x = x.astype(_F32)
+  if dtype == jnp.dtype(_F32):
+    return x
+  if dtype != jnp.dtype(jnp.bfloat16):
+    raise ValueError(
+        f"stochastic rounding to dtype={dtype} is not supported: it is defined for "
+        "bfloat16 (the top half of a float32) and float32 (no rounding); store the "
+        "weight in bfloat16 or use weight_rounding='nearest'."
+    )
+  xb = lax.bitcast_convert_type(x, _U32)
+  rounded = (xb + (bits >> np.uint32(16))) & np.uint32(0xFFFF0000)
+  # A NaN whose payload sits in the low half would lose it and become inf.
+  rounded = jnp.where(x != x, xb, rounded)
+  # The low half is zero: the conversion below is exact.
+  return lax.bitcast_convert_type(rounded, _F32).astype(dtype)
+
+
+# ----------------------------------------------------------------------------
+# Quantization maps.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantMap:
+  """How a value relative to its block maximum becomes an 8-bit code.
+
+  Attributes:
+    kind: ``"linear"`` (uniform steps) or ``"float"`` (a minifloat: uniform
+      relative precision over many octaves).
+    signed: whether values can be negative (a first moment) or not (a second
+      moment, an AdaGrad accumulator).
+    mantissa_bits: for ``"float"``: bits of mantissa (relative error
+      <= 2**-(mantissa_bits+1)); the rest of the 8 bits are exponent.
+  """
+
+  kind: str = "linear"
+  signed: bool = True
+  mantissa_bits: int = 3
+
+  def __post_init__(self):
+    if self.kind not in ("linear", "float"):
+      raise ValueError(f"QuantMap.kind={self.kind!r} must be 'linear' or 'float'.")
+    if not 1 <= self.mantissa_bits <= 6:
+      raise ValueError(f"QuantMap.mantissa_bits={self.mantissa_bits} must be in [1, 6].")
+
+  @property
+  def max_code(self) -> int:
+    """The largest code magnitude: 127 signed, 254 unsigned (then offset by -127)."""
+    return 127 if self.signed else 254
+
+  @property
+  def octaves(self) -> float:
+    """For ``"float"``: how many octaves below the block maximum are representable."""
+    return (self.max_code - 1) / 2**self.mantissa_bits
+
+  @property
+  def name(self) -> str:
+    sign = "signed" if self.signed else "unsigned"
+    if self.kind == "linear":
+      return f"{sign} linear"
+    exp = 8 - (1 if self.signed else 0) - self.mantissa_bits
+    return f"{sign} float e{exp}m{self.mantissa_bits}"
+
+  # The bit pattern of the float32 that magnitude code 0 would stand for, so
+  # that code max_code is exactly 1.0 (float32 bits 127 << 23).
+  def _base(self) -> int:
+    return (127 << self.mantissa_bits) - self.max_code
+
+  def encode(self, x_rel: Array) -> Array:
+    """int32 codes in [-127, 127] of ``x_rel = x / absmax`` (|x_rel| <= ~1)."""
+    mag = jnp.abs(x_rel) if self.signed else jnp.maximum(x_rel, 0.0)
+    if self.kind == "linear":
+      q = jnp.floor(mag * float(self.max_code) + 0.5).astype(_I32)
+      q = jnp.minimum(q, self.max_code)
+    else:
+      m = self.mantissa_bits
+      bits = lax.bitcast_convert_type(mag, _I32)
+      # Round to nearest on the mantissa: add half a code step, drop the rest.
+      q = ((bits + (1 << (22 - m))) >> (23 - m)) - self._base()
+      low = 0 if self.signed else 1  # never round a positive second moment to 0
+      q = jnp.where(mag > 0.0, jnp.clip(q, low, self.max_code), 0)
+    if self.signed:
+      return jnp.where(x_rel < 0.0, -q, q)
+    return q - 127
+
+  def decode(self, codes: Array) -> Array:
+    """float32 values relative to the block maximum of int codes."""
+    c = codes.astype(_I32)
+    mag = jnp.abs(c) if self.signed else c + 127
+    if self.kind == "linear":
+      x = mag.astype(_F32) * (1.0 / self.max_code)
+    else:
+      m = self.mantissa_bits
+      x = lax.bitcast_convert_type((mag + self._base()) << (23 - m), _F32)
+      x = jnp.where(mag == 0, 0.0, x)
+    if self.signed:
+      return jnp.where(c < 0, -x, x)
+    return x
+
+
+# ----------------------------------------------------------------------------
+# Codecs: how a float32 value is stored and read back.
+# ----------------------------------------------------------------------------
+
+
+class Codec:
+  """The stored form of one array (a weight or an optimizer-state slot).
+
+  A stored value is made of one or more *parts* (arrays); part ``i`` has one
+  column per ``col_divisors[i]`` columns of the logical array (1 for a full
+  array, ``block`` for per-block scales), so a kernel tile of columns
+  ``[n0, n0 + bn)`` reads columns ``[n0 / d, (n0 + bn) / d)`` of that part.
+  ``decode`` and ``encode`` work on tiles or whole arrays alike (last axis =
+  columns).
+  """
+
+  needs_bits: ClassVar[bool] = False
+
+  def parts(self, value) -> tuple[Array, ...]:
+    return (value,)
+
+  def rebuild(self, parts: Sequence[Array]):
+    (value,) = parts
+    return value
+
+  def col_divisors(self) -> tuple[int, ...]:
+    return (1,)
+
+  def decode(self, parts: Sequence[Array]) -> Array:
+    (value,) = parts
+    return value.astype(_F32)
+
+  def encode(self, x: Array, dtypes: Sequence[Any], bits: Optional[Array] = None) -> tuple[Array, ...]:
+    raise NotImplementedError
+
+  def check(self, shape: Sequence[int], name: str) -> None:
+    """Raises a ValueError if an array of ``shape`` cannot use this codec."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast(Codec):
+  """A float array; written back with round-to-nearest (``astype``)."""
+
+  def encode(self, x, dtypes, bits=None):
+    del bits
+    return (x.astype(dtypes[0]),)
+
+
+@dataclasses.dataclass(frozen=True)
+class StochasticRound(Codec):
+  """A float array; written back with :func:`stochastic_round`."""
+
+  needs_bits: ClassVar[bool] = True
+
+  def encode(self, x, dtypes, bits=None):
+    if bits is None:
+      raise ValueError("StochasticRound.encode needs the element bits (bits=None given).")
+    return (stochastic_round(x, bits, dtypes[0]),)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockQuantized(Codec):
+  """int8 codes + one float32 absmax per ``block`` values along the last axis.
+
+  Attributes:
+    qmap: the code map (:class:`QuantMap`).
+    block: values per scale; a power of two, and the last axis must be a
+      multiple of it.
+  """
+
+  qmap: QuantMap = QuantMap()
+  block: int = 64
+
+  def __post_init__(self):
+    if self.block < 1 or self.block & (self.block - 1):
+      raise ValueError(f"block={self.block} must be a power of two (the kernel's tiles are).")
+
+  def parts(self, value):
+    if not isinstance(value, QuantizedArray):
+      raise TypeError(f"expected a QuantizedArray, got {type(value).__name__}")
+    return (value.codes, value.scale)
+
+  def rebuild(self, parts):
+    codes, scale = parts
+    return QuantizedArray(codes, scale, self)
+
+  def col_divisors(self):
+    return (1, self.block)
+
+  def check(self, shape, name):
+    if len(shape) < 1 or shape[-1] % self.block:
+      raise ValueError(
+          f"{name} has shape {tuple(shape)}: its last axis must be a multiple of the "
+          f"quantization block={self.block} (blocks run along the last axis, N). Pad N, "
+          "choose a block that divides it, or keep this state in a float dtype."
+      )
+
+  def _blocks(self, x: Array) -> Array:
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // self.block, self.block))
+
+  def _expand(self, per_block: Array, n: int) -> Array:
+    """[..., N // block] -> [..., N], each value repeated over its block."""
+    b = jnp.broadcast_to(per_block[..., None], per_block.shape + (self.block,))
+    return b.reshape(per_block.shape[:-1] + (n,))
+
+  def decode(self, parts):
+    codes, scale = parts
+    n = codes.shape[-1]
+    return self.qmap.decode(codes) * self._expand(scale.astype(_F32), n)
+
+  def encode(self, x, dtypes=None, bits=None):
+    del dtypes, bits
+    x = x.astype(_F32)
+    absmax = jnp.max(jnp.abs(self._blocks(x)), axis=-1)
+    inv = jnp.where(absmax > 0.0, 1.0 / absmax, 0.0)
+    codes = self.qmap.encode(x * self._expand(inv, x.shape[-1]))
+    return codes.astype(CODE_DTYPE), absmax.astype(SCALE_DTYPE)
+
+  def quantize(self, x: Array) -> "QuantizedArray":
+    """The :class:`QuantizedArray` of a whole float array."""
+    self.check(jnp.shape(x), "the array")
+    return self.rebuild(self.encode(jnp.asarray(x)))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+  """A block-quantized array: int8 ``codes`` and float32 per-block ``scale``.
+
+  A pytree with two array leaves (``codes`` [..., N], ``scale`` [..., N //
+  block]); the codec is static metadata. ``shape`` is the logical shape.
+  """
+
+  codes: Array
+  scale: Array
+  codec: BlockQuantized = BlockQuantized()
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.codes.shape)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.codes.nbytes + self.scale.nbytes)
+
+  def dequantize(self) -> Array:
+    return self.codec.decode((self.codes, self.scale))
+
+
+jax.tree_util.register_dataclass(QuantizedArray, data_fields=["codes", "scale"], meta_fields=["codec"])
+
+
+def codec_of(value, default: Codec = Cast()) -> Codec:
+  """The codec of a stored slot: its own if quantized, else ``default``."""
+  return value.codec if isinstance(value, QuantizedArray) else default
+
+
+def store_cast(value: Array, dtype) -> Array:
+  """Round-to-nearest write-back of a float32 result (the default codec)."""
+  return Cast().encode(value, (dtype,))[0]
