@@ -42,14 +42,17 @@ Kernel structure (one CUDA block per SM, persistent):
 
 What this file does not do yet (see ``MOSAIC_NOTES.md``): pipelining across
 tiles in the cooperative schedule (``pipeline_state``), clusters/multicast,
-stochastic rounding (``store_cast`` is round-to-nearest). Nothing here has
-run on a GPU yet: it is checked under the Mosaic GPU interpreter and by
-lowering for ``cuda`` on a CPU.
+stochastic rounding (``store_cast`` is round-to-nearest), quantized slots.
+Checked under the Mosaic GPU interpreter and by lowering for ``cuda`` on a
+CPU (jax 0.10.2), and on an H200 (jax 0.11.2, ``experiments/check_mosaic_gpu``):
+fp32 states match the reference to ~1e-7; bf16 states match it to the
+rounding of the last bit (see MOSAIC_NOTES.md, "bf16 on the H200").
 
-Mosaic GPU has no ``sqrt`` lowering (jax 0.10.2 and 0.11), only ``rsqrt``.
-The kernel therefore evaluates the rule through its jaxpr and spells
-``sqrt_p`` as ``where(x > 0, x * rsqrt(x), x)`` there; the rule itself (one
-definition, shared with XLA and the Triton kernel) is called unchanged.
+Mosaic GPU in jax 0.10.2 (and 0.11.1) has no ``sqrt`` lowering, only
+``rsqrt`` (jax 0.11.2 lowers it). Where it is missing, the kernel evaluates
+the rule through its jaxpr with ``sqrt_p`` spelled from ``rsqrt`` (same
+values at 0, inf, negatives and NaN; a few ulp elsewhere); the rule itself
+(one definition, shared with XLA and the Triton kernel) is called unchanged.
 """
 
 from __future__ import annotations
@@ -287,19 +290,50 @@ def supports(
 
 
 def _portable_sqrt(x: Array) -> Array:
-  """``sqrt`` from ``rsqrt``: Mosaic GPU lowers the latter only.
+  """``sqrt`` from ``rsqrt``, for a Mosaic GPU that lowers the latter only.
 
-  ``x * rsqrt(x)`` is within a few ulp of ``sqrt(x)``; the ``where`` keeps
-  ``sqrt(0) == 0`` (``0 * inf`` would be NaN) and passes NaN through.
+  ``x * rsqrt(x)`` is within a few ulp of ``sqrt(x)`` for finite ``x > 0``
+  and NaN for ``x < 0`` or NaN, as ``sqrt``; the ``where`` keeps
+  ``sqrt(+-0) == +-0`` and ``sqrt(inf) == inf`` (``0 * inf`` and
+  ``inf * 0`` would be NaN). (The first version returned negative inputs
+  unchanged, so a rule taking the root of a negative variance gave finite
+  garbage where XLA gives NaN.)
   """
-  return jnp.where(x > 0, x * lax.rsqrt(x), x)
+  root = x * lax.rsqrt(x)
+  return jnp.where(x == 0, x, jnp.where(x == jnp.inf, x, root))
 
 
 # Primitive -> portable spelling, applied when the rule is evaluated in the
-# kernel (see _eval_for_mosaic). Module-level so experiments can switch it off.
+# kernel (see _eval_for_mosaic) for the primitives this jax's Mosaic GPU
+# cannot lower. Module-level so experiments can switch it off.
 _REWRITES: dict[Any, Callable[..., Array]] = {
     jex_core.primitives.sqrt_p: _portable_sqrt,
 }
+# Rewrite even primitives Mosaic GPU lowers natively (tests, experiments).
+_FORCE_REWRITES = False
+
+
+def _lowers_natively(prim) -> bool:
+  """Whether this jax's Mosaic GPU has a lowering rule for ``prim`` (Lane
+  semantics, warpgroup threads: what the kernel uses). Private API: any
+  surprise counts as "no", which only costs the portable spelling."""
+  try:
+    from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
+
+    for (lowering_sem, primitive_sem), table in mgpu_lowering.mosaic_lowering_rules.items():
+      if lowering_sem.name == "Lane" and primitive_sem.name == "Warpgroup":
+        return prim in table
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return False
+
+
+def _active_rewrites() -> dict[Any, Callable[..., Array]]:
+  """The rewrites the kernel applies on this jax."""
+  return {
+      prim: fn for prim, fn in _REWRITES.items()
+      if _FORCE_REWRITES or not _lowers_natively(prim)
+  }
 
 _INLINED_CALLS = {
     jex_core.primitives.jit_p: "jaxpr",
@@ -315,7 +349,7 @@ def _open_jaxpr(j) -> tuple[Any, list]:
   return inner, list(getattr(j, "consts", ()))
 
 
-def _eval_for_mosaic(closed_jaxpr, *args):
+def _eval_for_mosaic(closed_jaxpr, *args, rewrites=None):
   """Evaluates a closed jaxpr with the primitives Mosaic GPU lacks rewritten.
 
   Nested ``jit`` / ``closed_call`` / ``custom_jvp_call`` bodies (``jnp``
@@ -323,6 +357,7 @@ def _eval_for_mosaic(closed_jaxpr, *args):
   too. Everything else is bound unchanged (as ``jax.core.eval_jaxpr`` does).
   """
   jaxpr, consts = _open_jaxpr(closed_jaxpr)
+  rewrites = _active_rewrites() if rewrites is None else rewrites
   env = {}
 
   def read(v):
@@ -335,10 +370,10 @@ def _eval_for_mosaic(closed_jaxpr, *args):
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     prim = eqn.primitive
-    if prim in _REWRITES:
-      outvals = [_REWRITES[prim](*invals)]
+    if prim in rewrites:
+      outvals = [rewrites[prim](*invals)]
     elif prim in _INLINED_CALLS:
-      outvals = _eval_for_mosaic(eqn.params[_INLINED_CALLS[prim]], *invals)
+      outvals = _eval_for_mosaic(eqn.params[_INLINED_CALLS[prim]], *invals, rewrites=rewrites)
     else:
       outvals = prim.bind(*invals, **prim.get_bind_params(eqn.params))
       if not prim.multiple_results:
@@ -930,7 +965,10 @@ def fused_dw_update_mosaic(
     if jnp.ndim(leaf) != 0:
       raise ValueError(f"scalars must be 0-d, got a leaf of shape {jnp.shape(leaf)}")
   sc_vec = jnp.stack([jnp.asarray(v, jnp.float32) for v in leaves] or [jnp.zeros((), jnp.float32)])
-  layer_vec = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+  # Clamped like dynamic_index_in_dim (and like the reference and the Triton
+  # kernel): an out-of-range layer must not address rows outside the stack.
+  layer_i32 = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1) if stacked else jnp.int32(0)
+  layer_vec = jnp.reshape(layer_i32, (1,))
 
   plan = _Plan(
       cfg=cfg, t=t, k=k, n=n, num_slots=len(slots), num_scalars=len(leaves),

@@ -198,8 +198,9 @@ def test_lowers_for_cuda(name, state_dtype, schedule):
   assert "mosaic_gpu" in lowered.as_text()
 
 
-def test_sqrt_is_rewritten_for_mosaic():
-  """Mosaic GPU lowers rsqrt, not sqrt: the kernel's evaluation of a rule has no sqrt."""
+def test_sqrt_is_rewritten_for_mosaic(monkeypatch):
+  """Mosaic GPU (jax 0.10.2, 0.11.1) lowers rsqrt, not sqrt: rewritten, the rule has no sqrt."""
+  monkeypatch.setattr(fm, "_FORCE_REWRITES", True)
   rule = forge_jax.adamw(1e-3, weight_decay=0.1).rule
   tile = jax.ShapeDtypeStruct((64, 16), F32)
   traced = fm._trace_rule(rule.update, (64, 16), 2, rule.scalars(jnp.int32(0)))
@@ -215,6 +216,45 @@ def test_sqrt_is_rewritten_for_mosaic():
   want = rule.update(g, w, (m, v), rule.scalars(jnp.int32(5)))
   for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-7)
+
+
+def test_sqrt_rewrite_only_where_missing(monkeypatch):
+  """The rewrite applies exactly when this jax's Mosaic GPU has no sqrt rule."""
+  sqrt_p = jax.lax.sqrt_p
+  assert (sqrt_p in fm._active_rewrites()) == (not fm._lowers_natively(sqrt_p))
+  assert fm._lowers_natively(jax.lax.rsqrt_p)  # the probe sees the rule table
+  monkeypatch.setattr(fm, "_lowers_natively", lambda prim: True)
+  assert fm._active_rewrites() == {}
+  monkeypatch.setattr(fm, "_FORCE_REWRITES", True)
+  assert sqrt_p in fm._active_rewrites()
+
+
+def test_portable_sqrt_special_values():
+  """Same as sqrt at +-0, inf, negatives (NaN) and NaN; a few ulp elsewhere."""
+  x = jnp.array([0.0, -0.0, jnp.inf, -1.0, -jnp.inf, jnp.nan, 4.0, 2.0, 1e-30, 3e30], F32)
+  got, want = np.asarray(fm._portable_sqrt(x)), np.asarray(jnp.sqrt(x))
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  np.testing.assert_array_equal(np.signbit(got[:2]), [False, True])
+
+
+def test_check_script_bf16_metric():
+  """experiments/check_mosaic_gpu's 16-bit check: summation-order rounding passes
+  (one-ulp flips, cancellation to ~0, NaN where both are NaN), a misplaced
+  sub-tile does not (the H200 bf16 'failures' were the old metric's)."""
+  from experiments import check_mosaic_gpu as check  # pylint: disable=g-import-not-at-top
+
+  b32 = 0.02 * jax.random.normal(jax.random.PRNGKey(0), (256, 256), F32)
+  b = b32.at[0, 0].set(0.0).at[1, 1].set(jnp.nan).astype(BF16)
+  a = b.at[0, 0].set(7.7e-10)  # cancellation: reference exactly 0, kernel 7.7e-10
+  bits = jax.lax.bitcast_convert_type(b[2:4, 2], jnp.uint16) + 1  # one ulp away
+  a = a.at[2:4, 2].set(jax.lax.bitcast_convert_type(bits, BF16))  # rounding flips
+  e = check._errors16(a, b)
+  assert e["ok"] and e["nan_kernel"] == e["nan_ref"] == 1, e
+  swapped = a.at[:64, :32].set(a[:64, :32].reshape(64, 16, 2)[:, :, ::-1].reshape(64, 32))
+  assert not check._errors16(swapped, b)["ok"]
+  assert not check._errors16(b.at[1, 1].set(0.5), b)["ok"]  # NaN on one side only
+  assert not check._errors16(a.at[3, 3].set(a[3, 3] + 0.01), b)["ok"]  # one wrong element in 65536
 
 
 # ----------------------------------------------------------------------------
