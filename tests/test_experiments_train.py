@@ -1,0 +1,155 @@
+"""The training CLI (exact resume, FORGE = optax, clear errors), the quickstart and convergence smoke runs."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+import forge_jax
+from experiments import convergence
+from experiments import data as data_lib
+from experiments import quickstart
+from experiments import train
+
+CORPUS = 200_000  # bytes of the stdlib: enough for tiny runs, quick to tokenize
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+  return str(tmp_path_factory.mktemp("data_cache"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """Runs of one configuration (straight, stopped, resumed) compile the same step: compile it once.
+
+  A persistent compilation cache for this module only; ``reset_cache`` makes
+  jax look at the settings again (it decides once per process otherwise).
+  """
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  saved = {n: getattr(jax.config, n) for n in names}
+  for n, v in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0.0, 0)):
+    jax.config.update(n, v)
+  cc.reset_cache()
+  yield
+  for n, v in saved.items():
+    jax.config.update(n, v)
+  cc.reset_cache()
+
+
+def _argv(impl: str, out, cache: str, *extra) -> list[str]:
+  return ["--impl", impl, "--model", "tiny-qwen3", "--steps", str(STEPS), "--warmup", "2",
+          "--batch", "2", "--seq", "32", "--tokenizer", "bytes", "--corpus-bytes", str(CORPUS),
+          "--eval-every", "3", "--eval-batches", "2", "--log-every", "2", "--ckpt-every", "6",
+          "--data-cache", cache, "--out", str(out), "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache) -> dict:
+  """A straight run per implementation (forge through the CLI's main)."""
+  root = tmp_path_factory.mktemp("straight")
+  assert train.main(_argv("forge", root / "forge", cache)) == 0
+  train.run(train.parse_args(_argv("optax", root / "optax", cache)))
+  return {impl: root / impl for impl in train.IMPLS}
+
+
+def _train_records(out) -> list[dict]:
+  return [r for r in train.read_log(pathlib.Path(out) / "log.jsonl") if r["event"] == "train"]
+
+
+def _final_state(out, cache):
+  args = train.parse_args(_argv(out.name, out, cache))
+  data = data_lib.load("bytes", max_bytes=CORPUS, cache_dir=cache)
+  trainer = train.build_trainer(args, data.vocab_size, compile_step=False)
+  found = train.latest_checkpoint(pathlib.Path(out))
+  assert found and found[0] == STEPS
+  return forge_jax.restore_train_state(found[1], trainer.init_state())
+
+
+def test_logs_record_data_fingerprint_steps_evals_and_summary(straight):
+  records = train.read_log(straight["forge"] / "log.jsonl")
+  start = records[0]
+  assert start["event"] == "start" and start["impl"] == "forge"
+  for key in ("corpus_sha256", "corpus_bytes", "python", "tokens_sha256"):
+    assert key in start["data"]
+  assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, STEPS + 1))
+  assert [r["step"] for r in records if r["event"] == "eval"] == [3, 6]
+  assert records[-1]["event"] == "end" and records[-1]["complete"]
+  summary = json.loads((straight["forge"] / "summary.json").read_text())
+  assert summary["final_eval_loss"] > 0 and summary["tokens_per_s"] > 0
+  assert summary["xla_memory"]["step_gib"] > 0
+
+
+def test_forge_tracks_optax_on_the_same_data(straight):
+  forge, optax_ = _train_records(straight["forge"]), _train_records(straight["optax"])
+  # Same init and batches: equal first loss; then float32 summation order only.
+  assert forge[0]["loss"] == pytest.approx(optax_[0]["loss"], rel=1e-6)
+  np.testing.assert_allclose([r["loss"] for r in forge], [r["loss"] for r in optax_], rtol=1e-5)
+  np.testing.assert_allclose([r["grad_norm"] for r in forge], [r["grad_norm"] for r in optax_],
+                             rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", train.IMPLS)
+def test_resume_from_a_checkpoint_is_bit_exact(impl, straight, cache, tmp_path):
+  out = tmp_path / impl
+  stopped = train.run(train.parse_args(_argv(impl, out, cache, "--stop-at", "3")))
+  assert not stopped["complete"] and train.latest_checkpoint(out)[0] == 3
+  resumed = train.run(train.parse_args(_argv(impl, out, cache, "--resume")))
+  assert resumed["complete"] and resumed["resumed_from"] == 3
+  a, b = _train_records(straight[impl]), _train_records(out)
+  assert [(r["step"], r["loss"], r["grad_norm"]) for r in a] == \
+         [(r["step"], r["loss"], r["grad_norm"]) for r in b]
+  for x, y in zip(jax.tree.leaves(_final_state(straight[impl], cache)),
+                  jax.tree.leaves(_final_state(out, cache)), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_clipping_with_forge_is_refused():
+  with pytest.raises(ValueError, match="not available with --impl forge"):
+    train.parse_args(["--impl", "forge", "--clip", "1.0"])
+  args = train.parse_args(["--impl", "optax", "--clip", "1.0"])
+  assert args.clip == 1.0
+
+
+def test_an_existing_run_needs_resume_with_the_same_arguments(straight, cache):
+  with pytest.raises(ValueError, match="--resume"):
+    train.run(train.parse_args(_argv("forge", straight["forge"], cache)))
+  with pytest.raises(ValueError, match="lr"):
+    train.run(train.parse_args(_argv("forge", straight["forge"], cache, "--resume", "--lr", "1")))
+
+
+def test_quickstart_smoke(tmp_path, cache, capsys):
+  result = quickstart.main(["--steps", "4", "--batch", "2", "--seq", "32", "--set", "num_layers=1",
+                            "--corpus-bytes", str(CORPUS), "--eval-every", "2", "--no-progress",
+                            "--data-cache", cache, "--out", str(tmp_path)])
+  printed = capsys.readouterr().out
+  assert "mean |loss gap|" in printed and "forge" in printed and "optax" in printed
+  assert result["gap"]["mean_abs_gap"] < 1e-4
+  assert json.loads((tmp_path / "quickstart.json").read_text())["table"] == result["table"]
+  if result["plot"]:
+    assert (tmp_path / "quickstart_loss.png").stat().st_size > 1000
+
+
+def test_convergence_smoke_writes_curves_gap_and_plot(tmp_path, cache, capsys):
+  out = tmp_path / "conv"
+  result = convergence.main(["--smoke", "--out", str(out), "--data-cache", cache])
+  saved = json.loads((out / "convergence.json").read_text())
+  steps = convergence.SMOKE["steps"]
+  for impl in ("forge", "optax"):
+    assert len(saved["curves"][impl]["loss"]) == steps
+    assert saved["summaries"][impl]["complete"]
+  assert saved["gap"]["mean_abs_gap"] == result["gap"]["mean_abs_gap"] < 1e-4
+  assert len(saved["gap"]["eval_steps"]) == steps // convergence.SMOKE["eval_every"]
+  assert saved["data"]["corpus_sha256"] and "Paper: 0.001 nat" in (out / "convergence.md").read_text()
+  if result.get("plot"):
+    assert (out / "convergence.png").stat().st_size > 1000
+  capsys.readouterr()
+  convergence.main(["--smoke", "--out", str(out), "--data-cache", cache])  # finished runs are reused
+  assert capsys.readouterr().out.count("reusing the finished run") == 2
