@@ -7,6 +7,13 @@ optimizer's elementwise rule to each tile as soon as it is complete:
 
 * ``"pallas"``: the Pallas kernel lowered through Triton (any CUDA GPU);
 * ``"interpret"``: the same kernel in Pallas interpret mode (CPU tests);
+* ``"mosaic"``: the warp-specialized Hopper kernel lowered through Mosaic GPU
+  (:mod:`pallas_kernels.fused_dw_mosaic`; sm_90 only). Calls it cannot take
+  (shapes off its tiling, float32 ``x``, stochastic rounding, int8 slots, a
+  non-Hopper GPU) run on ``"pallas"`` instead, with one
+  :class:`BackendFallbackWarning` per distinct reason;
+* ``"mosaic_interpret"``: that kernel under the Mosaic GPU interpreter (CPU
+  tests; falls back to ``"xla"``);
 * ``"xla"``: the reference: one float32 dot plus the same rule, fused by XLA
   as it sees fit (the default on CPU, and the baseline in benchmarks);
 * ``"auto"``: ``"pallas"`` on GPUs, ``"xla"`` elsewhere.
@@ -14,8 +21,10 @@ optimizer's elementwise rule to each tile as soon as it is complete:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,26 +33,105 @@ from forge_jax import _optimizers
 from forge_jax import _rules
 from pallas_kernels import fused_dw as _fused_dw
 
-BACKENDS = ("auto", "xla", "pallas", "interpret")
+BACKENDS = ("auto", "xla", "pallas", "interpret", "mosaic", "mosaic_interpret")
+_MOSAIC_BACKENDS = ("mosaic", "mosaic_interpret")
+
+
+class BackendFallbackWarning(UserWarning):
+  """A backend could not take a call and another one ran it (said once per reason)."""
+
+
+# (backend, reason) pairs already warned about in this process.
+_FALLBACK_WARNED: set = set()
+
+
+def _platform() -> str:
+  return jax.default_backend()
 
 
 def _resolve_backend(backend: str) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} is not one of {BACKENDS}.")
-  platform = jax.default_backend()
+  platform = _platform()
   if backend == "auto":
     return "pallas" if platform == "gpu" else "xla"
-  if backend == "pallas" and platform != "gpu":
+  if backend in ("pallas", "mosaic") and platform != "gpu":
     raise ValueError(
-        f"backend='pallas' needs a GPU, but jax's default backend is {platform!r}: "
-        "use backend='xla' (the reference) or 'interpret' (the kernel in Pallas "
-        "interpret mode) here."
+        f"backend={backend!r} needs a GPU, but jax's default backend is {platform!r}: "
+        "use backend='xla' (the reference), 'interpret' (the Pallas kernel in "
+        "interpret mode) or 'mosaic_interpret' (the Mosaic GPU kernel under its "
+        "interpreter) here."
     )
   return backend
 
 
+def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None):
+  """``(reason, None)`` if the Mosaic GPU kernel cannot take this call, else ``(None, config)``.
+
+  ``config`` is the caller's ``MosaicTileConfig`` or ``None`` (the kernel's
+  per-operand default).
+  """
+  try:
+    from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+  except Exception as e:  # pylint: disable=broad-except  (a jax without Mosaic GPU)
+    return f"Mosaic GPU is not available in this jax ({type(e).__name__}: {e})", None
+  if config is not None and not isinstance(config, fm.MosaicTileConfig):
+    raise ValueError(
+        f"config={config!r} is not a MosaicTileConfig: backend='mosaic' takes "
+        "pallas_kernels.fused_dw_mosaic.MosaicTileConfig or None."
+    )
+  codec = (rounding or {}).get("weight_codec")
+  if getattr(codec, "needs_bits", False):
+    return (
+        f"the weight is written back with {type(codec).__name__} (stochastic rounding); "
+        "the Mosaic kernel rounds to nearest", None,
+    )
+  for i, s in enumerate(slots):
+    if getattr(s, "dtype", None) is None:
+      return f"optimizer slot {i} is {type(s).__name__} (quantized); the Mosaic kernel stores floats", None
+  cfg = config
+  if cfg is None:
+    cfg = fm.default_config(x, dy, w, slots, compute_grad_sq_norm=compute_grad_sq_norm)
+  ok, reason = fm.supports(x, dy, w, slots, cfg, compute_grad_sq_norm=compute_grad_sq_norm)
+  return (None, cfg) if ok else (reason, None)
+
+
+def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
+                compute_grad_sq_norm, rounding=None):
+  """The Mosaic GPU kernel, or the fallback backend (with a warning) if it cannot run this call."""
+  reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding)
+  if reason is None:
+    from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
+    interpret = backend == "mosaic_interpret"
+    if interpret and cfg.num_sms is None:
+      cfg = dataclasses.replace(cfg, num_sms=1)  # one interpreted block, not 132
+    return fm.fused_dw_update_mosaic(
+        x, dy, w, slots, scalars, update_fn, layer=layer, config=cfg,
+        compute_grad_sq_norm=compute_grad_sq_norm, interpret=interpret,
+    )
+  fallback = "pallas" if backend == "mosaic" else "xla"
+  if (backend, reason) not in _FALLBACK_WARNED:
+    _FALLBACK_WARNED.add((backend, reason))
+    warnings.warn(
+        f"fused_linear_update(backend={backend!r}): {reason}; running backend={fallback!r} "
+        "instead (said once per reason).",
+        BackendFallbackWarning, stacklevel=4,
+    )
+  kwargs = {} if rounding is None else {"rounding": rounding}
+  return _run_backend(
+      fallback, x, dy, w, slots, scalars, update_fn, layer=layer, config=None,
+      compute_grad_sq_norm=compute_grad_sq_norm, **kwargs,
+  )
+
+
 def _run_backend(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
                  compute_grad_sq_norm):
+  if backend in _MOSAIC_BACKENDS:
+    return _run_mosaic(
+        backend, x, dy, w, slots, scalars, update_fn, layer=layer, config=config,
+        compute_grad_sq_norm=compute_grad_sq_norm,
+    )
   if backend == "xla":
     return _fused_dw.fused_dw_update_reference(
         x, dy, w, slots, scalars, update_fn, layer=layer,
@@ -123,7 +211,9 @@ def fused_linear_update(
     state: ``optimizer.init(w)``: ``count`` plus slots shaped like ``w``. With
       stacked weights ``count`` may also be one count per layer ([L]).
     optimizer: a forge_jax optimizer (``forge_jax.adamw(...)``, ...).
-    backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
+    backend: ``"auto"``, ``"xla"``, ``"pallas"``, ``"interpret"``,
+      ``"mosaic"`` or ``"mosaic_interpret"`` (see the module docstring;
+      ``"auto"`` picks ``"pallas"`` on GPUs for now).
     layer: int32 scalar index into stacked ``w`` and slots. The returned
       ``count`` is then left unchanged: advance it once per step, after the
       last layer.
@@ -133,7 +223,9 @@ def fused_linear_update(
       first and can update ``w`` in place instead of protecting it with a copy
       (``lax.optimization_barrier`` alone does not order it on every backend).
     decay: apply weight decay to this weight (the optimizer's ``mask``).
-    config: the kernel's tile configuration (``None``: per-shape default).
+    config: the kernel's tile configuration (``None``: per-shape default):
+      a ``TileConfig`` for ``"pallas"``/``"interpret"``, a
+      ``MosaicTileConfig`` for the Mosaic backends.
     return_grad_sq_norm: also return ``sum(dW**2)`` (float32), accumulated
       tile by tile inside the kernel.
 

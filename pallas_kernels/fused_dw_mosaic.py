@@ -876,14 +876,15 @@ def default_config(
 ) -> MosaicTileConfig:
   """The first default candidate :func:`supports` accepts for these operands.
 
-  Falls back to the first candidate (whose ``supports`` reason then explains
-  the rejection) when none fits.
+  Falls back to the last candidate, the one with the loosest shape
+  requirements (whose ``supports`` reason then names what no candidate
+  accepts, e.g. ``N=100 must be a multiple of ... 128``), when none fits.
   """
   for cand in _DEFAULT_CANDIDATES:
     cand = dataclasses.replace(cand, num_sms=num_sms)
     if supports(x, dy, w, slots, cand, compute_grad_sq_norm=compute_grad_sq_norm)[0]:
       return cand
-  return dataclasses.replace(_DEFAULT_CANDIDATES[0], num_sms=num_sms)
+  return dataclasses.replace(_DEFAULT_CANDIDATES[-1], num_sms=num_sms)
 
 
 def _interpret_params(interpret: Any):

@@ -1,0 +1,183 @@
+"""fused_linear_update(backend="mosaic" / "mosaic_interpret"): dispatch and fallback, on a CPU.
+
+* ``"mosaic_interpret"`` runs the Mosaic GPU kernel under its interpreter and
+  matches the ``"xla"`` backend at a shape the kernel takes.
+* A call the kernel cannot take falls back (``"pallas"`` on a GPU, ``"xla"``
+  off it) with one ``BackendFallbackWarning`` per reason. The GPU dispatch
+  is checked with the platform faked and both kernels replaced by the
+  reference (recording which one ran): nothing here compiles for a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import forge_jax
+from forge_jax import _fused
+from pallas_kernels import fused_dw as fd
+from pallas_kernels import fused_dw_mosaic as fm
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+  monkeypatch.setattr(_fused, "_FALLBACK_WARNED", set())
+
+
+def _problem(t, k, n, *, in_dtype=BF16, w_dtype=F32, seed=0):
+  kx, kd, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = jax.random.normal(kx, (t, k), F32).astype(in_dtype)
+  dy = (jax.random.normal(kd, (t, n), F32) / np.sqrt(t)).astype(in_dtype)
+  w = jax.random.normal(kw, (k, n), F32).astype(w_dtype)
+  opt = forge_jax.adamw(1e-2, weight_decay=0.1)
+  state = opt.init(w)
+  # Non-zero moments, so the rule's every term matters.
+  state = state._replace(mu=0.1 * jnp.ones_like(state.mu), nu=0.01 * jnp.ones_like(state.nu))
+  return x, dy, w, state, opt
+
+
+def _fallback_warnings(record):
+  return [r for r in record if issubclass(r.category, _fused.BackendFallbackWarning)]
+
+
+def test_mosaic_needs_a_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("on a GPU")
+  x, dy, w, state, opt = _problem(64, 64, 128)
+  with pytest.raises(ValueError, match="needs a GPU.*mosaic_interpret"):
+    forge_jax.fused_linear_update(x, dy, w, state, opt, backend="mosaic")
+
+
+def test_backends_listed():
+  assert {"mosaic", "mosaic_interpret"} <= set(forge_jax.BACKENDS)
+
+
+def test_mosaic_interpret_matches_xla():
+  """The Mosaic kernel (interpreter) through the public entry, AdamW, a supported shape."""
+  x, dy, w, state, opt = _problem(64, 64, 128)
+  run = lambda backend: jax.jit(functools.partial(
+      forge_jax.fused_linear_update, optimizer=opt, backend=backend, return_grad_sq_norm=True,
+  ))(x, dy, w, state)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    got_w, got_state, got_sq = run("mosaic_interpret")
+  assert not _fallback_warnings(record)  # the kernel ran, no fallback
+  want_w, want_state, want_sq = run("xla")
+  np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=2e-5, atol=2e-6)
+  for a, b in zip(got_state[1:], want_state[1:]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+  assert int(got_state.count) == int(want_state.count) == 1
+  np.testing.assert_allclose(float(got_sq), float(want_sq), rtol=2e-5)
+
+
+def test_mosaic_interpret_falls_back_once_per_reason():
+  """N=100 is off the kernel's tiling: the reference runs, with one warning naming why."""
+  x, dy, w, state, opt = _problem(64, 64, 100)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    got = forge_jax.fused_linear_update(x, dy, w, state, opt, backend="mosaic_interpret")
+    forge_jax.fused_linear_update(x, dy, w, state, opt, backend="mosaic_interpret")
+  fell = _fallback_warnings(record)
+  assert len(fell) == 1, [str(r.message) for r in fell]
+  assert "N=100" in str(fell[0].message) and "'xla'" in str(fell[0].message)
+  want = forge_jax.fused_linear_update(x, dy, w, state, opt, backend="xla")
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+# ----------------------------------------------------------------------------
+# The GPU dispatch, with the platform faked and the kernels replaced.
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  """``_fused`` sees a GPU; each kernel entry records its call and returns the reference."""
+  calls = []
+
+  def fake(name):
+    def run(x, dy, w, slots, scalars, update_fn, *, layer=None, config=None,
+            compute_grad_sq_norm=False, interpret=False, **rounding):
+      calls.append((name, config, interpret))
+      return fd.fused_dw_update_reference(
+          x, dy, w, slots, scalars, update_fn, layer=layer, compute_grad_sq_norm=compute_grad_sq_norm,
+      )
+    return run
+
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  monkeypatch.setattr(fd, "fused_dw_update", fake("pallas"))
+  monkeypatch.setattr(fm, "fused_dw_update_mosaic", fake("mosaic"))
+  return calls
+
+
+def test_mosaic_runs_the_mosaic_kernel_where_supported(fake_gpu):
+  x, dy, w, state, opt = _problem(64, 128, 256)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    forge_jax.fused_linear_update(x, dy, w, state, opt, backend="mosaic")
+  assert not _fallback_warnings(record)
+  [(name, config, interpret)] = fake_gpu
+  assert name == "mosaic" and isinstance(config, fm.MosaicTileConfig) and not interpret
+  # A config of its own is passed through.
+  fake_gpu.clear()
+  cfg = fm.MosaicTileConfig(tile_m=64, tile_n=64, epi_n=16)
+  forge_jax.fused_linear_update(x, dy, w, state, opt, backend="mosaic", config=cfg)
+  assert fake_gpu == [("mosaic", cfg, False)]
+
+
+@pytest.mark.parametrize(
+    "t, k, n, in_dtype, fragment",
+    [
+        (64, 128, 100, BF16, "N=100"),
+        (50, 128, 256, BF16, "T=50"),
+        (64, 128, 256, F32, "bfloat16"),  # wgmma reads a transposed x only in 16 bits
+    ],
+)
+def test_mosaic_falls_back_to_pallas_once_per_reason(fake_gpu, t, k, n, in_dtype, fragment):
+  x, dy, w, state, opt = _problem(t, k, n, in_dtype=in_dtype)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    got = forge_jax.fused_linear_update(x, dy, w, state, opt, backend="mosaic")
+    forge_jax.fused_linear_update(x, dy, w, state, opt, backend="mosaic")
+  fell = _fallback_warnings(record)
+  assert len(fell) == 1 and fragment in str(fell[0].message), [str(r.message) for r in fell]
+  assert "'pallas'" in str(fell[0].message)
+  assert [c[0] for c in fake_gpu] == ["pallas", "pallas"]
+  assert all(c[1] is None for c in fake_gpu)  # no Mosaic config handed to the Triton kernel
+  want = forge_jax.fused_linear_update(x, dy, w, state, opt, backend="xla")
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+def test_mosaic_falls_back_on_a_non_hopper_gpu(fake_gpu, monkeypatch):
+  monkeypatch.setattr(fm, "_device_problem", lambda: "needs a Hopper GPU (sm_90, wgmma); A100 is sm_8.0")
+  x, dy, w, state, opt = _problem(64, 128, 256)
+  with pytest.warns(_fused.BackendFallbackWarning, match="Hopper"):
+    forge_jax.fused_linear_update(x, dy, w, state, opt, backend="mosaic")
+  assert [c[0] for c in fake_gpu] == ["pallas"]
+
+
+def test_mosaic_problem_codecs_and_configs():
+  """Stochastic rounding and quantized slots go elsewhere; a Triton config is an error."""
+  x = jax.ShapeDtypeStruct((64, 128), BF16)
+  dy = jax.ShapeDtypeStruct((64, 256), BF16)
+  w = jax.ShapeDtypeStruct((128, 256), F32)
+
+  class StochasticRound:  # what the codec protocol exposes
+    needs_bits = True
+
+  class Quantized:  # int8 codes + scales: no dtype of its own
+    shape = (128, 256)
+
+  assert _fused._mosaic_problem(x, dy, w, (w, w), None, False)[0] is None
+  reason, _ = _fused._mosaic_problem(x, dy, w, (w,), None, False, {"weight_codec": StochasticRound()})
+  assert "stochastic" in reason
+  reason, _ = _fused._mosaic_problem(x, dy, w, (w, Quantized()), None, False)
+  assert "slot 1" in reason and "quantized" in reason
+  with pytest.raises(ValueError, match="MosaicTileConfig"):
+    _fused._mosaic_problem(x, dy, w, (w,), fd.TileConfig(), False)
