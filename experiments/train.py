@@ -103,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--stop-at", type=int, default=0,
     help="end this invocation after this step, with a checkpoint (0: run to --steps)")
   a("--time-limit", type=float, default=0,
-    help="end this invocation, with a checkpoint, once it has run this many seconds (0: none)")
+    help="end this invocation, with a checkpoint, once it has run this many seconds, loading "
+    "and compiling included (0: no limit)")
   a("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar")
   args = p.parse_args(argv)
   if args.data_seed is None:
@@ -395,6 +396,7 @@ def run(args: argparse.Namespace, data: Optional[data_lib.TokenData] = None) -> 
 
   ``data`` may be passed in to share one loaded corpus between runs.
   """
+  t_begin = time.perf_counter()  # --time-limit counts loading and compiling too
   check_args(args)
   out = pathlib.Path(args.out)
   _check_out(args, out)
@@ -424,7 +426,7 @@ def run(args: argparse.Namespace, data: Optional[data_lib.TokenData] = None) -> 
     state, metrics = trainer.step_fn(state, jnp.asarray(sampler.batch_at(step)))
     pending.append(metrics)
     done = step + 1
-    out_of_time = args.time_limit and time.perf_counter() - t_run > args.time_limit
+    out_of_time = args.time_limit and time.perf_counter() - t_begin > args.time_limit
     early = done == stop < args.steps or out_of_time
     eval_now = done == args.steps or (args.eval_every and done % args.eval_every == 0)
     ckpt_now = early or (args.ckpt_every and (done == args.steps or done % args.ckpt_every == 0))

@@ -15,8 +15,10 @@ from experiments import data as data_lib
 from experiments import quickstart
 from experiments import train
 
-CORPUS = 200_000  # bytes of the stdlib: enough for tiny runs, quick to tokenize
-STEPS = 6
+# The runs here share one configuration (convergence.SMOKE's: tiny-qwen3, 12 steps of 2x32
+# bytes, lr 3e-3, warmup 1), so that the compilation cache compiles each program once.
+CORPUS = convergence.SMOKE["corpus_bytes"]
+STEPS = convergence.SMOKE["steps"]
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +47,9 @@ def compilation_cache(tmp_path_factory):
 
 
 def _argv(impl: str, out, cache: str, *extra) -> list[str]:
-  return ["--impl", impl, "--model", "tiny-qwen3", "--steps", str(STEPS), "--warmup", "2",
+  return ["--impl", impl, "--model", "tiny-qwen3", "--steps", str(STEPS), "--warmup", "1",
           "--batch", "2", "--seq", "32", "--tokenizer", "bytes", "--corpus-bytes", str(CORPUS),
-          "--eval-every", "3", "--eval-batches", "2", "--log-every", "2", "--ckpt-every", "6",
+          "--eval-every", "4", "--eval-batches", "2", "--log-every", "2", "--ckpt-every", "12",
           "--data-cache", cache, "--out", str(out), "--no-progress", *extra]
 
 
@@ -80,7 +82,7 @@ def test_logs_record_data_fingerprint_steps_evals_and_summary(straight):
   for key in ("corpus_sha256", "corpus_bytes", "python", "tokens_sha256"):
     assert key in start["data"]
   assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, STEPS + 1))
-  assert [r["step"] for r in records if r["event"] == "eval"] == [3, 6]
+  assert [r["step"] for r in records if r["event"] == "eval"] == [4, 8, 12]
   assert records[-1]["event"] == "end" and records[-1]["complete"]
   summary = json.loads((straight["forge"] / "summary.json").read_text())
   assert summary["final_eval_loss"] > 0 and summary["tokens_per_s"] > 0
@@ -99,10 +101,10 @@ def test_forge_tracks_optax_on_the_same_data(straight):
 @pytest.mark.parametrize("impl", train.IMPLS)
 def test_resume_from_a_checkpoint_is_bit_exact(impl, straight, cache, tmp_path):
   out = tmp_path / impl
-  stopped = train.run(train.parse_args(_argv(impl, out, cache, "--stop-at", "3")))
-  assert not stopped["complete"] and train.latest_checkpoint(out)[0] == 3
+  stopped = train.run(train.parse_args(_argv(impl, out, cache, "--stop-at", "5")))
+  assert not stopped["complete"] and train.latest_checkpoint(out)[0] == 5
   resumed = train.run(train.parse_args(_argv(impl, out, cache, "--resume")))
-  assert resumed["complete"] and resumed["resumed_from"] == 3
+  assert resumed["complete"] and resumed["resumed_from"] == 5
   a, b = _train_records(straight[impl]), _train_records(out)
   assert [(r["step"], r["loss"], r["grad_norm"]) for r in a] == \
          [(r["step"], r["loss"], r["grad_norm"]) for r in b]
@@ -111,11 +113,13 @@ def test_resume_from_a_checkpoint_is_bit_exact(impl, straight, cache, tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_clipping_with_forge_is_refused():
+def test_clipping_with_forge_and_forge_storage_with_optax_are_refused():
   with pytest.raises(ValueError, match="not available with --impl forge"):
     train.parse_args(["--impl", "forge", "--clip", "1.0"])
   args = train.parse_args(["--impl", "optax", "--clip", "1.0"])
   assert args.clip == 1.0
+  with pytest.raises(ValueError, match="FORGE storage options"):
+    train.parse_args(["--impl", "optax", "--state-dtype", "int8"])
 
 
 def test_an_existing_run_needs_resume_with_the_same_arguments(straight, cache):
@@ -126,8 +130,10 @@ def test_an_existing_run_needs_resume_with_the_same_arguments(straight, cache):
 
 
 def test_quickstart_smoke(tmp_path, cache, capsys):
-  result = quickstart.main(["--steps", "4", "--batch", "2", "--seq", "32", "--set", "num_layers=1",
-                            "--corpus-bytes", str(CORPUS), "--eval-every", "2", "--no-progress",
+  # tiny-qwen3 as it is (num_layers=2), at the module's configuration.
+  result = quickstart.main(["--steps", str(STEPS), "--batch", "2", "--seq", "32", "--lr", "3e-3",
+                            "--set", "num_layers=2", "--corpus-bytes", str(CORPUS),
+                            "--eval-every", "4", "--no-progress",
                             "--data-cache", cache, "--out", str(tmp_path)])
   printed = capsys.readouterr().out
   assert "mean |loss gap|" in printed and "forge" in printed and "optax" in printed
