@@ -2,24 +2,34 @@
 
 The paper reports that FORGE tracks fused AdamW within 0.001 nat (mean loss
 gap) in continued pre-training. This script trains one model twice with
-:mod:`experiments.train` (``--impl forge`` and ``--impl optax``, each in its
-own process so that each has its own peak-memory figure) and writes, under
-``--out``:
+:mod:`experiments.train` (``--impl forge`` and ``--impl optax``, plus a
+control, each in its own process so that each has its own peak-memory
+figure) and writes, under ``--out``:
 
-* ``convergence.json``: both loss curves (every step) and eval curves, the
-  per-step gap's mean |gap| (the paper's figure), its mean over the second
-  half, max and signed mean, each run's summary (step time, tokens/s, peak
+* ``convergence.json``: every run's loss curve (every step) and eval curve,
+  the per-step gaps forge-optax and optax_ulp-optax: mean |gap| (the paper's
+  figure), its mean over the second half, max and signed mean; each run's summary (step time, tokens/s, peak
   memory), the data fingerprint, command, date, device and versions;
 * ``convergence.md``: the same as a small table;
 * ``convergence.png``: the curves and the gap;
-* ``forge/``, ``optax/``: each run's ``log.jsonl``, ``summary.json``.
+* ``forge/``, ``optax/``, ``optax_ulp/``: each run's ``log.jsonl``, ``summary.json``.
 
-What the gap measures: with ``--dtype float32`` the two runs differ only in
-the order of floating-point sums (losses agree to ~1e-7 nat until, at high
-learning rates, the trajectories drift apart chaotically). With bfloat16
-compute (the default, as in the paper) they also differ on purpose: flax's
-``Dense`` backward rounds the weight gradient to bfloat16 before optax sees
-it, while FORGE consumes it in float32 inside the kernel.
+What the gap measures. FORGE and optax compute the same update; their
+weight gradients differ in rounding:
+
+* bfloat16 compute (the default, as in the paper): flax's ``Dense`` backward
+  rounds the weight gradient to bfloat16 before optax sees it; FORGE
+  consumes it in float32 inside the kernel.
+* ``--dtype float32`` on a recent GPU: XLA computes float32 dots in TF32 by
+  default (optax's gradients too), while FORGE's fused kernel computes dW at
+  HIGHEST precision. ``--matmul-precision highest`` makes both true float32,
+  so that only the order of sums differs (as on CPU, where the losses agree
+  to ~1e-7 nat for hundreds of steps).
+
+Training amplifies any such difference (and every other rounding) until the
+runs decorrelate. The control run ``optax_ulp`` (optax again, from an init
+moved by one ulp in half its elements) measures that amplification alone:
+a forge-optax gap of the control's size is rounding, not a different update.
 
 Re-running the same command reuses a finished run and resumes an unfinished
 one (``--time-limit`` stops each run with a checkpoint, for machines that
@@ -54,6 +64,11 @@ from experiments import plots
 from experiments import train
 
 PAPER_MEAN_GAP = 1e-3  # nat, FORGE vs fused AdamW (paper, continued pre-training)
+# The runs: name -> how it differs. optax_ulp is the control: optax again, from
+# an init moved by one ulp in half its elements, so its gap to optax is what
+# rounding-level differences grow into on their own in this training.
+RUNS = {"forge": ["--impl", "forge"], "optax": ["--impl", "optax"],
+        "optax_ulp": ["--impl", "optax", "--perturb-init"]}
 SMOKE = dict(model="tiny-qwen3", set=[], steps=12, batch=2, seq=32, lr=3e-3, warmup=1,
              dtype="float32", tokenizer="bytes", corpus_bytes=300_000, eval_every=4,
              eval_batches=2, in_process=True)
@@ -74,13 +89,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--weight-decay", type=float, default=0.1)
   a("--dtype", default="bfloat16", help="compute dtype")
   a("--param-dtype", default="float32", help="params and optimizer states")
+  a("--matmul-precision", default=None,
+    help="float32 dots (e.g. highest; default: the platform's, TF32 on recent GPUs)")
   a("--tokenizer", default="bpe", choices=data_lib.TOKENIZERS)
   a("--vocab-size", type=int, default=8192)
   a("--corpus-bytes", type=int, default=0)
   a("--eval-every", type=int, default=100)
   a("--eval-batches", type=int, default=8)
   a("--seed", type=int, default=0)
-  a("--impls", default="forge,optax")
+  a("--runs", default=",".join(RUNS), help=f"which of {', '.join(RUNS)} (optax_ulp: the control)")
   a("--time-limit", type=float, default=0, help="seconds per run before it checkpoints and stops")
   a("--data-cache", default=None)
   a("--out", default="runs/convergence")
@@ -97,20 +114,22 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def train_argv(args: argparse.Namespace, impl: str, resume: bool) -> list[str]:
-  argv = ["--impl", impl, "--model", args.model, "--optimizer", args.optimizer,
+def train_argv(args: argparse.Namespace, name: str, resume: bool) -> list[str]:
+  argv = [*RUNS[name], "--model", args.model, "--optimizer", args.optimizer,
           "--steps", args.steps, "--batch", args.batch, "--seq", args.seq, "--lr", args.lr,
           "--warmup", args.warmup, "--weight-decay", args.weight_decay, "--dtype", args.dtype,
           "--param-dtype", args.param_dtype, "--tokenizer", args.tokenizer,
           "--vocab-size", args.vocab_size, "--corpus-bytes", args.corpus_bytes,
           "--eval-every", args.eval_every, "--eval-batches", args.eval_batches,
           "--seed", args.seed, "--time-limit", args.time_limit,
-          "--out", os.path.join(args.out, impl),
+          "--out", os.path.join(args.out, name),
           "--progress" if args.progress else "--no-progress"]
   for item in args.set:
     argv += ["--set", item]
   if args.data_cache:
     argv += ["--data-cache", args.data_cache]
+  if args.matmul_precision:
+    argv += ["--matmul-precision", args.matmul_precision]
   if resume:
     argv.append("--resume")
   return [str(x) for x in argv]
@@ -121,15 +140,15 @@ def _summary_of(run_dir: pathlib.Path):
   return json.loads(path.read_text()) if path.exists() else None
 
 
-def run_impl(args: argparse.Namespace, impl: str, data) -> dict:
+def run_one(args: argparse.Namespace, name: str, data) -> dict:
   """One run (reused when finished, resumed when not); returns its summary."""
-  run_dir = pathlib.Path(args.out) / impl
+  run_dir = pathlib.Path(args.out) / name
   done = _summary_of(run_dir)
   if done and done.get("complete"):
-    print(f"{impl}: reusing the finished run in {run_dir}")
+    print(f"{name}: reusing the finished run in {run_dir}")
     return done
-  argv = train_argv(args, impl, resume=(run_dir / "config.json").exists())
-  print(f"{impl}: python -m experiments.train {' '.join(argv)}", flush=True)
+  argv = train_argv(args, name, resume=(run_dir / "config.json").exists())
+  print(f"{name}: python -m experiments.train {' '.join(argv)}", flush=True)
   if args.in_process:
     return train.run(train.parse_args(argv), data)
   root = str(pathlib.Path(__file__).resolve().parents[1])
@@ -140,19 +159,21 @@ def run_impl(args: argparse.Namespace, impl: str, data) -> dict:
 
 
 def analyze(args: argparse.Namespace, summaries: dict, meta: dict) -> dict:
-  runs = {impl: plots.curves(train.read_log(pathlib.Path(args.out) / impl / "log.jsonl"))
-          for impl in summaries}
-  result = {"meta": meta, "config": {k: v for k, v in vars(args).items()},
-            "paper_mean_abs_gap": PAPER_MEAN_GAP, "summaries": summaries,
-            "curves": {impl: {k: v.tolist() for k, v in c.items()} for impl, c in runs.items()}}
-  if {"forge", "optax"} <= set(runs):
-    gap = plots.loss_gap(runs["forge"], runs["optax"])
-    result["gap"] = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in gap.items()}
-    title = (f"{args.model} ({summaries['forge']['num_params'] / 1e6:.0f}M params), "
-             f"{args.optimizer}, {args.batch}x{args.seq} tokens/step, {meta['device']}")
+  runs = {name: plots.curves(train.read_log(pathlib.Path(args.out) / name / "log.jsonl"))
+          for name in summaries}
+  result = {"meta": meta, "config": dict(vars(args)), "paper_mean_abs_gap": PAPER_MEAN_GAP,
+            "summaries": summaries,
+            "curves": {n: {k: v.tolist() for k, v in c.items()} for n, c in runs.items()}}
+  pairs = [p for p in (("forge", "optax"), ("optax_ulp", "optax")) if set(p) <= set(runs)]
+  result["gaps"] = {f"{a}-{b}": {k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                                 for k, v in plots.loss_gap(runs[a], runs[b]).items()}
+                    for a, b in pairs}
+  if pairs:
+    first = next(iter(summaries.values()))
+    title = (f"{args.model} ({first['num_params'] / 1e6:.0f}M params), {args.optimizer}, "
+             f"{args.batch}x{args.seq} tokens/step, compute {args.dtype}, {meta['device']}")
     result["plot"] = plots.plot_runs(runs, pathlib.Path(args.out) / "convergence.png", title,
-                                     smooth=10 if args.steps >= 200 else 1,
-                                     gap_of=("forge", "optax"))
+                                     smooth=10 if args.steps >= 200 else 1, gaps=pairs)
   return result
 
 
@@ -164,20 +185,25 @@ def markdown(result: dict) -> str:
            f"{result['data']['python']} stdlib, {result['data']['corpus_bytes']:,} bytes, sha256 "
            f"{result['data']['corpus_sha256'][:16]}, {cfg['tokenizer']} tokens; {cfg['steps']} "
            f"steps of {cfg['batch']}x{cfg['seq']}, lr {cfg['lr']}, compute {cfg['dtype']}, "
-           f"params/states {cfg['param_dtype']}.", "",
-           "| impl | final train loss (mean of 10) | final eval loss | ms/step | tokens/s | "
+           f"params/states {cfg['param_dtype']}. optax_ulp: optax from an init moved by one ulp "
+           "(the control).", "",
+           "| run | final train loss (mean of 10) | final eval loss | ms/step | tokens/s | "
            "peak GiB | XLA step GiB |", "|---|---|---|---|---|---|---|"]
-  for impl, s in result["summaries"].items():
-    lines.append(f"| {impl} | {s['final_loss_mean10']:.4f} | {s['final_eval_loss']:.4f} | "
+  for name, s in result["summaries"].items():
+    lines.append(f"| {name} | {s['final_loss_mean10']:.4f} | {s['final_eval_loss']:.4f} | "
                  f"{s['step_s_median'] * 1e3:.1f} | {s['tokens_per_s']:.0f} | "
                  f"{s['peak_gib']:.2f} ({s['mem_source']}) | "
                  f"{s['xla_memory'].get('step_gib', float('nan')):.2f} |")
-  if "gap" in result:
-    g = result["gap"]
-    lines += ["", f"Per-step train loss gap forge - optax over {len(g['steps'])} steps: mean "
-              f"|gap| {g['mean_abs_gap']:.2e} nat (second half {g['mean_abs_gap_2nd_half']:.2e}, "
-              f"max {g['max_abs_gap']:.2e}, signed mean {g['mean_gap']:.2e}); eval mean |gap| "
-              f"{g['mean_abs_eval_gap']:.2e}. Paper: {PAPER_MEAN_GAP} nat."]
+  if result["gaps"]:
+    lines += ["", "| per-step train loss gap | steps | mean abs | 2nd half mean abs | max abs | "
+              "signed mean | eval mean abs |", "|---|---|---|---|---|---|---|"]
+    for pair, g in result["gaps"].items():
+      lines.append(f"| {pair} | {len(g['steps'])} | {g['mean_abs_gap']:.2e} | "
+                   f"{g['mean_abs_gap_2nd_half']:.2e} | {g['max_abs_gap']:.2e} | "
+                   f"{g['mean_gap']:.2e} | {g['mean_abs_eval_gap']:.2e} |")
+    lines += ["", f"Paper: mean |gap| {PAPER_MEAN_GAP} nat (FORGE vs fused AdamW, continued "
+              "pre-training). A forge-optax gap no larger than optax_ulp-optax is rounding "
+              "amplified by the training dynamics, not a difference in the update."]
   return "\n".join(lines) + "\n"
 
 
@@ -190,12 +216,14 @@ def main(argv=None) -> dict:
                        cache_dir=args.data_cache)  # built once here, so the runs never race
   t0 = time.perf_counter()
   summaries = {}
-  for impl in args.impls.split(","):
-    s = run_impl(args, impl, data)
+  for name in args.runs.split(","):
+    if name not in RUNS:
+      raise ValueError(f"--runs: {name!r} is not one of {', '.join(RUNS)}")
+    s = run_one(args, name, data)
     if not s or not s.get("complete"):
-      print(f"{impl}: stopped before the end; run the same command again to continue")
+      print(f"{name}: stopped before the end; run the same command again to continue")
       return {"complete": False}
-    summaries[impl] = s
+    summaries[name] = s
   first = next(iter(summaries.values()))
   meta = {"command": command,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -60,16 +60,16 @@ def _smooth(y: np.ndarray, window: int) -> np.ndarray:
   return np.convolve(y, kernel, mode="valid")
 
 
-def plot_runs(runs: dict[str, dict], path: str | os.PathLike, title: str,
-              smooth: int = 1, gap_of: Optional[tuple[str, str]] = None) -> Optional[str]:
-  """Train (lines) and eval (markers) loss of each run; below, the gap of two runs.
+def plot_runs(runs: dict[str, dict], path: str | os.PathLike, title: str, smooth: int = 1,
+              gaps: Sequence[tuple[str, str]] = ()) -> Optional[str]:
+  """Train (lines) and eval (markers) loss of each run; below, per-step gaps between runs.
 
   Args:
     runs: name -> :func:`curves` of that run.
     path: the PNG to write.
     title: the figure title (say what was trained, on what).
     smooth: moving-average window for the train curves (eval is not smoothed).
-    gap_of: ``(a, b)``: add a panel with ``loss(a) - loss(b)`` per step.
+    gaps: pairs ``(a, b)``: a panel with ``loss(a) - loss(b)`` per step for each.
 
   Returns:
     The path written, or ``None`` without matplotlib.
@@ -77,7 +77,7 @@ def plot_runs(runs: dict[str, dict], path: str | os.PathLike, title: str,
   plt = _pyplot()
   if plt is None:
     return None
-  rows = 2 if gap_of else 1
+  rows = 2 if gaps else 1
   fig, axes = plt.subplots(rows, 1, figsize=(8, 3.2 * rows + 0.6), squeeze=False,
                            sharex=True, height_ratios=[2, 1][:rows])
   ax = axes[0, 0]
@@ -85,7 +85,7 @@ def plot_runs(runs: dict[str, dict], path: str | os.PathLike, title: str,
     color = f"C{i}"
     y = _smooth(c["loss"], smooth)
     # Wider lines first, so that identical curves still show both.
-    ax.plot(c["step"][len(c["step"]) - len(y):], y, color=color, lw=max(2.8 - 1.4 * i, 0.8),
+    ax.plot(c["step"][len(c["step"]) - len(y):], y, color=color, lw=max(2.8 - 1.2 * i, 0.8),
             label=f"{name} train")
     if c["eval_step"].size:
       ax.plot(c["eval_step"], c["eval_loss"], "o--", color=color, ms=4, lw=0.8,
@@ -94,15 +94,17 @@ def plot_runs(runs: dict[str, dict], path: str | os.PathLike, title: str,
   ax.set_title(title, fontsize=10)
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
-  if gap_of:
-    g = loss_gap(runs[gap_of[0]], runs[gap_of[1]])
+  if gaps:
     gx = axes[1, 0]
-    gx.plot(g["steps"], g["gap"], lw=0.8, color="C3",
-            label=f"train, mean |gap| {g['mean_abs_gap']:.2e}")
-    if g["eval_steps"].size:
-      gx.plot(g["eval_steps"], g["eval_gap"], "o", color="C4", ms=4, label="eval")
+    for j, (a, b) in enumerate(gaps):
+      g = loss_gap(runs[a], runs[b])
+      gx.plot(g["steps"], g["gap"], lw=0.8, color=f"C{3 + 2 * j}",
+              label=f"{a} - {b}: mean |gap| {g['mean_abs_gap']:.2e}")
+      if g["eval_steps"].size:
+        gx.plot(g["eval_steps"], g["eval_gap"], "o", color=f"C{4 + 2 * j}", ms=4,
+                label=f"{a} - {b}, eval")
     gx.axhline(0, color="k", lw=0.5)
-    gx.set_ylabel(f"{gap_of[0]} - {gap_of[1]}")
+    gx.set_ylabel("loss gap (nat)")
     gx.legend(fontsize=8)
     gx.grid(alpha=0.3)
   axes[-1, 0].set_xlabel("step")

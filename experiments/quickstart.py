@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
   png = plots.plot_runs(runs, pathlib.Path(args.out) / "quickstart_loss.png",
                         f"{params / 1e6:.2f}M-param Qwen3-style LM on the Python stdlib "
                         f"({jax.default_backend()}, {args.optimizer})",
-                        smooth=5, gap_of=("forge", "optax"))
+                        smooth=5, gaps=[("forge", "optax")])
   result = {"args": vars(args), "data": info, "summaries": summaries,
             "gap": {k: v for k, v in gap.items() if not hasattr(v, "shape")},
             "table": text, "plot": png, "wall_s": time.perf_counter() - t0}

@@ -54,8 +54,8 @@ IMPLS = ("forge", "optax")
 OPTIMIZERS = ("adam", "adamw", "nadam", "nadamw", "radam", "lion", "rmsprop", "adagrad", "sgd")
 # Arguments that change the trajectory: a resumed run must have the same.
 TRAJECTORY_KEYS = ("model", "set", "impl", "optimizer", "steps", "batch", "seq", "lr", "warmup",
-                   "schedule", "min_lr_ratio", "weight_decay", "clip", "dtype", "param_dtype",
-                   "scan", "remat", "attention", "seed", "data_seed", "tokenizer", "vocab_size",
+                   "schedule", "min_lr_ratio", "weight_decay", "clip", "dtype", "param_dtype", "matmul_precision",
+                   "scan", "remat", "attention", "seed", "perturb_init", "data_seed", "tokenizer", "vocab_size",
                    "corpus_bytes", "eval_fraction", "weight_rounding", "state_dtype")
 
 
@@ -82,11 +82,17 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--state-dtype", default=None,
     help="FORGE only (forge_jax.Precision): optimizer-state storage, a float dtype or int8")
   a("--dtype", default="float32", help="compute dtype (activations, matmul inputs)")
+  a("--matmul-precision", default=None,
+    help="jax_default_matmul_precision for float32 dots, e.g. highest (default: the platform's, "
+    "TF32 on recent GPUs; FORGE's fused dW kernel computes float32 dW at HIGHEST regardless)")
   a("--param-dtype", default="float32", help="storage dtype of params and optimizer states")
   a("--scan", action=argparse.BooleanOptionalAction, default=True, help="scan over layers")
   a("--remat", default="full", help="activation checkpointing of each block")
   a("--attention", default="auto", choices=("auto", "xla", "cudnn"))
   a("--seed", type=int, default=0, help="init seed")
+  a("--perturb-init", action="store_true",
+    help="move half the elements of every parameter by one float ulp after init: a control "
+    "run that shows how far rounding-level differences grow in training")
   a("--data-seed", type=int, default=None, help="data order seed (default: --seed)")
   a("--tokenizer", choices=data_lib.TOKENIZERS, default="bpe")
   a("--vocab-size", type=int, default=8192, help="BPE vocabulary")
@@ -182,6 +188,23 @@ def make_optimizer(args: argparse.Namespace, schedule: optax.Schedule):
   return opt
 
 
+def perturb_ulp(params, seed: int):
+  """``params`` with a random half of each float array's elements moved up by one ulp.
+
+  The smallest change a float can make: runs that differ only by it show how
+  much the training dynamics amplify rounding, the yardstick for FORGE vs
+  optax (whose updates differ by the order of floating-point sums).
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), max(len(leaves), 1))
+  out = []
+  for k, x in zip(keys, leaves):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      x = jnp.where(jax.random.bernoulli(k, 0.5, x.shape), jnp.nextafter(x, jnp.inf), x)
+    out.append(x)
+  return jax.tree.unflatten(treedef, out)
+
+
 class OptaxState(struct.PyTreeNode):
   """The optax baseline's whole state (checkpointed like a forge_jax.TrainState)."""
 
@@ -226,20 +249,25 @@ def build_trainer(args: argparse.Namespace, vocab_size: int, compile_step: bool 
   example = jnp.zeros((args.batch, args.seq + 1), jnp.int32)
   key = jax.random.PRNGKey(args.seed)
 
+  def init_variables():
+    variables = model.init(key, example[:, :-1])
+    if args.perturb_init:
+      variables = {**variables, "params": perturb_ulp(variables["params"], args.seed + 1)}
+    return variables
+
   # The whole initial state in one jit: built eagerly, the optimizer's init
   # alone would compile one small program per slot.
   if args.impl == "forge":
     @jax.jit
     def init_state():
-      variables = model.init(key, example[:, :-1])
-      return forge_jax.TrainState.create(model.apply, variables, opt)
+      return forge_jax.TrainState.create(model.apply, init_variables(), opt)
     loss_fn = functools.partial(_loss, model.apply)
     lower = lambda s: forge_jax.train_step.lower(s, example, loss_fn)
     variables_of = lambda s: s.variables
   else:
     @jax.jit
     def init_state():
-      params = model.init(key, example[:, :-1])["params"]
+      params = init_variables()["params"]
       return OptaxState(jnp.zeros([], jnp.int32), params, opt.init(params))
     step = jax.jit(functools.partial(_optax_step, model.apply, opt), donate_argnums=(0,))
     lower = lambda s: step.lower(s, example)
@@ -362,12 +390,12 @@ def evaluate(trainer: Trainer, state, batches) -> float:
 
 def _restore(trainer: Trainer, out: pathlib.Path, resume: bool):
   """(state, first step): the newest checkpoint's with ``resume``, else a fresh state at 0."""
-  state = trainer.init_state()
   found = latest_checkpoint(out) if resume else None
   if not found:
-    return state, 0
+    return trainer.init_state(), 0
   start, path = found
-  state = forge_jax.restore_train_state(path, state)
+  # Restored into shapes only: a materialized fresh state would double peak memory.
+  state = forge_jax.restore_train_state(path, jax.eval_shape(trainer.init_state))
   if int(state.step) != start:
     raise ValueError(f"checkpoint {path} holds step {int(state.step)}, not {start}")
   return state, start
@@ -396,6 +424,14 @@ def run(args: argparse.Namespace, data: Optional[data_lib.TokenData] = None) -> 
 
   ``data`` may be passed in to share one loaded corpus between runs.
   """
+  if args.matmul_precision is None:
+    return _run(args, data)
+  # Read when each program is traced: everything compiled in the run gets it.
+  with jax.default_matmul_precision(args.matmul_precision):
+    return _run(args, data)
+
+
+def _run(args: argparse.Namespace, data: Optional[data_lib.TokenData]) -> dict:
   t_begin = time.perf_counter()  # --time-limit counts loading and compiling too
   check_args(args)
   out = pathlib.Path(args.out)
