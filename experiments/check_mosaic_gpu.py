@@ -63,10 +63,10 @@ from typing import Any, Optional, Sequence
 
 SECTIONS = ("audit", "correctness", "sweep", "timing")
 # Seconds: (soft budget inside the section, hard limit on its subprocess).
-BUDGETS = {"audit": (25, 60), "correctness": (110, 170), "sweep": (100, 150), "timing": (160, 220)}
+BUDGETS = {"audit": (25, 60), "correctness": (110, 170), "sweep": (130, 180), "timing": (160, 220)}
 SMOKE_BUDGETS = {"audit": (60, 240), "correctness": (120, 400), "sweep": (60, 300), "timing": (60, 300)}
 # --quick: the correctness section only, a short case list (QUICK_CASES).
-QUICK_BUDGETS = {"correctness": (70, 140)}
+QUICK_BUDGETS = {"correctness": (75, 140)}
 QUICK_SMOKE_BUDGETS = {"correctness": (400, 600)}
 TOKENS = (4096, 1024, 16384)
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (5120, 17408))
@@ -76,6 +76,9 @@ RULE_SHAPE = (4096, 4096, 4096)  # every rule and dtype
 SHAPE_T = 4096  # T for the (K, N) shapes
 STACKED_SHAPE = (2048, 4096, 4096)  # [3, K, N] stacked weights, grad norm
 SWEEP_PROBLEMS = ((4096, 4096, 4096), (1024, 4096, 4096))
+# Timed in the sweep too, not ranked: one token step, so the time is the
+# epilogue's (reported per warpgroup tile as "epilogue_us_per_tile").
+EPILOGUE_PROBE = (64, 4096, 4096)
 # Accepted errors. A float32 result: relative Frobenius error (of the update
 # ``w_new - w`` for the weight; a sign-based rule such as Lion may flip where
 # its argument is within rounding of 0, hence the looser update tolerance).
@@ -119,22 +122,24 @@ def _sweep_configs(fm) -> list[Any]:
   """The tilings the sweep times (invalid ones for a problem are skipped)."""
   c = fm.MosaicTileConfig
   pp = functools.partial(fm.MosaicTileConfig, schedule="pingpong")
-  # Alternating schedules, so that a budget cut leaves both measured.
+  # The first H200 sweep's bests first (ping-pong beat cooperative at every
+  # setting), then the knobs that run was missing (one wgmma in flight in
+  # the ping-pong main loop; L2 prefetch of the epilogue's sub-tiles ahead
+  # of the ring), alone and together, then the former cooperative default.
+  tuned = dict(mma_in_flight=True, epi_l2_lookahead=4)
   return [
-      c(max_concurrent_steps=3, epi_n=16),  # the fp32-AdamW default
-      pp(max_concurrent_steps=4, epi_n=16),
-      c(max_concurrent_steps=3, epi_n=16, l2_prefetch_steps=0),
-      pp(max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0),
-      c(max_concurrent_steps=3, epi_n=16, l2_prefetch_steps=32),
-      pp(max_concurrent_steps=3, epi_n=32),
-      c(max_concurrent_steps=2, epi_n=32),
-      pp(tile_m=256, tile_n=64, max_concurrent_steps=4, epi_n=16),
-      c(max_concurrent_steps=3, epi_n=16, epi_slots=3),
-      pp(max_concurrent_steps=4, epi_n=16, grid_minor_dim="m"),
-      c(max_concurrent_steps=3, epi_n=16, grid_tile_width=16),
-      c(tile_n=64, max_concurrent_steps=4, epi_n=16),
-      c(tile_m=256, tile_n=64, max_concurrent_steps=3, epi_n=16),
-      c(tile_n=64, tile_t=128, max_concurrent_steps=2, epi_n=16),
+      pp(max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0),  # best at T=4096, 0.298 ms
+      pp(max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0, mma_in_flight=True),
+      pp(max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0, epi_l2_lookahead=4),
+      pp(max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0, **tuned),
+      pp(max_concurrent_steps=3, epi_n=32),  # best at T=1024, 0.188 ms
+      pp(max_concurrent_steps=3, epi_n=32, **tuned),
+      pp(max_concurrent_steps=3, epi_n=32, l2_prefetch_steps=0, **tuned),
+      pp(max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0, mma_in_flight=True, epi_l2_lookahead=8),
+      pp(max_concurrent_steps=3, epi_n=16, epi_slots=3, l2_prefetch_steps=0, **tuned),
+      c(max_concurrent_steps=3, epi_n=16),  # the former default (cooperative)
+      pp(max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0, grid_minor_dim="m", **tuned),
+      pp(max_concurrent_steps=3, epi_n=16, epi_slots=4, l2_prefetch_steps=0, **tuned),
   ]
 
 
@@ -334,28 +339,38 @@ def section_audit(sec: _Section, smoke: bool, interpret: bool) -> None:
 
 
 # --quick, in this order (the budget may cut the tail): every rule with bf16
-# w/slots (the rows the first H200 run flagged), radam (its rule changed), the
-# sqrt-using rules in fp32 (the kernel now uses the native sqrt where jax
-# lowers it), mixed fp32 w / bf16 slots and the stacked bf16 layer with norm.
-# (case, rule, w dtype name, slot dtype name, stacked); shape RULE_SHAPE or
-# STACKED_SHAPE.
+# w/slots (the rows the first H200 run flagged), each schedule on bf16 and fp32
+# AdamW (the default is now ping-pong; the first run's correctness rows used
+# the cooperative configs named here), radam (its rule changed), the knobs the
+# default leaves off (mma_in_flight, epi_l2_lookahead), the sqrt rules in fp32
+# (the kernel now uses the native sqrt where jax lowers it), mixed fp32 w /
+# bf16 slots and the stacked bf16 layer with norm. (case, rule, w dtype name,
+# slot dtype name, stacked, MosaicTileConfig fields or None for the default);
+# shape RULE_SHAPE or STACKED_SHAPE.
+_COOP_BF16 = {"schedule": "cooperative", "max_concurrent_steps": 3, "epi_n": 32}
+_COOP_F32 = {"schedule": "cooperative", "max_concurrent_steps": 3, "epi_n": 16}
+_TUNED_F32 = {"schedule": "pingpong", "max_concurrent_steps": 4, "epi_n": 16, "l2_prefetch_steps": 0,
+              "mma_in_flight": True, "epi_l2_lookahead": 4}
+_TUNED_BF16 = dict(_TUNED_F32, epi_n=32)  # bf16 rows of 64 bytes, as the default
 QUICK_CASES = (
-    ("rule", "sgd", "bfloat16", "bfloat16", False),
-    ("rule", "adamw", "bfloat16", "bfloat16", False),
-    ("rule", "radam", "float32", "float32", False),
-    ("rule", "radam", "bfloat16", "bfloat16", False),
-    ("rule", "rmsprop_centered_momentum", "bfloat16", "bfloat16", False),
-    ("rule", "adagrad", "bfloat16", "bfloat16", False),
-    ("rule", "sgd_momentum", "bfloat16", "bfloat16", False),
-    ("rule", "lion", "bfloat16", "bfloat16", False),
-    ("rule", "adamw", "float32", "float32", False),
-    ("rule", "adam", "bfloat16", "bfloat16", False),
-    ("rule", "nadamw", "bfloat16", "bfloat16", False),
-    ("rule", "rmsprop_centered_momentum", "float32", "float32", False),
-    ("mixed", "adamw", "float32", "bfloat16", False),
-    ("stacked_norm", "adamw", "bfloat16", "bfloat16", True),
-    ("rule", "nadamw", "float32", "float32", False),
-    ("rule", "adam", "float32", "float32", False),
+    ("rule", "sgd", "bfloat16", "bfloat16", False, None),
+    ("rule", "adamw", "bfloat16", "bfloat16", False, None),
+    ("schedule", "adamw", "bfloat16", "bfloat16", False, _COOP_BF16),
+    ("rule", "radam", "float32", "float32", False, None),
+    ("rule", "radam", "bfloat16", "bfloat16", False, None),
+    ("rule", "rmsprop_centered_momentum", "bfloat16", "bfloat16", False, None),
+    ("rule", "adagrad", "bfloat16", "bfloat16", False, None),
+    ("rule", "sgd_momentum", "bfloat16", "bfloat16", False, None),
+    ("rule", "lion", "bfloat16", "bfloat16", False, None),
+    ("rule", "adamw", "float32", "float32", False, None),
+    ("schedule", "adamw", "float32", "float32", False, _COOP_F32),
+    ("tuned", "adamw", "float32", "float32", False, _TUNED_F32),
+    ("tuned", "adamw", "bfloat16", "bfloat16", False, _TUNED_BF16),
+    ("rule", "adam", "bfloat16", "bfloat16", False, None),
+    ("rule", "nadamw", "bfloat16", "bfloat16", False, None),
+    ("rule", "rmsprop_centered_momentum", "float32", "float32", False, None),
+    ("mixed", "adamw", "float32", "bfloat16", False, None),
+    ("stacked_norm", "adamw", "bfloat16", "bfloat16", True, None),
 )
 
 
@@ -371,32 +386,37 @@ def section_correctness(sec: _Section, smoke: bool, interpret: bool, quick: bool
   small = fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=16, num_sms=1)
   cfg = small if smoke else None
   big = (128, 128, 256) if smoke else RULE_SHAPE
-  # (label, rule, (t, k, n), w dtype, slot dtype, layers, grad norm); most
-  # informative first, since the time budget may cut the list short.
-  cases: list[tuple[str, str, tuple, Any, Any, Optional[int], bool]] = [
-      ("first_run", "adamw", (128, 128, 256) if smoke else FIRST_SHAPE, f32, f32, None, False),
-      ("norm", "lion", big, f32, f32, None, True),
-      ("stacked_norm", "adamw", (64, 64, 128) if smoke else STACKED_SHAPE, bf16, bf16, 3, True),
+  # (label, rule, (t, k, n), w dtype, slot dtype, layers, grad norm, config
+  # fields or None); most informative first, since the time budget may cut
+  # the list short.
+  cases: list[tuple[str, str, tuple, Any, Any, Optional[int], bool, Optional[dict]]] = [
+      ("first_run", "adamw", (128, 128, 256) if smoke else FIRST_SHAPE, f32, f32, None, False, None),
+      ("norm", "lion", big, f32, f32, None, True, None),
+      ("stacked_norm", "adamw", (64, 64, 128) if smoke else STACKED_SHAPE, bf16, bf16, 3, True, None),
   ]
   if quick:
     sec.payload["rewrites_on_this_jax"] = sorted(p.name for p in fm._active_rewrites())
     stacked = (64, 64, 128) if smoke else STACKED_SHAPE
     cases = [(label, name, stacked if layers else big, jnp.dtype(w_dt), jnp.dtype(s_dt),
-              3 if layers else None, bool(layers)) for label, name, w_dt, s_dt, layers in QUICK_CASES]
+              3 if layers else None, bool(layers), fields)
+             for label, name, w_dt, s_dt, layers, fields in QUICK_CASES]
   elif smoke:
-    cases += [("rule", "sgd_momentum", big, f32, bf16, None, False)]
+    cases += [("rule", "sgd_momentum", big, f32, bf16, None, False, None)]
   else:
-    cases += [("rule", name, big, f32, f32, None, False) for name in rules]
-    cases += [("shape", "adamw", (SHAPE_T, k, n), f32, f32, None, False) for k, n in SHAPES_KN]
-    cases += [("rule", name, big, bf16, bf16, None, False) for name in rules]
-    cases += [("shape", "adamw", (SHAPE_T, k, n), bf16, bf16, None, False) for k, n in SHAPES_KN]
-    cases += [("shape", "adamw", (SHAPE_T, k, n), f32, bf16, None, False) for k, n in SHAPES_KN]
+    cases += [("rule", name, big, f32, f32, None, False, None) for name in rules]
+    cases += [("shape", "adamw", (SHAPE_T, k, n), f32, f32, None, False, None) for k, n in SHAPES_KN]
+    cases += [("rule", name, big, bf16, bf16, None, False, None) for name in rules]
+    cases += [("shape", "adamw", (SHAPE_T, k, n), bf16, bf16, None, False, None) for k, n in SHAPES_KN]
+    cases += [("shape", "adamw", (SHAPE_T, k, n), f32, bf16, None, False, None) for k, n in SHAPES_KN]
 
-  for label, name, (t, k, n), w_dt, s_dt, layers, norm in cases:
+  for label, name, (t, k, n), w_dt, s_dt, layers, norm, fields in cases:
     row: dict[str, Any] = {
         "case": label, "rule": name, "shape": f"{t}x{k}x{n}", "w_dtype": jnp.dtype(w_dt).name,
         "slot_dtype": jnp.dtype(s_dt).name, "layers": layers, "grad_norm": norm,
     }
+    row_cfg = cfg
+    if fields is not None:
+      row_cfg = fm.MosaicTileConfig(**fields, **({"num_sms": 1} if smoke else {}))
     if sec.over_budget():
       sec.skip(f"{label} {name} {row['shape']} {row['w_dtype']}/{row['slot_dtype']}")
       continue
@@ -404,12 +424,14 @@ def section_correctness(sec: _Section, smoke: bool, interpret: bool, quick: bool
     try:
       x, dy, w, slots = _inputs(t, k, n, rule, w_dt, s_dt, layers=layers)
       layer = None if layers is None else jnp.int32(layers - 2)
-      ok, why = fm.supports(x, dy, w, slots, cfg, compute_grad_sq_norm=norm) if cfg else (True, "")
+      used = row_cfg or fm.default_config(x, dy, w, slots, compute_grad_sq_norm=norm)
+      row["config"] = _cfg_text(used)
+      ok, why = fm.supports(x, dy, w, slots, used, compute_grad_sq_norm=norm)
       if not ok:
         raise ValueError(why)
       start = time.perf_counter()
       new_w, new_slots, g2 = _kernel_call(
-          fm, x, dy, w, slots, rule, config=cfg, layer=layer, norm=norm, interpret=interpret
+          fm, x, dy, w, slots, rule, config=row_cfg, layer=layer, norm=norm, interpret=interpret
       )
       jax.block_until_ready((new_w, new_slots))
       row["first_call_s"] = round(time.perf_counter() - start, 2)
@@ -437,8 +459,8 @@ def section_correctness(sec: _Section, smoke: bool, interpret: bool, quick: bool
     except Exception as e:  # record and go on
       row.update(status="error", error=_timing.short_error(e))
     sec.add(row)
-    _timing.log(f"  {label:<12} {name:<26} {row['shape']:>16} {row['w_dtype']}/{row['slot_dtype']}: "
-                f"{row['status']} {_err_text(row)}")
+    _timing.log(f"  {label:<12} {name:<26} {row['shape']:>16} {row['w_dtype']}/{row['slot_dtype']} "
+                f"[{row.get('config', '-')}]: {row['status']} {_err_text(row)}")
     gc.collect()
 
   for t, k, n in () if quick else ODD_SHAPES:
@@ -477,6 +499,9 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
   from experiments import bench_fused_dw as bench  # pylint: disable=g-import-not-at-top
 
   problems = [(64, 64, 128)] if smoke else list(SWEEP_PROBLEMS)
+  ranked = {f"{t}x{k}x{n}" for t, k, n in problems}
+  if not smoke:
+    problems.append(EPILOGUE_PROBE)
   configs = _sweep_configs(fm)
   if smoke:  # one config per schedule, one the kernel rejects (recorded, not run)
     configs = [
@@ -509,12 +534,18 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
       row = bench.measure("mosaic", builder, p, reference, timing)
       row.update(problem=p.name, config_index=idx, config=dc.asdict(cfg))
       sec.add(row)
-      if row["status"] == "ok":
+      if row["status"] == "ok" and p.name in ranked:
         ms_by_config.setdefault(idx, []).append(row["ms"])
+      elif row["status"] == "ok":  # the probe: both compute warpgroups run epilogues side by side
+        wg_tiles = (p.w0.shape[0] // cfg.tile_m) * (p.w0.shape[1] // cfg.tile_n)
+        sms = cfg.num_sms or sec.payload["info"].get("sm_count") or 132
+        row["epilogue_us_per_tile"] = round(row["ms"] * 1e3 * sms * 2 / wg_tiles, 2)
+        sec.payload.setdefault("epilogue_us_per_tile", {})[idx] = row["epilogue_us_per_tile"]
+        sec.save()
       _timing.log(f"  sweep {p.name:>16} cfg {idx:>2} {_cfg_text(cfg):<52} {bench._cell(row)}")
       gc.collect()
     # Best so far after every config: a later hang (killed section) keeps it.
-    complete = {i: v for i, v in ms_by_config.items() if len(v) == len(problems)}
+    complete = {i: v for i, v in ms_by_config.items() if len(v) == len(ranked)}
     if complete:
       best = min(complete, key=lambda i: statistics.geometric_mean(complete[i]))
       sec.payload["best"] = {"config_index": best, "config": dc.asdict(configs[best]),
@@ -528,9 +559,16 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
 
 
 def _cfg_text(cfg) -> str:
-  return (f"{cfg.schedule[:4]} {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_t} st{cfg.max_concurrent_steps} "
-          f"epi{cfg.epi_m}x{cfg.epi_n}/{cfg.epi_slots} {cfg.grid_minor_dim}{cfg.grid_tile_width} "
-          f"l2pf{cfg.l2_prefetch_steps}")
+  """One line per config; ``cfg`` a MosaicTileConfig or its asdict."""
+  get = (lambda f, d=None: cfg.get(f, d)) if isinstance(cfg, dict) else (lambda f, d=None: getattr(cfg, f, d))
+  text = (f"{str(get('schedule'))[:4]} {get('tile_m')}x{get('tile_n')}x{get('tile_t')} "
+          f"st{get('max_concurrent_steps')} epi{get('epi_m')}x{get('epi_n')}/{get('epi_slots')} "
+          f"{get('grid_minor_dim')}{get('grid_tile_width')} l2pf{get('l2_prefetch_steps')}")
+  if get("mma_in_flight", False):
+    text += " mma1"
+  if get("epi_l2_lookahead", 0):
+    text += f" epila{get('epi_l2_lookahead')}"
+  return text
 
 
 def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional[dict], kernel: bool) -> None:
@@ -672,23 +710,20 @@ def _markdown(info: dict, runs: list[dict], parts: dict[str, Optional[dict]]) ->
     out += ["", "## Correctness against fused_dw_update_reference", "",
             f"Tolerances: fp32 update {UPDATE_TOL:g} and slots {SLOT_TOL:g} (relative Frobenius); bf16 "
             f"elementwise {BF16_TOL:g}.", "",
-            "| case | rule | T x K x N | w / slots | status | first call s | errors |", "|---|---|---|---|---|---|---|"]
+            "| case | rule | T x K x N | w / slots | config | status | first call s | errors |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in corr["rows"]:
       if r["case"] == "odd_shape":
-        out.append(f"| odd shape | {r['rule']} | {r['shape']} | - | {r['status']} | - | {r['reason'][:100]} |")
+        out.append(f"| odd shape | {r['rule']} | {r['shape']} | - | - | {r['status']} | - | {r['reason'][:100]} |")
       else:
         out.append(f"| {r['case']} | {r['rule']} | {r['shape']} | {r['w_dtype']} / {r['slot_dtype']} | "
-                   f"{r['status']} | {r.get('first_call_s', '-')} | {_err_text(r)[:160]} |")
+                   f"{r.get('config', '-')} | {r['status']} | {r.get('first_call_s', '-')} | {_err_text(r)[:200]} |")
   sweep = parts.get("sweep")
   if sweep and sweep.get("rows"):
     out += ["", "## Tiling sweep (AdamW, fp32 w/slots)", "",
             "| problem | config | status | ms | TF/s |", "|---|---|---|---|---|"]
     for r in sweep["rows"]:
-      cfg = r.get("config", {})
-      text = (f"{cfg.get('schedule')} {cfg.get('tile_m')}x{cfg.get('tile_n')}x{cfg.get('tile_t')} "
-              f"st{cfg.get('max_concurrent_steps')} "
-              f"epi{cfg.get('epi_m')}x{cfg.get('epi_n')}/{cfg.get('epi_slots')} "
-              f"{cfg.get('grid_minor_dim')}{cfg.get('grid_tile_width')} l2pf{cfg.get('l2_prefetch_steps')}")
+      text = _cfg_text(r.get("config", {}))
       ms = f"{r['ms']:.3f}" if "ms" in r else "-"
       tf = f"{r['tflops']:.0f}" if "tflops" in r else "-"
       status = r["status"] + (f": {r['error'][:100]}" if "error" in r else "")

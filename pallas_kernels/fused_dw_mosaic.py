@@ -119,6 +119,15 @@ class MosaicTileConfig:
       tile and the memory warpgroup feeds their tiles in turn through one
       stage ring, so one warpgroup's epilogue runs while the other's main
       loop keeps the tensor cores busy.
+    mma_in_flight: ``"pingpong"`` only: keep one ``wgmma`` in flight across
+      main-loop steps (wait for the previous step's, not this step's, and
+      release its stage one step later), so the tensor cores do not idle
+      between steps while the single active warpgroup waits. (The
+      cooperative schedule has two warpgroups issuing in turn instead.)
+    epi_l2_lookahead: during the epilogue, ask TMA to prefetch into L2 the
+      ``W``/slot sub-tile this many sub-tiles beyond the shared-memory ring
+      (0: off). The ring bounds the bytes in flight by shared memory; L2
+      prefetches do not, so the ring's own loads then hit L2.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -134,6 +143,8 @@ class MosaicTileConfig:
   memory_registers: int = 40
   l2_prefetch_steps: int = 16
   schedule: str = "cooperative"
+  mma_in_flight: bool = False
+  epi_l2_lookahead: int = 0
   num_sms: Optional[int] = None
 
 
@@ -196,6 +207,10 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
     return f"schedule={cfg.schedule!r} must be 'cooperative' or 'pingpong'"
   if cfg.schedule == "pingpong" and cfg.max_concurrent_steps < 2:
     return "schedule='pingpong' needs max_concurrent_steps >= 2"
+  if cfg.mma_in_flight and cfg.schedule != "pingpong":
+    return "mma_in_flight=True needs schedule='pingpong'"
+  if cfg.epi_l2_lookahead < 0:
+    return f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"
   return None
 
 
@@ -494,8 +509,8 @@ def _planar_snake(lin: Array, m_iters: int, n_iters: int, minor_dim: str, width:
   return (major, minor) if minor_dim == "n" else (minor, major)
 
 
-def _mma(acc_ref, x_smem, dy_smem, xt_smem, interpreting: bool) -> None:
-  """``acc += x_block.T @ dy_block`` on the tensor cores, awaited."""
+def _mma(acc_ref, x_smem, dy_smem, xt_smem, interpreting: bool, wait: bool = True) -> None:
+  """``acc += x_block.T @ dy_block`` on the tensor cores, awaited unless ``wait=False``."""
   if interpreting:
     # CPU interpreter only: it cannot read a transposed wgmma operand, so the
     # x block goes through registers into a scratch buffer.
@@ -505,7 +520,8 @@ def _mma(acc_ref, x_smem, dy_smem, xt_smem, interpreting: bool) -> None:
   else:
     # x.T without a copy: the tensor cores read the transposed operand.
     plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)), dy_smem)
-  plgpu.wgmma_wait(0)
+  if wait:
+    plgpu.wgmma_wait(0)
 
 
 @dataclasses.dataclass
@@ -559,6 +575,14 @@ class _Epilogue:
     for src in (self.w_gmem, *self.slot_gmems):
       plgpu.async_prefetch(src.at[tile])
 
+  def _prefetch_sub_l2(self, j: int, row0, col0) -> None:
+    """TMA prefetch of sub-tile ``j`` into L2 (no shared memory, no barrier)."""
+    if self.plan.interpreting or j >= len(self.plan.sub_tiles):
+      return  # the interpreter has no L2 (and no rule for the prefetch)
+    win = self._window(j, row0, col0)
+    for src in (self.w_gmem, *self.slot_gmems):
+      plgpu.async_prefetch(src.at[win])
+
   def finish(self, acc, row0, col0, norm_block, norm_row0) -> None:
     plan, cfg = self.plan, self.plan.cfg
     scalars = jax.tree.unflatten(
@@ -566,6 +590,9 @@ class _Epilogue:
     )
     scalar_leaves = jax.tree.leaves(scalars)
     row_sums = {}
+    ahead = cfg.epi_l2_lookahead
+    for j in range(self.depth, self.depth + ahead):
+      self._prefetch_sub_l2(j, row0, col0)
     for j, (r, c) in enumerate(plan.sub_tiles):
       slot = j % self.depth
       plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
@@ -589,6 +616,8 @@ class _Epilogue:
       for ref, dst in zip(s_refs, self.slot_gmems):
         plgpu.copy_smem_to_gmem(ref, dst.at[win], commit_group=False)
       plgpu.commit_smem_to_gmem_group()
+      if ahead:
+        self._prefetch_sub_l2(j + self.depth + ahead, row0, col0)
       if j + self.depth < len(plan.sub_tiles):
         # Refill this slot once its results have been read out.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -840,8 +869,20 @@ def _pingpong_body(
             if prefetch_step is not None:
               pl.when(k == prefetch_step)(lambda: epi.prefetch_l2(row0, col0))
             plgpu.barrier_wait(stage_ready.at[wg_idx * stages + slot])
-            _mma(acc_ref, x_stages.at[slot], dy_stages.at[slot], xt, plan.interpreting)
-            plgpu.barrier_arrive(stage_free.at[slot])
+            if cfg.mma_in_flight:
+              # Wait for the previous step's wgmma only, then free its stage.
+              _mma(acc_ref, x_stages.at[slot], dy_stages.at[slot], xt, plan.interpreting,
+                   wait=False)
+              plgpu.wgmma_wait(1)
+              prev_slot = lax.rem(step + (stages - 1), stages)
+              pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
+            else:
+              _mma(acc_ref, x_stages.at[slot], dy_stages.at[slot], xt, plan.interpreting)
+              plgpu.barrier_arrive(stage_free.at[slot])
+
+          if cfg.mma_in_flight:
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(stage_free.at[lax.rem(i * t_iters + (t_iters - 1), stages)])
 
           epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m)
 
@@ -854,20 +895,44 @@ def _pingpong_body(
 # ----------------------------------------------------------------------------
 
 
+_PINGPONG = functools.partial(MosaicTileConfig, schedule="pingpong")
 # Tried in order by :func:`default_config`: the first that fits the operands'
-# dtypes in shared memory wins. Bigger pipelines first (the main loop is what
-# the tensor cores wait on), then smaller epilogue sub-tiles.
-_DEFAULT_CANDIDATES = (
-    MosaicTileConfig(max_concurrent_steps=4, epi_n=32),
-    MosaicTileConfig(max_concurrent_steps=3, epi_n=32),
-    MosaicTileConfig(max_concurrent_steps=3, epi_n=16),
-    MosaicTileConfig(max_concurrent_steps=2, epi_n=32),
-    MosaicTileConfig(max_concurrent_steps=2, epi_n=16),
-    MosaicTileConfig(tile_n=64, max_concurrent_steps=3, epi_n=16),
-    # Shapes with K a multiple of 64 only, or N of 128 only.
-    MosaicTileConfig(tile_m=64, max_concurrent_steps=3, epi_n=16),
-    MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=4, epi_n=16),
+# dtypes in shared memory (and divides their shape) wins. From the first H200
+# sweep (jax 0.11.2, AdamW fp32, experiments/results/h200/mosaic/sweep.json):
+# ping-pong beat cooperative at every setting; at T=4096 the best was 4 stages
+# with 64x16 sub-tiles and no whole-tile L2 prefetch (0.298 ms; cooperative
+# 0.340-0.362), at T=1024 3 stages with 64x32 sub-tiles (0.188 ms; the former
+# 0.232): the main loop matters at long T, the number of epilogue round trips
+# at short T. 64x32 sub-tiles are tried first at long T too: they fit 4 stages
+# when the states are small (bf16, or few fp32 slots) and are the bf16 rows'
+# 64-byte swizzle that ran on the H200 (64x16 bf16 would be 32 bytes).
+_LONG_T_CANDIDATES = (
+    _PINGPONG(max_concurrent_steps=4, epi_n=32, l2_prefetch_steps=0),
+    _PINGPONG(max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0),
 )
+_SHORT_T_CANDIDATES = (
+    _PINGPONG(max_concurrent_steps=3, epi_n=32, l2_prefetch_steps=16),
+    _PINGPONG(max_concurrent_steps=3, epi_n=16, l2_prefetch_steps=16),
+)
+# Then smaller pipelines and tiles, for what the above do not fit or divide.
+_OTHER_CANDIDATES = (
+    _PINGPONG(max_concurrent_steps=3, epi_n=16, l2_prefetch_steps=0),
+    _PINGPONG(max_concurrent_steps=2, epi_n=16, l2_prefetch_steps=0),
+    MosaicTileConfig(max_concurrent_steps=3, epi_n=16),
+    MosaicTileConfig(max_concurrent_steps=2, epi_n=16),
+    _PINGPONG(tile_n=64, max_concurrent_steps=3, epi_n=16, l2_prefetch_steps=0),
+    # Shapes with K a multiple of 64 only.
+    _PINGPONG(tile_m=64, max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0),
+    _PINGPONG(tile_m=64, tile_n=64, max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0),
+)
+# T at or below this counts as short (the epilogue, not the main loop, bounds).
+_SHORT_T = 2048
+
+
+def _default_candidates(t: int) -> tuple[MosaicTileConfig, ...]:
+  first = _SHORT_T_CANDIDATES if t <= _SHORT_T else _LONG_T_CANDIDATES
+  second = _LONG_T_CANDIDATES if t <= _SHORT_T else _SHORT_T_CANDIDATES
+  return first + second + _OTHER_CANDIDATES
 
 
 def default_config(
@@ -876,15 +941,18 @@ def default_config(
 ) -> MosaicTileConfig:
   """The first default candidate :func:`supports` accepts for these operands.
 
+  Candidates depend on ``T`` (``x.shape[0]``): see ``_LONG_T_CANDIDATES``.
   Falls back to the last candidate, the one with the loosest shape
   requirements (whose ``supports`` reason then names what no candidate
-  accepts, e.g. ``N=100 must be a multiple of ... 128``), when none fits.
+  accepts, e.g. ``N=100 must be a multiple of tile_n = 64``), when none fits.
   """
-  for cand in _DEFAULT_CANDIDATES:
+  t = x.shape[0] if len(x.shape) == 2 else 0
+  candidates = _default_candidates(t)
+  for cand in candidates:
     cand = dataclasses.replace(cand, num_sms=num_sms)
     if supports(x, dy, w, slots, cand, compute_grad_sq_norm=compute_grad_sq_norm)[0]:
       return cand
-  return dataclasses.replace(_DEFAULT_CANDIDATES[-1], num_sms=num_sms)
+  return dataclasses.replace(candidates[-1], num_sms=num_sms)
 
 
 def _interpret_params(interpret: Any):

@@ -125,12 +125,17 @@ def test_grad_sq_norm_and_every_tile_written():
     _assert_close(a, e, "slot")
 
 
-def test_pingpong_schedule_matches_reference():
+def test_pingpong_schedule_matches_reference(tuned=True):
   """Each warpgroup owns whole tiles; 3 tiles on 2 blocks: one gets 1 (one idle warpgroup),
   one gets 2 (4 steps through a 3-stage ring: it wraps across tiles)."""
+  # tuned=False (the default knobs) ran on the H200 (sweep rows, checked);
+  # here the knobs it leaves off, which have not.
   rule = _rules()["adamw"]
   cfg = fm.MosaicTileConfig(
       schedule="pingpong", tile_m=64, tile_n=64, max_concurrent_steps=3, epi_n=16, num_sms=2,
+      # one wgmma in flight: stages released a step late (barrier counts);
+      # the L2 lookahead is skipped by the interpreter.
+      mma_in_flight=tuned, epi_l2_lookahead=2 if tuned else 0,
   )
   x, dy, w, slots = _inputs(4, 128, 192, 64, rule, slot_dtype=BF16)
   (new_w, new_slots, norm), (ref_w, ref_slots, ref_norm) = _run_both(
@@ -177,9 +182,10 @@ def _all_rules():
 
 @pytest.mark.parametrize(
     "name, state_dtype, schedule",
-    [(name, F32, "cooperative") for name in sorted(_all_rules())]
-    + [(name, BF16, "cooperative") for name in ("adamw", "lion", "rmsprop_centered_momentum")]
-    + [(name, dt, "pingpong") for name in ("adamw", "sgd") for dt in (F32, BF16)],
+    [(name, F32, "default") for name in sorted(_all_rules())]
+    + [(name, BF16, "default") for name in ("adamw", "lion", "rmsprop_centered_momentum")]
+    + [(name, dt, "cooperative") for name in ("adamw", "rmsprop_centered_momentum") for dt in (F32, BF16)]
+    + [(name, dt, "pingpong_tuned") for name in ("adamw", "sgd") for dt in (F32, BF16)],
 )
 def test_lowers_for_cuda(name, state_dtype, schedule):
   rule = _all_rules()[name].rule
@@ -188,8 +194,13 @@ def test_lowers_for_cuda(name, state_dtype, schedule):
   w = jax.ShapeDtypeStruct((256, 512), state_dtype)
   slots = tuple(jax.ShapeDtypeStruct((256, 512), state_dtype) for _ in rule.slot_names)
   config = fm.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
-  if schedule == "pingpong":
-    config = fm.MosaicTileConfig(schedule="pingpong", max_concurrent_steps=4, epi_n=16, num_sms=132)
+  if schedule == "cooperative":
+    config = fm.MosaicTileConfig(max_concurrent_steps=2, epi_n=16, num_sms=132)
+  elif schedule == "pingpong_tuned":  # the knobs the default leaves off
+    config = fm.MosaicTileConfig(
+        schedule="pingpong", max_concurrent_steps=4, epi_n=16, num_sms=132, mma_in_flight=True,
+        epi_l2_lookahead=4,
+    )
   kernel = jax.jit(functools.partial(
       fm.fused_dw_update_mosaic, update_fn=rule.update, compute_grad_sq_norm=True, config=config,
   ))

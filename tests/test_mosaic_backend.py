@@ -61,7 +61,7 @@ def test_backends_listed():
 
 def test_mosaic_interpret_matches_xla():
   """The Mosaic kernel (interpreter) through the public entry, AdamW, a supported shape."""
-  x, dy, w, state, opt = _problem(64, 64, 128)
+  x, dy, w, state, opt = _problem(64, 64, 64)
   run = lambda backend: jax.jit(functools.partial(
       forge_jax.fused_linear_update, optimizer=opt, backend=backend, return_grad_sq_norm=True,
   ))(x, dy, w, state)
