@@ -31,6 +31,12 @@ runs decorrelate. The control run ``optax_ulp`` (optax again, from an init
 moved by one ulp in half its elements) measures that amplification alone:
 a forge-optax gap of the control's size is rounding, not a different update.
 
+``--pretrain-steps N`` measures in the paper's setting, continued
+pre-training: optax first trains the model from scratch for N steps (saved
+as a Hugging Face checkpoint), then every run starts from those weights
+with a fresh optimizer and another data order. Early from-scratch training
+is the most chaotic phase, where any rounding difference grows fastest.
+
 Re-running the same command reuses a finished run and resumes an unfinished
 one (``--time-limit`` stops each run with a checkpoint, for machines that
 limit one command's time).
@@ -69,7 +75,9 @@ PAPER_MEAN_GAP = 1e-3  # nat, FORGE vs fused AdamW (paper, continued pre-trainin
 # rounding-level differences grow into on their own in this training.
 RUNS = {"forge": ["--impl", "forge"], "optax": ["--impl", "optax"],
         "optax_ulp": ["--impl", "optax", "--perturb-init"]}
-SMOKE = dict(model="tiny-qwen3", set=[], steps=12, batch=2, seq=32, lr=3e-3, warmup=1,
+PRETRAIN = ["--impl", "optax"]  # --pretrain-steps: the run the others continue from
+SMOKE = dict(model="tiny-qwen3", set=[], steps=12, pretrain_steps=12, batch=2, seq=32, lr=3e-3,
+             warmup=1,
              dtype="float32", tokenizer="bytes", corpus_bytes=300_000, eval_every=4,
              eval_batches=2, in_process=True)
 
@@ -82,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--set", action="append", default=[], metavar="FIELD=VALUE", help="ModelConfig overrides")
   a("--optimizer", default="adamw", choices=train.OPTIMIZERS)
   a("--steps", type=int, default=1000)
+  a("--pretrain-steps", type=int, default=0,
+    help="first train optax from scratch for N steps, then start every run from its weights on "
+    "another data order: continued pre-training, the paper's setting (0: all from scratch)")
   a("--batch", type=int, default=4)
   a("--seq", type=int, default=1024)
   a("--lr", type=float, default=3e-4)
@@ -114,9 +125,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+def _hf_dir(args: argparse.Namespace) -> str:
+  return os.path.join(args.out, "pretrain", "hf")
+
+
 def train_argv(args: argparse.Namespace, name: str, resume: bool) -> list[str]:
-  argv = [*RUNS[name], "--model", args.model, "--optimizer", args.optimizer,
-          "--steps", args.steps, "--batch", args.batch, "--seq", args.seq, "--lr", args.lr,
+  spec = PRETRAIN if name == "pretrain" else RUNS[name]
+  steps = args.pretrain_steps if name == "pretrain" else args.steps
+  argv = [*spec, "--model", args.model, "--optimizer", args.optimizer,
+          "--steps", steps, "--batch", args.batch, "--seq", args.seq, "--lr", args.lr,
           "--warmup", args.warmup, "--weight-decay", args.weight_decay, "--dtype", args.dtype,
           "--param-dtype", args.param_dtype, "--tokenizer", args.tokenizer,
           "--vocab-size", args.vocab_size, "--corpus-bytes", args.corpus_bytes,
@@ -130,6 +147,10 @@ def train_argv(args: argparse.Namespace, name: str, resume: bool) -> list[str]:
     argv += ["--data-cache", args.data_cache]
   if args.matmul_precision:
     argv += ["--matmul-precision", args.matmul_precision]
+  if name == "pretrain":
+    argv += ["--save-hf", _hf_dir(args)]
+  elif args.pretrain_steps:
+    argv += ["--init-from", _hf_dir(args), "--data-seed", args.seed + 1]
   if resume:
     argv.append("--resume")
   return [str(x) for x in argv]
@@ -186,7 +207,9 @@ def markdown(result: dict) -> str:
            f"{result['data']['corpus_sha256'][:16]}, {cfg['tokenizer']} tokens; {cfg['steps']} "
            f"steps of {cfg['batch']}x{cfg['seq']}, lr {cfg['lr']}, compute {cfg['dtype']}, "
            f"params/states {cfg['param_dtype']}. optax_ulp: optax from an init moved by one ulp "
-           "(the control).", "",
+           "(the control)." + (f" Every run continues from {cfg['pretrain_steps']} steps of optax "
+           "pre-training (another data order)." if cfg["pretrain_steps"] else " From scratch."),
+           "",
            "| run | final train loss (mean of 10) | final eval loss | ms/step | tokens/s | "
            "peak GiB | XLA step GiB |", "|---|---|---|---|---|---|---|"]
   for name, s in result["summaries"].items():
@@ -215,7 +238,12 @@ def main(argv=None) -> dict:
   data = data_lib.load(args.tokenizer, args.vocab_size, max_bytes=args.corpus_bytes,
                        cache_dir=args.data_cache)  # built once here, so the runs never race
   t0 = time.perf_counter()
-  summaries = {}
+  summaries, pretrained = {}, None
+  if args.pretrain_steps:
+    pretrained = run_one(args, "pretrain", data)
+    if not pretrained or not pretrained.get("complete"):
+      print("pretrain: stopped before the end; run the same command again to continue")
+      return {"complete": False}
   for name in args.runs.split(","):
     if name not in RUNS:
       raise ValueError(f"--runs: {name!r} is not one of {', '.join(RUNS)}")
@@ -228,7 +256,7 @@ def main(argv=None) -> dict:
   meta = {"command": command,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": first["device"], "jax": first["jax"], "python": first["python"]}
-  result = analyze(args, summaries, meta) | {"data": data.info,
+  result = analyze(args, summaries, meta) | {"data": data.info, "pretrain": pretrained,
                                              "wall_s": time.perf_counter() - t0}
   out = pathlib.Path(args.out)
   (out / "convergence.json").write_text(json.dumps(result, indent=1))

@@ -55,7 +55,7 @@ OPTIMIZERS = ("adam", "adamw", "nadam", "nadamw", "radam", "lion", "rmsprop", "a
 # Arguments that change the trajectory: a resumed run must have the same.
 TRAJECTORY_KEYS = ("model", "set", "impl", "optimizer", "steps", "batch", "seq", "lr", "warmup",
                    "schedule", "min_lr_ratio", "weight_decay", "clip", "dtype", "param_dtype", "matmul_precision",
-                   "scan", "remat", "attention", "seed", "perturb_init", "data_seed", "tokenizer", "vocab_size",
+                   "scan", "remat", "attention", "seed", "init_from", "perturb_init", "data_seed", "tokenizer", "vocab_size",
                    "corpus_bytes", "eval_fraction", "weight_rounding", "state_dtype")
 
 
@@ -90,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--remat", default="full", help="activation checkpointing of each block")
   a("--attention", default="auto", choices=("auto", "xla", "cudnn"))
   a("--seed", type=int, default=0, help="init seed")
+  a("--init-from", default=None, metavar="DIR",
+    help="start from the weights of a Hugging Face checkpoint (e.g. another run's --save-hf), "
+    "with fresh optimizer state: continued pre-training")
   a("--perturb-init", action="store_true",
     help="move half the elements of every parameter by one float ulp after init: a control "
     "run that shows how far rounding-level differences grow in training")
@@ -105,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--keep-ckpts", type=int, default=2, help="newest checkpoints kept")
   a("--log-every", type=int, default=10, help="fetch metrics / refresh the bar every N steps")
   a("--out", default="runs/train")
+  a("--save-hf", default=None, metavar="DIR",
+    help="at the end, write the weights as a Hugging Face checkpoint (for --init-from)")
   a("--resume", action="store_true", help="continue from the newest checkpoint in --out")
   a("--stop-at", type=int, default=0,
     help="end this invocation after this step, with a checkpoint (0: run to --steps)")
@@ -188,6 +193,18 @@ def make_optimizer(args: argparse.Namespace, schedule: optax.Schedule):
   return opt
 
 
+def load_pretrained(path: str, cfg: models.ModelConfig):
+  """The ``params`` of a Hugging Face checkpoint (``--save-hf``), laid out and typed for ``cfg``."""
+  loaded_cfg, params = models.load_checkpoint(
+      path, linear=cfg.linear, scan_layers=cfg.scan_layers, remat=cfg.remat,
+      param_dtype=cfg.param_dtype, dtype=cfg.dtype, attention=cfg.attention)
+  if loaded_cfg != cfg:
+    diff = {f.name: (getattr(loaded_cfg, f.name), getattr(cfg, f.name))
+            for f in dataclasses.fields(cfg) if getattr(loaded_cfg, f.name) != getattr(cfg, f.name)}
+    raise ValueError(f"--init-from {path}: another model (checkpoint, this run): {diff}")
+  return jax.tree.map(lambda a: jnp.asarray(a, cfg.param_dtype), params)
+
+
 def perturb_ulp(params, seed: int):
   """``params`` with a random half of each float array's elements moved up by one ulp.
 
@@ -248,31 +265,36 @@ def build_trainer(args: argparse.Namespace, vocab_size: int, compile_step: bool 
   model = models.CausalLM(cfg, optimizer=opt if args.impl == "forge" else None)
   example = jnp.zeros((args.batch, args.seq + 1), jnp.int32)
   key = jax.random.PRNGKey(args.seed)
+  pretrained = load_pretrained(args.init_from, cfg) if args.init_from else None
 
-  def init_variables():
-    variables = model.init(key, example[:, :-1])
+  def prepare(variables, pretrained):
+    if pretrained is not None:
+      variables = {**variables, "params": pretrained}
     if args.perturb_init:
       variables = {**variables, "params": perturb_ulp(variables["params"], args.seed + 1)}
     return variables
 
-  # The whole initial state in one jit: built eagerly, the optimizer's init
-  # alone would compile one small program per slot.
+  # Jitted whole (built eagerly, the optimizer's init alone would compile one
+  # small program per slot); pretrained weights come in as an argument, not
+  # as constants baked into the program.
   if args.impl == "forge":
     @jax.jit
-    def init_state():
-      return forge_jax.TrainState.create(model.apply, init_variables(), opt)
+    def make_state(variables, pretrained):
+      return forge_jax.TrainState.create(model.apply, prepare(variables, pretrained), opt)
     loss_fn = functools.partial(_loss, model.apply)
     lower = lambda s: forge_jax.train_step.lower(s, example, loss_fn)
     variables_of = lambda s: s.variables
   else:
     @jax.jit
-    def init_state():
-      params = init_variables()["params"]
+    def make_state(variables, pretrained):
+      params = prepare(variables, pretrained)["params"]
       return OptaxState(jnp.zeros([], jnp.int32), params, opt.init(params))
     step = jax.jit(functools.partial(_optax_step, model.apply, opt), donate_argnums=(0,))
     lower = lambda s: step.lower(s, example)
     variables_of = lambda s: {"params": s.params}
 
+  init_variables = jax.jit(model.init)
+  init_state = lambda: make_state(init_variables(key, example[:, :-1]), pretrained)
   eval_fn = jax.jit(functools.partial(_loss, model.apply))
   if not compile_step:
     return Trainer(cfg, model, init_state, None, eval_fn, variables_of, 0.0, {})
@@ -498,6 +520,9 @@ def _run(args: argparse.Namespace, data: Optional[data_lib.TokenData]) -> dict:
   bar.close()
   summary = _summary(args, out, data, trainer, start, step_times, time.perf_counter() - t_run)
   (out / "summary.json").write_text(json.dumps(summary, indent=1))
+  if summary["complete"] and args.save_hf:
+    models.save_checkpoint(args.save_hf, trainer.cfg, jax.device_get(state.params))
+    summary["saved_hf"] = args.save_hf
   if summary["complete"]:
     log.write({"event": "end", **summary})
   log.close()
