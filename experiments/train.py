@@ -202,7 +202,9 @@ def load_pretrained(path: str, cfg: models.ModelConfig):
     diff = {f.name: (getattr(loaded_cfg, f.name), getattr(cfg, f.name))
             for f in dataclasses.fields(cfg) if getattr(loaded_cfg, f.name) != getattr(cfg, f.name)}
     raise ValueError(f"--init-from {path}: another model (checkpoint, this run): {diff}")
-  return jax.tree.map(lambda a: jnp.asarray(a, cfg.param_dtype), params)
+  # Kept on the host: the run holds it for its whole life (init_state), and
+  # on the device it would count in the run's peak memory.
+  return jax.tree.map(lambda a: np.asarray(a, jnp.dtype(cfg.param_dtype)), params)
 
 
 def perturb_ulp(params, seed: int):
@@ -274,27 +276,28 @@ def build_trainer(args: argparse.Namespace, vocab_size: int, compile_step: bool 
       variables = {**variables, "params": perturb_ulp(variables["params"], args.seed + 1)}
     return variables
 
-  # Jitted whole (built eagerly, the optimizer's init alone would compile one
-  # small program per slot); pretrained weights come in as an argument, not
-  # as constants baked into the program.
+  # One program for the whole initial state: built eagerly, the optimizer's
+  # init alone would compile one small program per slot, and in pieces the
+  # random init and the state would be resident together (a peak above the
+  # step's). Pretrained weights come in as an argument, not baked-in constants.
   if args.impl == "forge":
     @jax.jit
-    def make_state(variables, pretrained):
-      return forge_jax.TrainState.create(model.apply, prepare(variables, pretrained), opt)
+    def build_state(pretrained):
+      variables = prepare(model.init(key, example[:, :-1]), pretrained)
+      return forge_jax.TrainState.create(model.apply, variables, opt)
     loss_fn = functools.partial(_loss, model.apply)
     lower = lambda s: forge_jax.train_step.lower(s, example, loss_fn)
     variables_of = lambda s: s.variables
   else:
     @jax.jit
-    def make_state(variables, pretrained):
-      params = prepare(variables, pretrained)["params"]
+    def build_state(pretrained):
+      params = prepare(model.init(key, example[:, :-1]), pretrained)["params"]
       return OptaxState(jnp.zeros([], jnp.int32), params, opt.init(params))
     step = jax.jit(functools.partial(_optax_step, model.apply, opt), donate_argnums=(0,))
     lower = lambda s: step.lower(s, example)
     variables_of = lambda s: {"params": s.params}
 
-  init_variables = jax.jit(model.init)
-  init_state = lambda: make_state(init_variables(key, example[:, :-1]), pretrained)
+  init_state = lambda: build_state(pretrained)
   eval_fn = jax.jit(functools.partial(_loss, model.apply))
   if not compile_step:
     return Trainer(cfg, model, init_state, None, eval_fn, variables_of, 0.0, {})
