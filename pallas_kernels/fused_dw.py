@@ -298,10 +298,11 @@ def _fused_dw_kernel(
     bits = numerics.element_bits(key, numerics.element_index(rows[:, None], cols[None, :], n))
 
   i = 0
-  for c, value in zip(codecs, (w32 + u,) + new_slots):
+  for j, (c, value) in enumerate(zip(codecs, (w32 + u,) + new_slots)):
     m = len(c.col_divisors())
     refs_i, views_i = out_refs[i : i + m], views[i : i + m]
-    parts = c.encode(value, tuple(r.dtype for r in refs_i), bits)
+    bits_j = numerics.value_bits(bits, j) if c.needs_bits else None
+    parts = c.encode(value, tuple(r.dtype for r in refs_i), bits_j)
     for r, (tile, mask), part in zip(refs_i, views_i, parts):
       _store(r.at[tile], part, mask)
     i += m
@@ -615,9 +616,10 @@ def fused_dw_update_reference(
     key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
     bits = numerics.element_bits(key, numerics.matrix_index(g.shape))
   new_parts, i = [], 0
-  for c, value in zip(codecs, (w32 + u, *new)):
+  for j, (c, value) in enumerate(zip(codecs, (w32 + u, *new))):
     m = len(c.col_divisors())
-    new_parts += c.encode(value, tuple(p.dtype for p in parts_l[i : i + m]), bits)
+    bits_j = numerics.value_bits(bits, j) if c.needs_bits else None
+    new_parts += c.encode(value, tuple(p.dtype for p in parts_l[i : i + m]), bits_j)
     i += m
   if layer is not None:
     new_parts = [

@@ -49,6 +49,12 @@ new block maximum, without reading any other tile. Codes live in [-127, 127]
   the smallest positive code: a second moment is never rounded to 0 (which
   would make ``m / (sqrt(v) + eps)`` explode), only overestimated.
 
+Either map rounds to nearest or stochastically (``QuantMap.rounding``, with
+the element's bits from :func:`value_bits`: independent of the weight's). A
+state that moves by much less than a code step per update (AdamW's second
+moment moves by ``1 - b2 = 0.1%``) sticks under round-to-nearest; stochastic
+rounding follows it without bias, at an error of up to one code step.
+
 See ``docs/precision.md`` for the choice per optimizer state and measured
 errors.
 """
@@ -56,7 +62,7 @@ errors.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 from jax import lax
@@ -119,6 +125,13 @@ def element_bits(key: Array, index: Array) -> Array:
   """32 uniform bits per element from the key and the element's uint32 index."""
   h = mix32(_u32(index) ^ key)
   return mix32(h + key)
+
+
+def value_bits(bits: Array, i: int) -> Array:
+  """Independent bits for the ``i``-th stored value of an element (0: the weight)."""
+  if i == 0:
+    return bits
+  return mix32(bits + np.uint32((0x9E3779B9 * i) % 2**32))
 
 
 def element_index(rows: Array, cols: Array, n: int) -> Array:
@@ -187,15 +200,21 @@ class QuantMap:
       moment, an AdaGrad accumulator).
     mantissa_bits: for ``"float"``: bits of mantissa (relative error
       <= 2**-(mantissa_bits+1)); the rest of the 8 bits are exponent.
+    rounding: ``"nearest"`` or ``"stochastic"`` (unbiased: rounds up with
+      probability proportional to the distance to the lower code, with the
+      element's random bits; error < one code step instead of half).
   """
 
   kind: str = "linear"
   signed: bool = True
   mantissa_bits: int = 3
+  rounding: str = "nearest"
 
   def __post_init__(self):
     if self.kind not in ("linear", "float"):
       raise ValueError(f"QuantMap.kind={self.kind!r} must be 'linear' or 'float'.")
+    if self.rounding not in ("nearest", "stochastic"):
+      raise ValueError(f"QuantMap.rounding={self.rounding!r} must be 'nearest' or 'stochastic'.")
     if not 1 <= self.mantissa_bits <= 6:
       raise ValueError(f"QuantMap.mantissa_bits={self.mantissa_bits} must be in [1, 6].")
 
@@ -212,27 +231,41 @@ class QuantMap:
   @property
   def name(self) -> str:
     sign = "signed" if self.signed else "unsigned"
+    sr = ", SR" if self.rounding == "stochastic" else ""
     if self.kind == "linear":
-      return f"{sign} linear"
+      return f"{sign} linear{sr}"
     exp = 8 - (1 if self.signed else 0) - self.mantissa_bits
-    return f"{sign} float e{exp}m{self.mantissa_bits}"
+    return f"{sign} float e{exp}m{self.mantissa_bits}{sr}"
 
   # The bit pattern of the float32 that magnitude code 0 would stand for, so
   # that code max_code is exactly 1.0 (float32 bits 127 << 23).
   def _base(self) -> int:
     return (127 << self.mantissa_bits) - self.max_code
 
-  def encode(self, x_rel: Array) -> Array:
-    """int32 codes in [-127, 127] of ``x_rel = x / absmax`` (|x_rel| <= ~1)."""
+  def encode(self, x_rel: Array, bits: Optional[Array] = None) -> Array:
+    """int32 codes in [-127, 127] of ``x_rel = x / absmax`` (|x_rel| <= ~1).
+
+    ``bits`` (uint32 per element) are needed by stochastic rounding.
+    """
+    stochastic = self.rounding == "stochastic"
+    if stochastic and bits is None:
+      raise ValueError(f"QuantMap(rounding='stochastic') needs the element bits (bits=None given).")
     mag = jnp.abs(x_rel) if self.signed else jnp.maximum(x_rel, 0.0)
     if self.kind == "linear":
-      q = jnp.floor(mag * float(self.max_code) + 0.5).astype(_I32)
+      # Nearest: + 1/2 then floor. Stochastic: + a uniform [0, 1) then floor.
+      offset = (bits >> np.uint32(8)).astype(_F32) * 2.0**-24 if stochastic else 0.5
+      q = jnp.floor(mag * float(self.max_code) + offset).astype(_I32)
       q = jnp.minimum(q, self.max_code)
     else:
       m = self.mantissa_bits
-      bits = lax.bitcast_convert_type(mag, _I32)
-      # Round to nearest on the mantissa: add half a code step, drop the rest.
-      q = ((bits + (1 << (22 - m))) >> (23 - m)) - self._base()
+      mbits = lax.bitcast_convert_type(mag, _I32)
+      # Add half a code step (nearest) or a uniform fraction of one
+      # (stochastic) to the float32 bits, then drop the bits below the code.
+      if stochastic:
+        offset = lax.bitcast_convert_type(bits >> np.uint32(9 + m), _I32)
+      else:
+        offset = 1 << (22 - m)
+      q = ((mbits + offset) >> (23 - m)) - self._base()
       low = 0 if self.signed else 1  # never round a positive second moment to 0
       q = jnp.where(mag > 0.0, jnp.clip(q, low, self.max_code), 0)
     if self.signed:
@@ -270,7 +303,10 @@ class Codec:
   columns).
   """
 
-  needs_bits: ClassVar[bool] = False
+  @property
+  def needs_bits(self) -> bool:
+    """Whether ``encode`` needs per-element random bits."""
+    return False
 
   def parts(self, value) -> tuple[Array, ...]:
     return (value,)
@@ -306,7 +342,9 @@ class Cast(Codec):
 class StochasticRound(Codec):
   """A float array; written back with :func:`stochastic_round`."""
 
-  needs_bits: ClassVar[bool] = True
+  @property
+  def needs_bits(self) -> bool:
+    return True
 
   def encode(self, x, dtypes, bits=None):
     if bits is None:
@@ -330,6 +368,10 @@ class BlockQuantized(Codec):
   def __post_init__(self):
     if self.block < 1 or self.block & (self.block - 1):
       raise ValueError(f"block={self.block} must be a power of two (the kernel's tiles are).")
+
+  @property
+  def needs_bits(self) -> bool:
+    return self.qmap.rounding == "stochastic"
 
   def parts(self, value):
     if not isinstance(value, QuantizedArray):
@@ -365,17 +407,20 @@ class BlockQuantized(Codec):
     return self.qmap.decode(codes) * self._expand(scale.astype(_F32), n)
 
   def encode(self, x, dtypes=None, bits=None):
-    del dtypes, bits
+    del dtypes
     x = x.astype(_F32)
     absmax = jnp.max(jnp.abs(self._blocks(x)), axis=-1)
     inv = jnp.where(absmax > 0.0, 1.0 / absmax, 0.0)
-    codes = self.qmap.encode(x * self._expand(inv, x.shape[-1]))
+    codes = self.qmap.encode(x * self._expand(inv, x.shape[-1]), bits)
     return codes.astype(CODE_DTYPE), absmax.astype(SCALE_DTYPE)
 
-  def quantize(self, x: Array) -> "QuantizedArray":
+  def quantize(self, x: Array, bits: Optional[Array] = None) -> "QuantizedArray":
     """The :class:`QuantizedArray` of a whole float array."""
     self.check(jnp.shape(x), "the array")
-    return self.rebuild(self.encode(jnp.asarray(x)))
+    if self.needs_bits and bits is None:
+      # Initial values (zeros, constants) are exact in either rounding.
+      bits = jnp.zeros(jnp.shape(x), _U32)
+    return self.rebuild(self.encode(jnp.asarray(x), bits=bits))
 
 
 @dataclasses.dataclass(frozen=True)

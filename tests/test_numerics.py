@@ -14,6 +14,8 @@ fraction of elements one bfloat16 ulp apart.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,7 @@ SMALL = TileConfig(block_k=32, block_n=64, block_t=16, num_warps=4, num_stages=2
 OTHER = TileConfig(block_k=64, block_n=128, block_t=16, num_warps=4, num_stages=2)
 LINEAR = nm.QuantMap("linear", signed=True)
 UFLOAT = nm.QuantMap("float", signed=False, mantissa_bits=3)
+UFLOAT_SR = nm.QuantMap("float", signed=False, mantissa_bits=4, rounding="stochastic")
 
 
 def _bf16_neighbours(x):
@@ -158,6 +161,29 @@ def test_round_trip_error_is_within_the_documented_bound(qmap, block):
   assert np.all(y[x == 0] == 0)
 
 
+@pytest.mark.parametrize("qmap", [nm.QuantMap("linear", True, rounding="stochastic"), UFLOAT_SR],
+                         ids=lambda q: q.name.replace(" ", "_").replace(",", ""))
+def test_stochastic_codes_are_unbiased_and_within_one_step(qmap):
+  # Every row is the same 64 values (one block, same absmax), rounded with
+  # different bits: the mean decode converges to the value itself.
+  base = _heavy_tailed(jax.random.PRNGKey(7), (1, 64), qmap.signed)
+  base = base.at[0, 0].set(jnp.max(jnp.abs(base)) * 1.5)  # a fixed block maximum
+  x = jnp.tile(base, (4096, 1))
+  bits = nm.element_bits(nm.rounding_key(2, 0, 0), nm.matrix_index(x.shape))
+  codec = nm.BlockQuantized(qmap, 64)
+  y = np.asarray(codec.quantize(x, bits).dequantize(), np.float64)
+  x0 = np.asarray(base, np.float64)[0]
+  absmax = np.abs(x0).max()
+  # Within one code step: absmax / 127 (linear), 2**-m of the value (float).
+  one_step = absmax / 127 if qmap.kind == "linear" else np.abs(x0) * 2.0**-qmap.mantissa_bits
+  in_range = np.abs(x0) >= absmax * 2.0 ** -(qmap.octaves - 1)
+  assert np.all((np.abs(y - x0) <= one_step * (1 + 1e-6))[:, in_range])
+  se = y.std(0) / np.sqrt(y.shape[0]) + 1e-12
+  assert np.all(np.abs(y.mean(0) - x0)[in_range] <= 5 * se[in_range] + 1e-6 * np.abs(x0[in_range]))
+  with pytest.raises(ValueError, match="needs the element bits"):
+    qmap.encode(jnp.ones(3))
+
+
 def test_quantizing_zeros_and_a_constant_is_exact():
   for qmap in (LINEAR, UFLOAT):
     codec = nm.BlockQuantized(qmap, 64)
@@ -206,13 +232,13 @@ def _int_inputs(seed, t, k, n, layers=None):
   w_shape = (k, n) if layers is None else (layers, k, n)
   w = jax.random.normal(kw, w_shape).astype(BF16)
   m = nm.BlockQuantized(LINEAR, 64).quantize(0.1 * jax.random.normal(km, w_shape))
-  v = nm.BlockQuantized(UFLOAT, 64).quantize(1e-2 * jax.random.normal(kv, w_shape) ** 2)
+  v = nm.BlockQuantized(UFLOAT_SR, 64).quantize(1e-2 * jax.random.normal(kv, w_shape) ** 2)
   return x, dy, w, (m, v)
 
 
 def _bits_equal(a, b):
   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    u, v = np.asarray(u), np.asarray(v)
+    u, v = np.atleast_1d(np.asarray(u)), np.atleast_1d(np.asarray(v))
     assert u.dtype == v.dtype and u.shape == v.shape
     np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8))
 
@@ -324,7 +350,7 @@ def test_gpu_path_with_sr_and_int8_states_lowers_to_a_triton_call(stacked):
     )
 
   args = (sds((t, k), BF16), sds((t, n), BF16), sds(w_shape, BF16),
-          q(nm.BlockQuantized(LINEAR, 64)), q(nm.BlockQuantized(UFLOAT, 64)),
+          q(nm.BlockQuantized(LINEAR, 64)), q(nm.BlockQuantized(UFLOAT_SR, 64)),
           sds((), jnp.int32), sds((), jnp.int32))
   try:
     text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
