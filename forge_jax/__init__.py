@@ -17,6 +17,9 @@ Public API:
 * :class:`Dense`: a Flax linen Dense whose backward pass updates its kernel
   and optimizer state in place; :class:`TrainState` and :func:`train_step`
   run a whole in-place training step.
+* :class:`Precision` (``precision=`` of every optimizer): stochastic rounding
+  of bfloat16 weights, bfloat16 or int8 (block-quantized, :class:`QuantMap`,
+  :class:`QuantizedArray`) optimizer states.
 """
 
 from forge_jax._checkpoint import restore_train_state
@@ -27,6 +30,7 @@ from forge_jax._dense import fused_backward
 from forge_jax._dense import KernelState
 from forge_jax._fused import BACKENDS
 from forge_jax._fused import fused_linear_update
+from forge_jax._lowp import Precision
 from forge_jax._optimizers import ForgeOptimizer
 from forge_jax._optimizers import adagrad
 from forge_jax._optimizers import adam
@@ -52,6 +56,8 @@ from forge_jax._rules import SGDState
 from forge_jax._stack import ScannedStack
 from forge_jax._train import TrainState
 from forge_jax._train import train_step
+from pallas_kernels.numerics import QuantMap
+from pallas_kernels.numerics import QuantizedArray
 
 __version__ = "0.1.0"
 
@@ -67,6 +73,9 @@ __all__ = [
     "ElementwiseRule",
     "ForgeOptimizer",
     "LionState",
+    "Precision",
+    "QuantMap",
+    "QuantizedArray",
     "RMSPropMomentumState",
     "RMSPropState",
     "SGDMomentumState",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import zlib
 from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
@@ -122,10 +123,10 @@ def _float0_like(x):
   return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def forge_matmul(optimizer, dtype, precision, backend, decay, config, x, kernel, kstate):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def forge_matmul(optimizer, dtype, precision, backend, decay, config, stream, x, kernel, kstate):
   """``x @ kernel`` whose VJP updates ``kernel`` and ``kstate`` (see module doc)."""
-  del optimizer, backend, decay, config, kstate
+  del optimizer, backend, decay, config, stream, kstate
   return _dot(x, kernel.astype(dtype), precision)
 
 
@@ -133,12 +134,12 @@ def _dot(x, kernel, precision):
   return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
-def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, x, kernel, kstate):
+def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, stream, x, kernel, kstate):
   y = _dot(x, kernel.astype(dtype), precision)
   return y, (x, kernel, kstate)
 
 
-def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, res, dy):
+def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, stream, res, dy):
   _check_fused_backward_allowed()
   x, kernel, kstate = res
   dx = jax.lax.dot_general(
@@ -149,7 +150,7 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, res, 
   # with a defensive copy. `after=dx` makes the update depend on dX.
   new_kernel, new_opt, sq = _fused.fused_linear_update(
       x, dy, kernel, kstate.opt, optimizer, backend, after=dx, decay=decay,
-      config=config, return_grad_sq_norm=True,
+      config=config, return_grad_sq_norm=True, stream=stream,
   )
   new_opt = new_opt._replace(count=_float0_like(new_opt.count))
   return dx.astype(x.dtype), new_kernel, KernelState(new_opt, sq)
@@ -158,21 +159,21 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, res, 
 forge_matmul.defvjp(_forge_matmul_fwd, _forge_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def forge_matmul_stacked(optimizer, dtype, precision, backend, decay, config, x,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def forge_matmul_stacked(optimizer, dtype, precision, backend, decay, config, stream, x,
                          kernels, kstates, layer):
   """``x @ kernels[layer]`` whose VJP updates layer ``layer`` of the stacks in place."""
-  del optimizer, backend, decay, config, kstates
+  del optimizer, backend, decay, config, stream, kstates
   return _dot(x, jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False).astype(dtype), precision)
 
 
-def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, x,
+def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, stream, x,
                               kernels, kstates, layer):
   w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
   return _dot(x, w.astype(dtype), precision), (x, kernels, kstates, layer)
 
 
-def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, config, res, dy):
+def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, config, stream, res, dy):
   _check_fused_backward_allowed()
   x, kernels, kstates, layer = res
   w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
@@ -181,7 +182,7 @@ def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, confi
   )
   new_kernels, new_opt, sq = _fused.fused_linear_update(
       x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
-      decay=decay, config=config, return_grad_sq_norm=True,
+      decay=decay, config=config, return_grad_sq_norm=True, stream=stream,
   )
   new_opt = new_opt._replace(count=_float0_like(new_opt.count))
   sq = jax.lax.dynamic_update_index_in_dim(
@@ -243,7 +244,10 @@ class Dense(nn.Module):
       kstate = self.variable(
           FORGE_STATE, "kernel", init_kernel_state, self.optimizer, kernel
       ).value
-      static = (self.optimizer, dtype, self.precision, self.backend, self.decay, self.tile_config)
+      # The stochastic-rounding stream of this weight: a hash of its path
+      # (layers of a ScannedStack share it and differ by layer index).
+      stream = zlib.crc32("/".join(self.scope.path).encode())
+      static = (self.optimizer, dtype, self.precision, self.backend, self.decay, self.tile_config, stream)
       raw_kernel = self.scope.get_variable("params", "kernel")
       raw_state = self.scope.get_variable(FORGE_STATE, "kernel")
       if isinstance(raw_kernel, StackSlice) and isinstance(raw_state, StackSlice):

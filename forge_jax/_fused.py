@@ -29,9 +29,11 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from forge_jax import _lowp
 from forge_jax import _optimizers
 from forge_jax import _rules
 from pallas_kernels import fused_dw as _fused_dw
+from pallas_kernels import numerics
 
 BACKENDS = ("auto", "xla", "pallas", "interpret", "mosaic", "mosaic_interpret")
 _MOSAIC_BACKENDS = ("mosaic", "mosaic_interpret")
@@ -126,20 +128,21 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
 
 
 def _run_backend(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
-                 compute_grad_sq_norm):
+                 compute_grad_sq_norm, rounding):
   if backend in _MOSAIC_BACKENDS:
     return _run_mosaic(
         backend, x, dy, w, slots, scalars, update_fn, layer=layer, config=config,
-        compute_grad_sq_norm=compute_grad_sq_norm,
+        compute_grad_sq_norm=compute_grad_sq_norm, rounding=rounding,
     )
   if backend == "xla":
     return _fused_dw.fused_dw_update_reference(
         x, dy, w, slots, scalars, update_fn, layer=layer,
-        compute_grad_sq_norm=compute_grad_sq_norm,
+        compute_grad_sq_norm=compute_grad_sq_norm, **rounding,
     )
   return _fused_dw.fused_dw_update(
       x, dy, w, slots, scalars, update_fn, layer=layer, config=config,
       compute_grad_sq_norm=compute_grad_sq_norm, interpret=backend == "interpret",
+      **rounding,
   )
 
 
@@ -196,6 +199,7 @@ def fused_linear_update(
     decay: bool = True,
     config: Any = None,
     return_grad_sq_norm: bool = False,
+    stream: Any = 0,
 ):
   """Applies one optimizer step to ``w`` from ``x`` and ``dy``, never forming ``dW``.
 
@@ -228,6 +232,15 @@ def fused_linear_update(
       ``MosaicTileConfig`` for the Mosaic backends.
     return_grad_sq_norm: also return ``sum(dW**2)`` (float32), accumulated
       tile by tile inside the kernel.
+    stream: which weight this is (an int or uint32 scalar), folded into the
+      stochastic-rounding seed so that different weights get independent
+      random bits (``forge_jax.Dense`` passes a hash of its module path).
+
+  The optimizer's :class:`forge_jax.Precision` decides the write-back: with
+  ``weight_rounding="stochastic"`` a bfloat16 ``w`` is rounded with bits
+  hashed from (seed, stream, the step count, ``layer``, element index); int8
+  slots (from ``optimizer.init``) are dequantized, updated in float32 and
+  re-quantized per block.
 
   Returns:
     ``(new_w, new_state)``, or ``(new_w, new_state, grad_sq_norm)``.
@@ -244,10 +257,17 @@ def fused_linear_update(
   if after is not None:
     scalars = _order_after(scalars, after)
   update_fn = functools.partial(rule.update, decay=decay)
+  precision = opt.precision
+  weight_codec = _lowp.weight_codec(precision, w.dtype)
+  # Used only by codecs that round stochastically (the weight's, or a slot's).
+  rounding = dict(weight_codec=weight_codec, seed=numerics.stream_seed(precision.seed, stream), step=count)
+  # int8 codes may arrive as their float view (see forge_jax.train_step).
+  slots = tuple(_lowp.from_float_view(s) for s in state[1:])
   new_w, new_slots, sq = _run_backend(
-      _resolve_backend(backend), x2, dy2, w, tuple(state[1:]), scalars, update_fn,
-      layer=layer, config=config, compute_grad_sq_norm=return_grad_sq_norm,
+      _resolve_backend(backend), x2, dy2, w, slots, scalars, update_fn,
+      layer=layer, config=config, compute_grad_sq_norm=return_grad_sq_norm, rounding=rounding,
   )
+  new_slots = tuple(_lowp.view_like(n, s) for n, s in zip(new_slots, state[1:]))
   # A stack's layers are updated one call each within one step: the caller
   # advances the shared count once, after the last layer.
   count = state.count if layer is not None else _rules.safe_increment(state.count)

@@ -17,6 +17,11 @@ Differences from optax, on purpose:
   are stored in their own dtype (``mu_dtype`` etc.). For float32 parameters
   the numbers equal optax's to float32 rounding.
 * Complex parameters are not supported (FORGE fuses real-valued GEMMs).
+
+Every alias also takes ``precision=`` (a :class:`forge_jax.Precision`):
+stochastic rounding of bfloat16 weights and bfloat16/int8 state storage,
+the same in ``update`` as in the fused kernels. The default is the behaviour
+above, unchanged.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from forge_jax import _lowp
 from forge_jax import _rules
+from forge_jax._lowp import Precision
 from forge_jax._rules import ElementwiseRule, ScalarOrSchedule
+from pallas_kernels import numerics
 
 MaskOrFn = Optional[Union[Any, Callable[[Any], Any]]]
 
@@ -44,6 +52,7 @@ class ForgeOptimizer(optax.GradientTransformationExtraArgs):
     rule: the :class:`ElementwiseRule` (per-step scalars + elementwise update)
       that the fused kernels call on each gradient tile.
     mask: the weight-decay mask given to the alias (or ``None``).
+    precision: the :class:`forge_jax.Precision` of weights and states.
   """
 
   # The rule and mask ride on the `update` function object: libraries rebuild
@@ -57,6 +66,10 @@ class ForgeOptimizer(optax.GradientTransformationExtraArgs):
   def mask(self) -> MaskOrFn:
     return self.update.forge_mask
 
+  @property
+  def precision(self) -> Precision:
+    return getattr(self.update, "forge_precision", _lowp.DEFAULT)
+
   def decay_mask(self, params) -> Any:
     """A pytree of Python bools, one per leaf of ``params``: apply weight decay?"""
     if self.mask is None:
@@ -66,8 +79,16 @@ class ForgeOptimizer(optax.GradientTransformationExtraArgs):
     return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), mask, params)
 
 
-def _make(rule: ElementwiseRule, mask: MaskOrFn = None) -> ForgeOptimizer:
-  """Builds the optax face (init/update) of ``rule``."""
+def _make(
+    rule: ElementwiseRule, mask: MaskOrFn = None, precision: Optional[Precision] = None
+) -> ForgeOptimizer:
+  """Builds the optax face (init/update) of ``rule``, storing as ``precision`` says."""
+  precision = _lowp.DEFAULT if precision is None else precision
+  if not isinstance(precision, Precision):
+    raise ValueError(
+        f"precision={precision!r} must be a forge_jax.Precision (or None for the default)."
+    )
+  _lowp.check_rule(rule, precision)
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)
@@ -77,7 +98,7 @@ def _make(rule: ElementwiseRule, mask: MaskOrFn = None) -> ForgeOptimizer:
             f"forge_jax.{rule.name}: complex parameters are not supported "
             f"(got a leaf of dtype {jnp.result_type(leaf)}); use optax for them."
         )
-    per_leaf = jax.tree.map(rule.init_slots, params)
+    per_leaf = jax.tree.map(lambda w: _lowp.init_slots(rule, precision, w), params)
     slots = [
         jax.tree.map(lambda _, s: s[i], params, per_leaf)
         for i in range(len(rule.slot_names))
@@ -90,6 +111,12 @@ def _make(rule: ElementwiseRule, mask: MaskOrFn = None) -> ForgeOptimizer:
       raise ValueError(
           f"forge_jax.{rule.name} with weight decay needs the current params: "
           "call update(grads, state, params)."
+      )
+    if precision.stochastic and params is None:
+      raise ValueError(
+          f"forge_jax.{rule.name} with weight_rounding='stochastic' needs the current "
+          "params (the update lands on a stochastically rounded weight): call "
+          "update(grads, state, params)."
       )
     scalars = rule.scalars(state.count)
     slot_trees = tuple(state[1:])
@@ -106,7 +133,9 @@ def _make(rule: ElementwiseRule, mask: MaskOrFn = None) -> ForgeOptimizer:
     new_u, new_s = [], [[] for _ in slot_trees]
     for i, (g, p, d) in enumerate(zip(g_leaves, p_leaves, d_leaves)):
       slots = tuple(s[i] for s in s_leaves)
-      u, slots_out = apply_rule(rule, g, p, slots, scalars, decay=d)
+      u, slots_out = apply_rule(
+          rule, g, p, slots, scalars, decay=d, precision=precision, step=state.count, stream=i
+      )
       new_u.append(u)
       for j, s in enumerate(slots_out):
         new_s[j].append(s)
@@ -118,23 +147,64 @@ def _make(rule: ElementwiseRule, mask: MaskOrFn = None) -> ForgeOptimizer:
 
   update_fn.forge_rule = rule
   update_fn.forge_mask = mask
+  update_fn.forge_precision = precision
   opt = ForgeOptimizer(init_fn, update_fn)
   return opt
 
 
-def apply_rule(rule: ElementwiseRule, g, w, slots, scalars, *, decay: bool = True):
-  """Runs ``rule.update`` on whole arrays in float32; casts results back.
+def apply_rule(
+    rule: ElementwiseRule,
+    g,
+    w,
+    slots,
+    scalars,
+    *,
+    decay: bool = True,
+    precision: Optional[Precision] = None,
+    step=None,
+    stream=0,
+):
+  """Runs ``rule.update`` on whole arrays in float32; stores results back.
 
-  Returns ``(u, new_slots)`` with ``u`` in ``g``'s dtype and each slot in its
-  own storage dtype. This is the XLA reference the kernels are tested against.
+  Returns ``(u, new_slots)``: each slot stored as it came in (its float
+  dtype, or re-quantized if int8), ``u`` in ``g``'s dtype. With
+  ``precision.weight_rounding="stochastic"`` and a bfloat16 ``w``, ``u`` is
+  float32 and lands exactly on the stochastically rounded new weight:
+  ``optax.apply_updates`` gives ``round(w + u)`` as the kernels do (exact
+  unless one update changes a weight's magnitude by more than 2**15; then
+  within one bfloat16 ulp). ``step`` (the count) and ``stream`` (which
+  parameter) seed its random bits. This is the XLA reference the kernels are
+  tested against.
   """
+  precision = _lowp.DEFAULT if precision is None else precision
   compute = jnp.promote_types(jnp.result_type(g), jnp.float32)
   up = lambda x: None if x is None else jnp.asarray(x).astype(compute)
+  stored = tuple(_lowp.from_float_view(s) for s in slots)
   u, new_slots = rule.update(
-      up(g), up(w), tuple(up(s) for s in slots), scalars, decay=decay
+      up(g), up(w), tuple(_lowp.decode_slot(s, compute) for s in stored), scalars, decay=decay
   )
-  new_slots = tuple(n.astype(s.dtype) for n, s in zip(new_slots, slots))
+  round_w = precision.stochastic and w is not None and jnp.result_type(w) != compute
+  bits = None
+  if round_w or any(numerics.codec_of(s).needs_bits for s in stored):
+    if step is None:
+      raise ValueError("apply_rule with stochastic rounding needs step= (the count).")
+    bits = _lowp.element_bits(precision, jnp.shape(g), step, stream)
+  new_slots = tuple(
+      _lowp.view_like(_lowp.encode_slot(n, s, _value_bits(bits, s, j + 1)), like)
+      for j, (n, s, like) in enumerate(zip(new_slots, stored, slots))
+  )
+  if round_w:
+    w32 = up(w)
+    new_w = numerics.stochastic_round(w32 + u, bits, jnp.result_type(w))
+    # Both are bfloat16 values: their difference is exact in float32.
+    return new_w.astype(compute) - w32, new_slots
   return u.astype(jnp.result_type(g)), new_slots
+
+
+def _value_bits(bits, slot, i):
+  if bits is None or not numerics.codec_of(slot).needs_bits:
+    return None
+  return numerics.value_bits(bits, i)
 
 
 def as_forge_optimizer(optimizer) -> ForgeOptimizer:
@@ -166,6 +236,7 @@ def adam(
     mu_dtype: Optional[Any] = None,
     *,
     nesterov: bool = False,
+    precision: Optional[Precision] = None,
 ) -> ForgeOptimizer:
   r"""The Adam optimizer (Kingma & Ba, 2015), as ``optax.adam``.
 
@@ -188,6 +259,8 @@ def adam(
     eps_root: added to the second moment inside the square root.
     mu_dtype: storage dtype of the first moment (``None``: the parameter's).
     nesterov: use Nesterov momentum (NAdam).
+    precision: how weights and states are stored (:class:`forge_jax.Precision`;
+      ``None``: as optax).
 
   Returns:
     A :class:`ForgeOptimizer` with state ``AdamState(count, mu, nu)``.
@@ -197,7 +270,8 @@ def adam(
     <https://arxiv.org/abs/1412.6980>`_, 2015.
   """
   return _make(
-      _rules.AdamRule(learning_rate, b1, b2, eps, eps_root, mu_dtype, None, nesterov)
+      _rules.AdamRule(learning_rate, b1, b2, eps, eps_root, mu_dtype, None, nesterov),
+      precision=precision,
   )
 
 
@@ -212,6 +286,7 @@ def adamw(
     mask: MaskOrFn = None,
     *,
     nesterov: bool = False,
+    precision: Optional[Precision] = None,
 ) -> ForgeOptimizer:
   r"""Adam with decoupled weight decay (Loshchilov & Hutter, 2019), as ``optax.adamw``.
 
@@ -234,6 +309,8 @@ def adamw(
     mask: a pytree of bools (or a prefix of the params, or a function of the
       params returning one): ``True`` where weight decay applies.
     nesterov: use Nesterov momentum (NAdamW).
+    precision: how weights and states are stored (:class:`forge_jax.Precision`;
+      ``None``: as optax).
 
   Returns:
     A :class:`ForgeOptimizer` with state ``AdamState(count, mu, nu)``.
@@ -247,6 +324,7 @@ def adamw(
           learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, nesterov
       ),
       mask,
+      precision,
   )
 
 
@@ -266,6 +344,7 @@ def radam(
     threshold: float = 5.0,
     *,
     nesterov: bool = False,
+    precision: Optional[Precision] = None,
 ) -> ForgeOptimizer:
   r"""Rectified Adam (Liu et al., 2020), as ``optax.radam``.
 
@@ -284,6 +363,8 @@ def radam(
     eps_root: added to the second moment inside the square root.
     threshold: the :math:`\rho_t` from which the variance is tractable.
     nesterov: use Nesterov momentum.
+    precision: how weights and states are stored (:class:`forge_jax.Precision`;
+      ``None``: as optax).
 
   Returns:
     A :class:`ForgeOptimizer` with state ``AdamState(count, mu, nu)``.
@@ -293,7 +374,8 @@ def radam(
     <https://arxiv.org/abs/1908.03265>`_, 2020.
   """
   return _make(
-      _rules.RAdamRule(learning_rate, b1, b2, eps, eps_root, threshold, nesterov)
+      _rules.RAdamRule(learning_rate, b1, b2, eps, eps_root, threshold, nesterov),
+      precision=precision,
   )
 
 
@@ -304,6 +386,8 @@ def lion(
     mu_dtype: Optional[Any] = None,
     weight_decay: ScalarOrSchedule = 1e-3,
     mask: MaskOrFn = None,
+    *,
+    precision: Optional[Precision] = None,
 ) -> ForgeOptimizer:
   r"""Lion (Chen et al., 2023), as ``optax.lion``.
 
@@ -319,6 +403,8 @@ def lion(
     mu_dtype: storage dtype of the momentum (``None``: the parameter's).
     weight_decay: decay rate :math:`\lambda` (float or schedule).
     mask: where weight decay applies (see :func:`adamw`).
+    precision: how weights and states are stored (:class:`forge_jax.Precision`;
+      ``None``: as optax).
 
   Returns:
     A :class:`ForgeOptimizer` with state ``LionState(count, mu)``.
@@ -327,7 +413,7 @@ def lion(
     Chen et al., `Symbolic Discovery of Optimization Algorithms
     <https://arxiv.org/abs/2302.06675>`_, 2023.
   """
-  return _make(_rules.LionRule(learning_rate, b1, b2, mu_dtype, weight_decay), mask)
+  return _make(_rules.LionRule(learning_rate, b1, b2, mu_dtype, weight_decay), mask, precision)
 
 
 def rmsprop(
@@ -340,6 +426,8 @@ def rmsprop(
     momentum: Optional[float] = None,
     nesterov: bool = False,
     bias_correction: bool = False,
+    *,
+    precision: Optional[Precision] = None,
 ) -> ForgeOptimizer:
   r"""RMSProp (Tieleman & Hinton, 2012), as ``optax.rmsprop``.
 
@@ -367,6 +455,8 @@ def rmsprop(
     momentum: momentum decay, or ``None`` for none.
     nesterov: Nesterov momentum (needs ``momentum``).
     bias_correction: bias-correct the moments.
+    precision: how weights and states are stored (:class:`forge_jax.Precision`;
+      ``None``: as optax).
 
   Returns:
     A :class:`ForgeOptimizer`; its state holds ``count``, ``nu``, and ``mu``
@@ -382,7 +472,8 @@ def rmsprop(
       _rules.RMSPropRule(
           learning_rate, decay, eps, initial_scale, eps_in_sqrt, centered,
           momentum, nesterov, bias_correction,
-      )
+      ),
+      precision=precision,
   )
 
 
@@ -390,6 +481,8 @@ def adagrad(
     learning_rate: ScalarOrSchedule,
     initial_accumulator_value: float = 0.1,
     eps: float = 1e-7,
+    *,
+    precision: Optional[Precision] = None,
 ) -> ForgeOptimizer:
   r"""AdaGrad (Duchi et al., 2011), as ``optax.adagrad``.
 
@@ -401,6 +494,8 @@ def adagrad(
     learning_rate: a float or an optax schedule evaluated at ``count``.
     initial_accumulator_value: initial value of :math:`G`.
     eps: added inside the square root.
+    precision: how weights and states are stored (:class:`forge_jax.Precision`;
+      ``None``: as optax).
 
   Returns:
     A :class:`ForgeOptimizer` with state ``AdagradState(count, sum_of_squares)``.
@@ -409,7 +504,7 @@ def adagrad(
     Duchi et al., `Adaptive Subgradient Methods for Online Learning and
     Stochastic Optimization <https://jmlr.org/papers/v12/duchi11a.html>`_, 2011.
   """
-  return _make(_rules.AdagradRule(learning_rate, initial_accumulator_value, eps))
+  return _make(_rules.AdagradRule(learning_rate, initial_accumulator_value, eps), precision=precision)
 
 
 def sgd(
@@ -417,6 +512,8 @@ def sgd(
     momentum: Optional[float] = None,
     nesterov: bool = False,
     accumulator_dtype: Optional[Any] = None,
+    *,
+    precision: Optional[Precision] = None,
 ) -> ForgeOptimizer:
   r"""Stochastic gradient descent with optional momentum, as ``optax.sgd``.
 
@@ -429,6 +526,8 @@ def sgd(
     momentum: momentum decay :math:`\beta`, or ``None`` for plain SGD.
     nesterov: use Nesterov momentum.
     accumulator_dtype: storage dtype of the momentum (``None``: the parameter's).
+    precision: how weights and states are stored (:class:`forge_jax.Precision`;
+      ``None``: as optax).
 
   Returns:
     A :class:`ForgeOptimizer` with state ``SGDState(count)`` or
@@ -438,4 +537,6 @@ def sgd(
     Sutskever et al., `On the importance of initialization and momentum in deep
     learning <http://proceedings.mlr.press/v28/sutskever13.pdf>`_, 2013.
   """
-  return _make(_rules.SGDRule(learning_rate, momentum, nesterov, accumulator_dtype))
+  return _make(
+      _rules.SGDRule(learning_rate, momentum, nesterov, accumulator_dtype), precision=precision
+  )

@@ -21,6 +21,7 @@ from flax import struct
 from flax import traverse_util
 
 from forge_jax import _dense
+from forge_jax import _lowp
 from forge_jax import _optimizers
 from forge_jax import _rules
 
@@ -140,13 +141,17 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
     variables = {"params": params, FORGE_STATE: forge_state, **state.model_state}
     return loss_fn(variables, batch)
 
+  # int8 state codes cross the VJP as a float view (integer inputs get no
+  # cotangent, and the new states come back as cotangents).
+  forge_view = _lowp.to_float_view(state.forge_state)
   if has_aux:
-    loss, vjp_fn, aux = jax.vjp(loss_of, state.params, state.forge_state, has_aux=True)
+    loss, vjp_fn, aux = jax.vjp(loss_of, state.params, forge_view, has_aux=True)
   else:
-    loss, vjp_fn = jax.vjp(loss_of, state.params, state.forge_state)
+    loss, vjp_fn = jax.vjp(loss_of, state.params, forge_view)
     aux = None
   with _dense.fused_backward():
     ct_params, ct_forge = vjp_fn(jnp.ones_like(loss))
+  ct_forge = _lowp.from_float_view(ct_forge)
 
   # FORGE kernels: the cotangent is the new kernel (already updated in place).
   new_managed, grads_rest = _split(ct_params, paths)

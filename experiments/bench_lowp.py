@@ -1,0 +1,290 @@
+"""Low-precision FORGE on the GPU: the fused kernel per storage configuration.
+
+On the GPU, from the repository root:
+
+    PYTHONPATH=$PWD python -m experiments.bench_lowp --out $OUT
+
+On a CPU (seconds, Pallas interpret mode, tiny shapes):
+
+    PYTHONPATH=$PWD python -m experiments.bench_lowp --smoke --out /tmp/bench
+
+At the shapes of ``bench_fused_dw`` (T in {1024, 4096, 16384}, (K, N) in
+{(4096, 4096), (4096, 14336), (14336, 4096), (5120, 17408)}), bf16 x/dy and
+AdamW, for each storage configuration (:data:`CONFIGS`: weight dtype and
+:class:`forge_jax.Precision`) it times one ``fused_linear_update`` step with
+the weight and state donated:
+
+* ``pallas``: the Triton-lowered fused kernel (codecs in its epilogue);
+* ``xla``: the XLA backend with the same codecs (one float32 dot, then the
+  decode/update/encode as XLA fuses it): the unfused reference;
+* ``pallas_view`` (int8 configs): the kernel fed the float8 view of the int8
+  codes, as ``forge_jax.train_step`` hands them to a FORGE layer (measures the
+  cost of the bitcasts around the kernel, if XLA makes them copies);
+
+plus ``optax_fp32`` and ``optax_bf16``: the GEMM + ``optax.adamw`` +
+``apply_updates`` in one donated jit, float32 and bfloat16 params.
+Every fused row is first checked against the ``xla`` row of its
+configuration after one step from the same state (relative Frobenius error of
+the weight update and of the decoded slots). Reported per row: ms (device
+time, experiments/_timing.py), TFLOP/s at 2 T K N, bytes per parameter of
+weight + state (from the real arrays), and the speed relative to the fp32
+kernel. Writes ``bench_lowp.json`` (after every shape) and ``bench_lowp.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import forge_jax
+from experiments import _timing
+from experiments import bench_fused_dw
+from forge_jax import _lowp
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+P = forge_jax.Precision
+LR, WD = 1e-3, 0.1
+# name -> (weight dtype, Precision).
+CONFIGS: dict[str, tuple[Any, forge_jax.Precision]] = {
+    "fp32": (F32, P()),
+    "bf16_rtn_bf16": (BF16, P()),
+    "bf16_sr_bf16": (BF16, P("stochastic")),
+    "bf16_sr_fp32": (BF16, P("stochastic", state_dtype="float32")),
+    "fp32_int8": (F32, P(state_dtype="int8")),
+    "bf16_sr_int8": (BF16, P("stochastic", state_dtype="int8")),
+    "bf16_sr_int8_b256": (BF16, P("stochastic", state_dtype="int8", block_size=256)),
+}
+BASELINES = {"optax_fp32": F32, "optax_bf16": BF16}
+REFERENCE = "fp32"  # speed-up column: against the fp32 fused kernel
+UPDATE_TOL = 1e-2  # relative Frobenius error of the weight update vs the xla row
+SLOT_TOL = 2e-2  # ... of the decoded slots (int8: rare one-code flips)
+
+
+def _optimizer(precision):
+  return forge_jax.adamw(LR, weight_decay=WD, precision=precision)
+
+
+def fused_runner(x, dy, w0, config: str, backend: str, *, view: bool = False, tile=None):
+  """(init, step, result) of one fused_linear_update configuration."""
+  w_dtype, precision = CONFIGS[config]
+  opt = _optimizer(precision)
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def step(carry, x, dy):
+    w, state = carry
+    return forge_jax.fused_linear_update(x, dy, w, state, opt, backend, config=tile)
+
+  def init():
+    w = jnp.array(w0, w_dtype)  # a copy: the step donates it
+    state = opt.init(w)
+    return w, (_lowp.to_float_view(state) if view else state)
+
+  def result(carry):
+    w, state = carry
+    return w, tuple(_lowp.decode_slot(s, F32) for s in _lowp.from_float_view(tuple(state[1:])))
+
+  return init, (lambda c: step(c, x, dy)), result
+
+
+def optax_runner(x, dy, w0, dtype):
+  tx = optax.adamw(LR, weight_decay=WD)
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def step(carry, x, dy):
+    w, state = carry
+    g = jnp.dot(x.T, dy, preferred_element_type=F32).astype(dtype)
+    updates, state = tx.update(g, state, w)
+    return optax.apply_updates(w, updates), state
+
+  def init():
+    w = jnp.array(w0, dtype)  # a copy: the step donates it
+    return w, tx.init(w)
+
+  return init, (lambda c: step(c, x, dy)), None
+
+
+def _rel(a, b):
+  a, b = a.astype(F32), b.astype(F32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def measure(name: str, runner, shape, flops: float, timing: dict, reference=None, w0=None) -> dict:
+  """Check against ``reference`` (after one step) then time. Never raises."""
+  init, step, result = runner
+  row: dict[str, Any] = {"impl": name, "shape": shape, "status": "ok"}
+  carry = None
+  try:
+    carry = init()
+    start = time.perf_counter()
+    carry = step(carry)
+    jax.block_until_ready(carry)
+    row["first_call_s"] = round(time.perf_counter() - start, 3)
+    # Copies: the timed steps donate (delete) the carry.
+    first = None if result is None else jax.tree.map(jnp.copy, result(carry))
+    if reference is not None and first is not None:
+      (w, slots), (w_ref, slots_ref) = first, reference
+      row["err_update"] = _rel(w.astype(F32) - w0, w_ref.astype(F32) - w0)
+      row["err_slots"] = max((_rel(s, r) for s, r in zip(slots, slots_ref)), default=0.0)
+      if not (row["err_update"] <= UPDATE_TOL and row["err_slots"] <= SLOT_TOL):
+        row["status"] = "check_failed"
+    t, carry = _timing.time_steps(step, carry, **timing)
+    row.update(ms=t.median_ms, min_ms=t.min_ms, repeats_ms=list(t.repeats_ms), iters=t.iters,
+               tflops=flops / (t.median_ms * 1e-3) / 1e12)
+    row["_result"] = first
+  except Exception as e:  # one failure must not end the run
+    row.update(status="error", error=_timing.short_error(e))
+  finally:
+    del carry
+  return row
+
+
+def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=None) -> list[dict]:
+  x, dy, w0 = bench_fused_dw.make_inputs(t, k, n)
+  shape, flops = f"{t}x{k}x{n}", 2.0 * t * k * n
+  kernel = "interpret" if interpret else "pallas"
+  rows = []
+  for name, dtype in BASELINES.items():
+    if name in impls:
+      row = measure(name, optax_runner(x, dy, w0, dtype), shape, flops, timing)
+      row.update(config=name, bytes_per_param=_optax_bytes(dtype, (k, n)))
+      rows.append(row)
+      _timing.log(f"  {shape:>18} {name:<18} {'':<11} {_cell(row)}")
+  for config in configs:
+    w_dtype, precision = CONFIGS[config]
+    try:
+      bpp = _lowp.bytes_per_param(_optimizer(precision), (k, n), w_dtype)["total"]
+    except ValueError as e:  # e.g. N not a multiple of the quantization block
+      rows.append({"impl": "-", "config": config, "shape": shape, "status": "error",
+                   "bytes_per_param": float("nan"), "error": _timing.short_error(e)})
+      continue
+    ref_row = measure("xla", fused_runner(x, dy, w0, config, "xla"), shape, flops,
+                      timing if "xla" in impls else dict(warmup=0, iters=1, repeats=1))
+    reference = ref_row.pop("_result", None)
+    todo = [("xla", None)] if "xla" in impls else []
+    if "pallas" in impls:
+      todo.append(("pallas", fused_runner(x, dy, w0, config, kernel, tile=tile)))
+    if "pallas_view" in impls and precision.state_dtype == "int8":
+      todo.append(("pallas_view", fused_runner(x, dy, w0, config, kernel, view=True, tile=tile)))
+    for impl, runner in todo:
+      row = ref_row if impl == "xla" else measure(impl, runner, shape, flops, timing, reference, w0)
+      row.pop("_result", None)
+      row.update(config=config, bytes_per_param=bpp)
+      rows.append(row)
+      _timing.log(f"  {shape:>18} {config:<18} {impl:<11} {_cell(row)}")
+    gc.collect()
+  for row in rows:
+    row.pop("_result", None)
+  return rows
+
+
+def _optax_bytes(dtype, shape) -> float:
+  return jnp.dtype(dtype).itemsize * 3.0  # weight + mu + nu in the param dtype
+
+
+def _cell(row: Optional[dict]) -> str:
+  if row is None:
+    return "-"
+  if "ms" not in row:
+    return row["status"]
+  flag = "" if row["status"] == "ok" else f" **{row['status']}**"
+  return f"{row['ms']:.3f} ms ({row['tflops']:.0f} TF/s){flag}"
+
+
+def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
+  out = [
+      "# Low-precision FORGE: fused dW + AdamW per storage configuration", "",
+      f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
+      f"triton {info['triton']}.", "",
+      "Each cell: median ms per call (device time, back-to-back calls), TFLOP/s at 2TKN. bytes/param: "
+      f"weight + optimizer state. `pallas vs X`: X's ms over this row's pallas ms (above 1: faster). optax rows show their time in the first column.", "",
+      "| T x K x N | config | bytes/param | " + " | ".join(impls)
+      + f" | pallas vs {REFERENCE} | pallas vs optax_fp32 |",
+      "|---|---|---|" + "---|" * (len(impls) + 2),
+  ]
+  groups: dict[tuple, dict[str, dict]] = {}
+  for row in rows:
+    groups.setdefault((row["shape"], row["config"]), {})[row["impl"]] = row
+  for (shape, config), by_impl in groups.items():
+    bpp = next(iter(by_impl.values()))["bytes_per_param"]
+    mine = by_impl.get("pallas", {})
+    speeds = []
+    for ref in (groups.get((shape, REFERENCE), {}).get("pallas", {}),
+                groups.get((shape, "optax_fp32"), {}).get("optax_fp32", {})):
+      speeds.append(f"{ref['ms'] / mine['ms']:.2f}x" if "ms" in ref and "ms" in mine else "-")
+    cells = [_cell(by_impl.get(i)) for i in impls]
+    if config in BASELINES:
+      cells = [_cell(by_impl.get(config))] + ["-"] * (len(impls) - 1)
+    out.append(f"| {shape} | {config} | {bpp:.3f} | " + " | ".join(cells + speeds) + " |")
+  bad = [r for r in rows if r["status"] != "ok"]
+  if bad:
+    out += ["", "Not ok:", ""]
+    out += [f"- {r['shape']} {r['config']} {r['impl']}: {r['status']} {r.get('error', '')}"
+            + (f" err_update={r['err_update']:.2e} err_slots={r['err_slots']:.2e}" if "err_update" in r else "")
+            for r in bad]
+  return "\n".join(out) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+  parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                      help=f"T values (default {bench_fused_dw.TOKENS})")
+  parser.add_argument("--shapes", type=bench_fused_dw._parse_kn, nargs="+", default=None, help="KxN shapes")
+  parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+  impls_all = ["xla", "pallas", "pallas_view", *BASELINES]
+  parser.add_argument("--impls", nargs="+", default=impls_all, choices=impls_all)
+  parser.add_argument("--tile", type=bench_fused_dw._parse_tile, default=None,
+                      help="pallas tile 'block_k,block_n,block_t,num_warps,num_stages' (default: tuned table)")
+  parser.add_argument("--iters", type=int, default=30)
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args(argv)
+
+  interpret = args.smoke or jax.default_backend() == "cpu"
+  if args.smoke:
+    tokens, shapes = args.tokens or (48,), args.shapes or [(40, 256)]
+    timing = dict(warmup=1, iters=2, repeats=1)
+  else:
+    tokens, shapes = args.tokens or bench_fused_dw.TOKENS, args.shapes or list(bench_fused_dw.SHAPES_KN)
+    timing = dict(warmup=3, iters=args.iters, repeats=args.repeats)
+  folder = _timing.out_dir(args.out)
+  info = _timing.run_info("experiments.bench_lowp", argv)
+  info.update(interpret=interpret, timing=timing, lr=LR, weight_decay=WD,
+              configs={k: {"w_dtype": jnp.dtype(d).name, "precision": repr(p)} for k, (d, p) in CONFIGS.items()},
+              update_tol=UPDATE_TOL, slot_tol=SLOT_TOL)
+  _timing.log(f"bench_lowp on {info['device']} (jax {info['jax']}), interpret={interpret}")
+  rows: list[dict] = []
+  payload = {"info": info, "rows": rows}
+  start = time.perf_counter()
+  for t in tokens:
+    for k, n in shapes:
+      try:
+        rows += bench_shape(t, k, n, args.configs, args.impls, interpret=interpret, timing=timing, tile=args.tile)
+      except Exception as e:  # e.g. out of memory making the inputs
+        rows.append({"impl": "-", "config": "-", "shape": f"{t}x{k}x{n}", "status": "error",
+                     "bytes_per_param": float("nan"), "error": _timing.short_error(e)})
+      gc.collect()
+      _timing.write_json(folder / "bench_lowp.json", payload)
+  payload["elapsed_s"] = time.perf_counter() - start
+  _timing.write_json(folder / "bench_lowp.json", payload)
+  impls = [i for i in ("xla", "pallas", "pallas_view") if i in args.impls]
+  if any(b in args.impls for b in BASELINES):
+    impls = impls or ["pallas"]
+  table = markdown(info, rows, impls)
+  (folder / "bench_lowp.md").write_text(table)
+  _timing.log("\n" + table)
+  _timing.log(f"wrote {folder / 'bench_lowp.json'} and {folder / 'bench_lowp.md'}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
