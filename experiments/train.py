@@ -31,11 +31,7 @@ import dataclasses
 import functools
 import inspect
 import json
-import os
 import pathlib
-import platform
-import resource
-import shutil
 import sys
 import time
 from typing import Any, Callable, Optional
@@ -49,6 +45,10 @@ from flax import struct
 import forge_jax
 import models
 from experiments import data as data_lib
+from experiments import runlog
+# read_log and latest_checkpoint are re-exported: scripts read runs through this module.
+from experiments.runlog import device_memory, latest_checkpoint, read_log  # noqa: F401
+from experiments.runlog import save_checkpoint, versions, xla_memory
 
 IMPLS = ("forge", "optax")
 OPTIMIZERS = ("adam", "adamw", "nadam", "nadamw", "radam", "lion", "rmsprop", "adagrad", "sgd")
@@ -310,73 +310,6 @@ def build_trainer(args: argparse.Namespace, vocab_size: int, compile_step: bool 
                  xla_memory(compiled))
 
 
-def xla_memory(compiled) -> dict:
-  """XLA's own account of one step's buffers (any backend): arguments, outputs, temporaries.
-
-  ``step_gib`` = arguments + outputs - aliased (donated) + temporaries: what
-  the step needs resident at its peak, as the compiler planned it.
-  """
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except  (not every backend reports it)
-    return {}
-  if m is None:
-    return {}
-  gib = lambda b: b / 2**30
-  step = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes)
-  return {"step_gib": gib(step), "argument_gib": gib(m.argument_size_in_bytes),
-          "temp_gib": gib(m.temp_size_in_bytes), "alias_gib": gib(m.alias_size_in_bytes)}
-
-
-def device_memory() -> dict:
-  """Device bytes in use / peak when the backend reports them, else the host's peak RSS."""
-  stats = jax.devices()[0].memory_stats() or {}
-  if "bytes_in_use" in stats:
-    return {"mem_gib": stats["bytes_in_use"] / 2**30,
-            "peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2**30, "mem_source": "device"}
-  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-  return {"peak_gib": rss / 2**30, "mem_source": "host_peak_rss"}
-
-
-# ----------------------------------------------------------------------------
-# Checkpoints and logs.
-# ----------------------------------------------------------------------------
-
-
-def _ckpt_dir(out: pathlib.Path, step: int) -> pathlib.Path:
-  return out / "ckpt" / f"step_{step:08d}"
-
-
-def latest_checkpoint(out: pathlib.Path) -> Optional[tuple[int, pathlib.Path]]:
-  ckpts = sorted((out / "ckpt").glob("step_*")) if (out / "ckpt").exists() else []
-  ckpts = [c for c in ckpts if c.name[5:].isdigit()]
-  return (int(ckpts[-1].name[5:]), ckpts[-1]) if ckpts else None
-
-
-def save_checkpoint(out: pathlib.Path, step: int, state, keep: int) -> pathlib.Path:
-  path = forge_jax.save_train_state(_ckpt_dir(out, step), state, force=True)
-  for old in sorted((out / "ckpt").glob("step_*"))[:-keep]:
-    shutil.rmtree(old, ignore_errors=True)
-  return pathlib.Path(path)
-
-
-def read_log(path: str | os.PathLike) -> list[dict]:
-  """The records of a ``log.jsonl``."""
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
-def _truncate_log(path: pathlib.Path, step: int) -> None:
-  """Drops records after ``step`` (written by a run that died after its last checkpoint)."""
-  if not path.exists():
-    return
-  keep = [r for r in read_log(path) if r.get("step", 0) <= step and r["event"] != "end"]
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-  os.replace(tmp, path)
-
-
 def _check_out(args: argparse.Namespace, out: pathlib.Path) -> None:
   """Refuses to mix two runs in one --out, or to resume with other trajectory arguments."""
   config_path = out / "config.json"
@@ -395,11 +328,6 @@ def _write_config(args: argparse.Namespace, out: pathlib.Path) -> None:
   out.mkdir(parents=True, exist_ok=True)
   mine = {k: getattr(args, k) for k in TRAJECTORY_KEYS}
   (out / "config.json").write_text(json.dumps({"trajectory": mine, "args": vars(args)}, indent=1))
-
-
-def versions() -> dict:
-  return {"jax": jax.__version__, "python": platform.python_version(),
-          "device": jax.devices()[0].device_kind, "platform": jax.default_backend()}
 
 
 # ----------------------------------------------------------------------------
@@ -424,24 +352,6 @@ def _restore(trainer: Trainer, out: pathlib.Path, resume: bool):
   if int(state.step) != start:
     raise ValueError(f"checkpoint {path} holds step {int(state.step)}, not {start}")
   return state, start
-
-
-class _Log:
-  """``log.jsonl``, appended one flushed line per record."""
-
-  def __init__(self, path: pathlib.Path, start: int):
-    if start:
-      _truncate_log(path, start)  # records past the checkpoint belong to a lost future
-    elif path.exists():
-      path.unlink()
-    self.path, self._f = path, open(path, "a")
-
-  def write(self, record: dict) -> None:
-    self._f.write(json.dumps(record) + "\n")
-    self._f.flush()
-
-  def close(self) -> None:
-    self._f.close()
 
 
 def run(args: argparse.Namespace, data: Optional[data_lib.TokenData] = None) -> dict:
@@ -472,7 +382,7 @@ def _run(args: argparse.Namespace, data: Optional[data_lib.TokenData]) -> dict:
   lrs = np.asarray(jax.jit(jax.vmap(lr_schedule(args)))(jnp.arange(args.steps)))
   _write_config(args, out)  # only once the run is known to build
   state, start = _restore(trainer, out, args.resume)
-  log = _Log(out / "log.jsonl", start)
+  log = runlog.RunLog(out / "log.jsonl", start)
   log.write({"event": "start", "step": start, "resumed_from": start or None, "impl": args.impl,
              "data": data.info, "model": dataclasses.asdict(trainer.cfg),
              "num_params": trainer.cfg.num_params, "compile_s": trainer.compile_s,
