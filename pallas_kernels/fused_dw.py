@@ -495,8 +495,11 @@ def fused_dw_update(
   block = max(d for c in codecs for d in c.col_divisors())
   if config is None:
     config = default_tile_config(t, k, n, x.dtype)
-    # A tile must hold whole quantization blocks.
-    config = config.replace(block_n=max(config.block_n, block))
+    if config.block_n < block:
+      # A tile must hold whole quantization blocks: widen it, and keep its
+      # area (the accumulator's registers) by making it shorter.
+      block_k = max(_MIN_BLOCK, config.block_k * config.block_n // block)
+      config = config.replace(block_n=block, block_k=block_k)
   elif config.block_n % block:
     raise ValueError(
         f"config.block_n={config.block_n} must be a multiple of the quantization "

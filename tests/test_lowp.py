@@ -183,26 +183,39 @@ def test_sub_ulp_updates_survive_with_sr_and_vanish_with_nearest():
 # ----------------------------------------------------------------------------
 
 
-class _MLP(nn.Module):
+class _Block(nn.Module):
   opt: forge_jax.ForgeOptimizer
   backend: str
 
   @nn.compact
   def __call__(self, x):
     dense = functools.partial(forge_jax.Dense, optimizer=self.opt, param_dtype=BF16, backend=self.backend)
-    return dense(64)(jax.nn.gelu(dense(128)(x)))
+    return x + dense(64)(jax.nn.gelu(dense(128)(x)))
+
+
+class _Model(nn.Module):
+  """Unstacked FORGE layers around a ScannedStack (stacked kernels and int8 states)."""
+
+  opt: forge_jax.ForgeOptimizer
+  backend: str
+
+  @nn.compact
+  def __call__(self, x):
+    dense = functools.partial(forge_jax.Dense, optimizer=self.opt, param_dtype=BF16, backend=self.backend)
+    x = forge_jax.ScannedStack(functools.partial(_Block, self.opt, self.backend), 2)(dense(64)(x))
+    return dense(64)(x)
 
 
 def _mse(apply_fn, variables, batch):
   return jnp.mean((apply_fn(variables, batch["x"]).astype(F32) - batch["y"]) ** 2)
 
 
-def test_train_step_with_sr_and_int8_states_kernel_equals_xla_backend(tmp_path):
+def test_train_step_with_sr_and_int8_states_scanned_and_unrolled_kernel_equals_xla(tmp_path):
   opt = forge_jax.adamw(1e-3, weight_decay=0.1, precision=SR_INT8)
   batch = {"x": jax.random.normal(jax.random.PRNGKey(1), (24, 64)), "y": jnp.zeros((24, 64))}
   states = {}
   for backend in ("xla", "interpret"):
-    model = _MLP(opt, backend)
+    model = _Model(opt, backend)
     state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), opt)
     losses = []
     for _ in range(3):
@@ -213,6 +226,8 @@ def test_train_step_with_sr_and_int8_states_kernel_equals_xla_backend(tmp_path):
   xla, kern = states["xla"], states["interpret"]
   mu = xla.forge_state["Dense_0"]["kernel"].opt.mu
   assert isinstance(mu, forge_jax.QuantizedArray) and mu.codes.dtype == jnp.int8  # stored as int8
+  stacked = xla.forge_state["ScannedStack_0"]["layers"]["block"]["Dense_0"]["kernel"].opt.nu
+  assert stacked.codes.shape == (2, 128, 64) and stacked.scale.shape == (2, 128, 1)
   assert xla.params["Dense_0"]["kernel"].dtype == BF16
   # Identical inputs, the same bits: the backends agree up to rare one-step roundings.
   for a, b in zip(jax.tree.leaves(xla.forge_state), jax.tree.leaves(kern.forge_state)):
