@@ -366,6 +366,20 @@ def _parse_tile(text: str) -> TileConfig:
   return TileConfig(*(int(v) for v in text.split(",")))
 
 
+def run_plan(args, smoke_shape):
+  """(interpret, tokens, shapes, timing) from a benchmark's common flags.
+
+  ``--smoke`` is one tiny shape in interpret mode with a single timed call;
+  otherwise the model shapes and ``--iters``/``--repeats``. ``--tokens`` and
+  ``--shapes`` override either.
+  """
+  interpret = args.smoke or jax.default_backend() == "cpu"
+  if args.smoke:
+    return interpret, args.tokens or (48,), args.shapes or [smoke_shape], dict(warmup=1, iters=2, repeats=1)
+  timing = dict(warmup=3, iters=args.iters, repeats=args.repeats)
+  return interpret, args.tokens or TOKENS, args.shapes or list(SHAPES_KN), timing
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -381,13 +395,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args(argv)
 
-  interpret = args.smoke or jax.default_backend() == "cpu"
-  if args.smoke:
-    tokens, shapes = args.tokens or (48,), args.shapes or [(40, 72)]
-    timing = dict(warmup=1, iters=2, repeats=1)
-  else:
-    tokens, shapes = args.tokens or TOKENS, args.shapes or list(SHAPES_KN)
-    timing = dict(warmup=3, iters=args.iters, repeats=args.repeats)
+  interpret, tokens, shapes, timing = run_plan(args, smoke_shape=(40, 72))
   if args.tile is not None:
     IMPLEMENTATIONS["pallas"] = fused_builder(functools.partial(fused_dw.fused_dw_update, config=args.tile))
   folder = _timing.out_dir(args.out)

@@ -249,13 +249,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args(argv)
 
-  interpret = args.smoke or jax.default_backend() == "cpu"
-  if args.smoke:
-    tokens, shapes = args.tokens or (48,), args.shapes or [(40, 256)]
-    timing = dict(warmup=1, iters=2, repeats=1)
-  else:
-    tokens, shapes = args.tokens or bench_fused_dw.TOKENS, args.shapes or list(bench_fused_dw.SHAPES_KN)
-    timing = dict(warmup=3, iters=args.iters, repeats=args.repeats)
+  # Smoke N = 256: int8 states need whole quantization blocks along N.
+  interpret, tokens, shapes, timing = bench_fused_dw.run_plan(args, smoke_shape=(40, 256))
   folder = _timing.out_dir(args.out)
   info = _timing.run_info("experiments.bench_lowp", argv)
   info.update(interpret=interpret, timing=timing, lr=LR, weight_decay=WD,

@@ -25,8 +25,10 @@ import functools
 import zlib
 from typing import Any, Callable, NamedTuple, Optional
 
+import flax
 import flax.linen as nn
 import jax
+from flax import traverse_util
 from flax import struct
 from flax.core import meta as flax_meta
 import jax.numpy as jnp
@@ -77,6 +79,16 @@ class StackSlice(struct.PyTreeNode, flax_meta.AxisMetadata):
 
   def remove_axis(self, index, params):
     return self
+
+
+def unfreeze(tree):
+  """A plain dict for a flax FrozenDict (anything else as is)."""
+  return flax.core.unfreeze(tree) if isinstance(tree, flax.core.FrozenDict) else tree
+
+
+def flat_variables(tree) -> dict:
+  """``{path tuple: leaf}`` of a (possibly frozen) variable dict."""
+  return traverse_util.flatten_dict(unfreeze(tree))
 
 
 def init_kernel_state(optimizer, kernel) -> KernelState:

@@ -21,7 +21,7 @@ the fused kernel, the XLA backend and the optax-protocol path here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp

@@ -52,13 +52,6 @@ class _Body(nn.Module):
     return self.block(name="block")(carry, *args), None
 
 
-def _flat(tree) -> dict:
-  import flax
-  if isinstance(tree, flax.core.FrozenDict):
-    tree = flax.core.unfreeze(tree)
-  return traverse_util.flatten_dict(tree)
-
-
 def _index(tree, l):
   return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, keepdims=False), tree)
 
@@ -95,7 +88,7 @@ def _stack_vjp(block_apply: Callable, length: int):
 
   def bwd(res, dy):
     params, forge, xs, args = res
-    flat_p, flat_f = _flat(params), _flat(forge)
+    flat_p, flat_f = _dense.flat_variables(params), _dense.flat_variables(forge)
     managed = sorted(flat_f)  # FORGE kernels, by path inside the block
     rest = sorted(p for p in flat_p if p not in flat_f)
 
@@ -116,7 +109,7 @@ def _stack_vjp(block_apply: Callable, length: int):
       x_l = jax.lax.dynamic_index_in_dim(xs, l, keepdims=False)
       _, vjp_fn = jax.vjp(lambda p, f, x: block_apply(p, f, x, args), p_l, f_l, x_l)
       ct_p, ct_f, dx = vjp_fn(dx)
-      ct_p, ct_f = _flat(ct_p), _flat(ct_f)
+      ct_p, ct_f = _dense.flat_variables(ct_p), _dense.flat_variables(ct_f)
       # A FORGE kernel's cotangent is its new (stacked) value; its state's is
       # the new state stack (counts untouched: train_step advances them once).
       kernels = [ct_p[p].stack for p in managed]

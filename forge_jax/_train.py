@@ -10,10 +10,8 @@ metrics. The state is donated, so the whole update happens in place.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -28,19 +26,15 @@ from forge_jax import _rules
 FORGE_STATE = _dense.FORGE_STATE
 
 
-def _unfreeze(tree):
-  return flax.core.unfreeze(tree) if isinstance(tree, flax.core.FrozenDict) else tree
-
-
 def forge_paths(forge_state) -> frozenset:
   """Paths (tuples of names) of the params that FORGE manages."""
-  flat = traverse_util.flatten_dict(_unfreeze(forge_state))
+  flat = _dense.flat_variables(forge_state)
   return frozenset(flat)
 
 
 def _split(params, paths):
   """(forge-managed params as a flat dict, the rest with None at those paths)."""
-  flat = traverse_util.flatten_dict(_unfreeze(params))
+  flat = _dense.flat_variables(params)
   missing = [p for p in paths if p not in flat]
   if missing:
     raise ValueError(
@@ -91,7 +85,7 @@ class TrainState(struct.PyTreeNode):
         optimizer's weight-decay mask excludes a FORGE kernel.
     """
     optimizer = _optimizers.as_forge_optimizer(optimizer)
-    variables = _unfreeze(variables)
+    variables = _dense.unfreeze(variables)
     if "params" not in variables:
       raise ValueError("variables must hold a 'params' collection (from model.init).")
     forge_state = variables.get(FORGE_STATE, {})
@@ -118,7 +112,7 @@ class TrainState(struct.PyTreeNode):
 def _check_decay_mask(optimizer, params, paths):
   if optimizer.mask is None or not paths:
     return
-  mask = traverse_util.flatten_dict(_unfreeze(optimizer.decay_mask(params)))
+  mask = _dense.flat_variables(optimizer.decay_mask(params))
   excluded = sorted("/".join(p) for p in paths if not mask.get(p, True))
   if excluded:
     raise ValueError(
@@ -160,8 +154,8 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
   params_rest = optax.apply_updates(params_rest, updates)
   new_params = _merge(params_rest, new_managed)
 
-  flat_ct = traverse_util.flatten_dict(_unfreeze(ct_forge))
-  flat_old = traverse_util.flatten_dict(_unfreeze(state.forge_state))
+  flat_ct = _dense.flat_variables(ct_forge)
+  flat_old = _dense.flat_variables(state.forge_state)
   new_forge, forge_sq = {}, jnp.zeros((), jnp.float32)
   for p, ct in flat_ct.items():
     old = flat_old[p]

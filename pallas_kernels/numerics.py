@@ -249,7 +249,7 @@ class QuantMap:
     """
     stochastic = self.rounding == "stochastic"
     if stochastic and bits is None:
-      raise ValueError(f"QuantMap(rounding='stochastic') needs the element bits (bits=None given).")
+      raise ValueError("QuantMap(rounding='stochastic') needs the element bits (bits=None given).")
     mag = jnp.abs(x_rel) if self.signed else jnp.maximum(x_rel, 0.0)
     if self.kind == "linear":
       # Nearest: + 1/2 then floor. Stochastic: + a uniform [0, 1) then floor.
