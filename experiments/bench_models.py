@@ -4,18 +4,57 @@ Each row is one fresh process (peak memory is per process) training a preset
 of ``models`` with random weights on random tokens:
 
 * same model, batch, precision (``--dtype``: params, compute and optimizer
-  states in that dtype), attention kernel and activation checkpointing
-  (every block recomputed from its input: ``remat="full"``) in every row;
-* implementations: ``optax`` (optax.adamw), ``optax_clip``
-  (``clip_by_global_norm(1.0)`` + adamw), ``forge`` (forge_jax.adamw; its
-  scanned stack is a forge_jax.ScannedStack); layers scanned by default
-  (``--unrolled`` for unrolled rows);
-* a row that runs out of memory is recorded as ``OOM``, not dropped.
+  states in that dtype, except ``forge_int8``'s int8 states), attention kernel
+  and activation checkpointing (every block recomputed from its input:
+  ``remat="full"``) in every row;
+* implementations (``--impls``, a comma list):
+
+  - ``optax``: optax.adamw, a donated ``jax.jit`` step (the baseline);
+  - ``optax_clip``: ``clip_by_global_norm(1.0)`` + adamw, the same step;
+  - ``forge``: forge_jax.adamw (the scanned stack is a forge_jax.ScannedStack);
+  - ``forge_int8``: forge_jax.adamw with int8 optimizer states
+    (``Precision(state_dtype="int8")``, blocks of 64 along N);
+  - any of them with the suffix ``_unrolled`` (``optax_unrolled``,
+    ``forge_unrolled``, ...): layers unrolled (``scan_layers=False``) instead
+    of scanned. ``--unrolled`` appends it to every implementation.
+
+* a row that runs out of memory is recorded as ``OOM``, not dropped; a worker
+  that runs past ``--timeout`` seconds is killed and recorded as a timeout.
+
+Table mode (the default) runs every model x ``--batch`` x ``--tokens`` x
+``--impls`` row (``--batch`` and ``--tokens`` are comma lists) and writes
+``<tag>.json``, ``<tag>.md`` and (with matplotlib) ``<tag>.png`` under
+``--out``; the tag is ``$BENCH_TAG`` or ``bench_models``. The markdown compares
+every row with the same model/batch/tokens row of ``optax_clip`` (peak
+memory ratio) and of ``optax`` (step-time ratio).
+
+``--capacity`` instead finds, for each model x impl at one ``--tokens``, the
+largest batch that runs: batches 1, 2, 4, ... up to ``--max-batch`` until the
+first OOM or error, every tried batch recorded. Writes ``capacity.json``,
+``capacity.md`` and ``capacity.png``.
+
+``--time-budget SECONDS``: a row is launched only while the elapsed time plus
+the longest wall time of any row so far fits the budget; the others are
+recorded as ``skipped: time budget``, and a worker's timeout is cut to what is
+left of the budget. Results are rewritten after every row, so a killed run
+still leaves them. Each row records ``wall_s``, its worker's wall seconds.
+
+The full table on one H200 (one command, under the 600 s limit of a call)::
 
     PYTHONPATH=$PWD python -m experiments.bench_models --out $OUT \\
-        --models qwen3-0.6b,llama-3.1-8b --tokens 1024 --impls optax,optax_clip,forge
+        --models qwen3-0.6b,qwen3-1.7b,qwen3-4b,qwen3-8b,llama-3.1-8b,qwen3-14b \\
+        --batch 1 --tokens 1024 \\
+        --impls optax,optax_unrolled,optax_clip,forge,forge_unrolled,forge_int8 \\
+        --time-budget 560
 
-Writes ``bench_models.json`` and ``bench_models.md`` under ``--out``.
+and the capacity table::
+
+    PYTHONPATH=$PWD python -m experiments.bench_models --out $OUT --capacity \\
+        --models qwen3-0.6b,qwen3-8b --tokens 1024 --impls optax_clip,forge,forge_int8 \\
+        --max-batch 64 --time-budget 560
+
+The parent process never initializes a JAX backend (the device name comes
+from the workers), so it holds no GPU memory of its own.
 """
 
 from __future__ import annotations
@@ -23,13 +62,28 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib.metadata
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
 
-IMPLS = ("optax", "optax_clip", "forge")
+IMPLS = ("optax", "optax_clip", "forge", "forge_int8")
+UNROLLED = "_unrolled"
+REMAT = "full"
+SKIPPED = "skipped: time budget"
+
+
+def parse_impl(impl: str) -> tuple[str, bool]:
+  """``(base implementation, scan_layers)`` of an ``--impls`` name."""
+  base = impl[:-len(UNROLLED)] if impl.endswith(UNROLLED) else impl
+  if base not in IMPLS:
+    names = ", ".join(IMPLS)
+    raise ValueError(f"Unknown implementation {impl!r}: one of {names}, optionally + {UNROLLED!r}.")
+  return base, not impl.endswith(UNROLLED)
 
 
 def _loss(apply_fn, variables, tokens):
@@ -39,21 +93,32 @@ def _loss(apply_fn, variables, tokens):
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str, scan: bool,
+def _forge_optimizer(base: str):
+  import forge_jax
+  if base == "forge":
+    return forge_jax.adamw(1e-5, weight_decay=0.0)
+  if base == "forge_int8":
+    return forge_jax.adamw(1e-5, weight_decay=0.0,
+                           precision=forge_jax.Precision(state_dtype="int8"))
+  return None
+
+
+def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
            attention: str, steps: int) -> dict:
   import jax
-  import jax.numpy as jnp
   import optax
 
   import forge_jax
   import models
 
-  linear = "forge" if impl == "forge" else "flax"
-  cfg = models.get_config(model_name, linear=linear, remat="full", scan_layers=scan,
+  base, scan = parse_impl(impl)
+  linear = "forge" if base.startswith("forge") else "flax"
+  cfg = models.get_config(model_name, linear=linear, remat=REMAT, scan_layers=scan,
                           param_dtype=dtype, dtype=dtype, attention=attention)
   row = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens, "dtype": dtype,
-         "scan": scan, "attention": attention, "params_b": cfg.num_params / 1e9}
-  opt = forge_jax.adamw(1e-5, weight_decay=0.0) if impl == "forge" else None
+         "scan": scan, "attention": attention, "remat": REMAT, "params_b": cfg.num_params / 1e9,
+         "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+  opt = _forge_optimizer(base)
   model = models.CausalLM(cfg, optimizer=opt)
   data = jax.random.randint(jax.random.PRNGKey(0), (batch, tokens + 1), 0, cfg.vocab_size)
   t0 = time.perf_counter()
@@ -65,7 +130,7 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str, scan
     step = lambda s: compiled(s, data)
   else:
     tx = optax.adamw(1e-5, weight_decay=0.0)
-    if impl == "optax_clip":
+    if base == "optax_clip":
       tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
@@ -94,81 +159,364 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str, scan
   return row
 
 
-def _run_row(args, model_name, impl, tokens) -> dict:
-  cmd = [sys.executable, "-m", "experiments.bench_models", "--worker", impl, "--models", model_name,
-         "--tokens", str(tokens), "--batch", str(args.batch), "--dtype", args.dtype,
-         "--attention", args.attention, "--steps", str(args.steps)]
-  if args.unrolled:
-    cmd.append("--unrolled")
-  base = {"model": model_name, "impl": impl, "batch": args.batch, "tokens": tokens,
-          "dtype": args.dtype, "scan": not args.unrolled}
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-  except subprocess.TimeoutExpired:
-    return {**base, "error": f"timeout {args.timeout}s"}
-  for line in proc.stdout.splitlines():
-    if line.startswith("ROW "):
-      return json.loads(line[4:])
-  err = proc.stderr.strip().splitlines()
-  oom = any("RESOURCE_EXHAUSTED" in l or "out of memory" in l.lower() for l in err)
-  return {**base, "error": "OOM" if oom else (err[-1][:300] if err else f"exit {proc.returncode}")}
+class Runner:
+  """Runs rows in worker processes within ``--time-budget``."""
+
+  def __init__(self, args):
+    self.args = args
+    self.start = time.monotonic()
+    self.longest = 0.0  # the largest wall time of a row so far: the next row's estimate
+    self.device = None
+
+  def elapsed(self) -> float:
+    return time.monotonic() - self.start
+
+  def run(self, model_name: str, impl: str, batch: int, tokens: int) -> dict:
+    args = self.args
+    base = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens,
+            "dtype": args.dtype, "scan": parse_impl(impl)[1], "attention": args.attention,
+            "remat": REMAT}
+    timeout = args.timeout
+    if args.time_budget is not None:
+      left = args.time_budget - self.elapsed()
+      if left - self.longest < 0:
+        return {**base, "error": SKIPPED, "wall_s": 0.0}
+      timeout = max(1, min(timeout, int(left)))
+    cmd = [sys.executable, "-m", "experiments.bench_models", "--worker", impl,
+           "--models", model_name, "--tokens", str(tokens), "--batch", str(batch),
+           "--dtype", args.dtype, "--attention", args.attention, "--steps", str(args.steps)]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    t0 = time.monotonic()
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+      cut = " (time budget)" if timeout < args.timeout else ""
+      row = {**base, "error": f"timeout {timeout}s{cut}"}
+    else:
+      row = None
+      for line in proc.stdout.splitlines():
+        if line.startswith("ROW "):
+          row = json.loads(line[4:])
+      if row is None:
+        row = {**base, "error": _error(proc.stderr, proc.returncode)}
+    row["wall_s"] = time.monotonic() - t0
+    self.longest = max(self.longest, row["wall_s"])
+    self.device = self.device or row.get("device")
+    return row
+
+
+def _error(stderr: str, returncode: int) -> str:
+  """``OOM``, else the exception line of a failed worker's traceback (300 characters)."""
+  err = stderr.strip().splitlines()
+  if any("RESOURCE_EXHAUSTED" in l or "out of memory" in l.lower() for l in err):
+    return "OOM"
+  # JAX appends a note on its filtered frames after the exception line.
+  err = [l for l in err if l.strip() and not l.startswith("-----")
+         and "JAX_TRACEBACK_FILTERING" not in l]
+  exc = [l for l in err if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", l)]
+  line = (exc or err or [f"exit {returncode}"])[-1]
+  return line[:300]
+
+
+def _write(path: str, text: str) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def _ok(r: dict) -> bool:
+  return "error" not in r
+
+
+def _finite(x) -> bool:
+  return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _cell(text) -> str:
+  return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _ratio(a, b) -> str:
+  return f"{a / b:.2f}x" if _finite(a) and _finite(b) and b > 0 else ""
+
+
+def _fmt(x, spec: str) -> str:
+  return format(x, spec) if _finite(x) else "n/a"
+
+
+def _settings(meta) -> list[str]:
+  budget = meta.get("time_budget_s")
+  return [
+      f"Command: `{meta['command']}`  ",
+      f"Date: {meta['date']}; device {meta['device']}; jax {meta['jax']}.  ",
+      f"Settings: dtype {meta['dtype']} (params, compute and optimizer states; int8 states "
+      f"for forge_int8), attention {meta['attention']}, remat {meta['remat']} (every block "
+      f"recomputed from its input in the backward pass), {meta['steps']} timed steps after "
+      f"compiling and one warm-up step; random weights and tokens; one process per row.  ",
+      f"Time budget: {'none' if budget is None else f'{budget:g} s'}; elapsed "
+      f"{meta.get('elapsed_s', 0):.0f} s; worker timeout {meta['timeout_s']} s.",
+  ]
 
 
 def markdown(rows, meta) -> str:
-  lines = [f"# Whole-model training steps ({meta['device']})", "",
-           f"Command: `{meta['command']}`  ",
-           f"Date: {meta['date']}; jax {meta['jax']}. Random weights and tokens; every block "
-           "recomputed in the backward pass (remat='full') in every row.", "",
-           "| model | tokens | impl | layers | peak GiB | step ms | tokens/s |",
-           "|---|---|---|---|---|---|---|"]
+  lines = [f"# Whole-model training steps ({meta['device']})", "", *_settings(meta), "",
+           "`vs optax_clip`: peak memory / the same model, batch and tokens' `optax_clip` "
+           "peak; `vs optax`: step time / `optax`'s step time.", "",
+           "| model | tokens | impl | layers | peak GiB | vs optax_clip | step ms | vs optax "
+           "| tokens/s | loss | wall s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  index = {(r["model"], r["batch"], r["tokens"], r["impl"]): r for r in rows if _ok(r)}
   for r in rows:
     layers = "scanned" if r.get("scan", True) else "unrolled"
     head = f"| {r['model']} | {r['batch']}x{r['tokens']} | {r['impl']} | {layers} |"
-    if "error" in r:
-      lines.append(f"{head} {r['error']} | | |")
-    else:
-      lines.append(f"{head} {r['peak_gib']:.2f} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} |")
+    wall = f"{r['wall_s']:.0f}" if _finite(r.get("wall_s")) else ""
+    if not _ok(r):
+      lines.append(f"{head} {_cell(r['error'])} | | | | | | {wall} |")
+      continue
+    key = (r["model"], r["batch"], r["tokens"])
+    clip = index.get((*key, "optax_clip"), {})
+    opt = index.get((*key, "optax"), {})
+    lines.append(
+        f"{head} {_fmt(r['peak_gib'], '.2f')} | {_ratio(r['peak_gib'], clip.get('peak_gib'))} "
+        f"| {r['step_ms']:.1f} | {_ratio(r['step_ms'], opt.get('step_ms'))} "
+        f"| {r['tokens_per_s']:.0f} | {_fmt(r['loss'], '.3f')} | {wall} |")
   return "\n".join(lines) + "\n"
+
+
+def capacity_summary(model_name: str, impl: str, tokens: int, tried: list[dict]) -> dict:
+  fits = [r for r in tried if _ok(r)]
+  failed = [r for r in tried if not _ok(r) and r["error"] != SKIPPED]
+  best = max(fits, key=lambda r: r["batch"]) if fits else None
+  return {"model": model_name, "impl": impl, "tokens": tokens,
+          "largest_batch": best["batch"] if best else 0,
+          "peak_gib": best["peak_gib"] if best else None,
+          "tokens_per_s": best["tokens_per_s"] if best else None,
+          "first_fail_batch": failed[0]["batch"] if failed else None,
+          "first_fail_error": failed[0]["error"] if failed else None,
+          "skipped": any(r.get("error") == SKIPPED for r in tried),
+          "tried": tried}
+
+
+def capacity_markdown(results, meta) -> str:
+  lines = [f"# Largest batch per implementation ({meta['device']})", "", *_settings(meta), "",
+           f"Batches tried: 1, 2, 4, ... up to {meta['max_batch']}, until the first failure.", "",
+           "| model | impl | layers | tokens | largest batch | peak GiB | tokens/s "
+           "| first failing batch | its error | tried |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for s in results:
+    layers = "scanned" if parse_impl(s["impl"])[1] else "unrolled"
+    tried = ", ".join(f"{r['batch']}" + ("" if _ok(r) else f" ({_cell(r['error'])[:40]})")
+                      for r in s["tried"])
+    if s["first_fail_batch"] is not None:
+      fail, err = str(s["first_fail_batch"]), _cell(s["first_fail_error"])
+    elif s["skipped"]:
+      fail, err = "", SKIPPED
+    else:
+      fail, err = f"none up to {meta['max_batch']}", ""
+    lines.append(
+        f"| {s['model']} | {s['impl']} | {layers} | {s['tokens']} | {s['largest_batch']} "
+        f"| {_fmt(s['peak_gib'], '.2f')} | {_fmt(s['tokens_per_s'], '.0f')} | {fail} "
+        f"| {err} | {tried} |")
+  return "\n".join(lines) + "\n"
+
+
+def _pyplot():
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  return plt
+
+
+def _label(r: dict | None) -> str:
+  if r is None:
+    return ""
+  err = r.get("error", "")
+  if err == "OOM":
+    return "OOM"
+  if err == SKIPPED:
+    return "skipped"
+  if err.startswith("timeout"):
+    return "timeout"
+  return "error" if err else "n/a"
+
+
+def _grouped_bars(ax, groups, impls, value, title, annotate=False):
+  """Bars of ``value(group, impl) -> (height or None, row)``; a missing height: an empty bar."""
+  import matplotlib.patches
+  width = 0.8 / max(1, len(impls))
+  heights = [value(g, i)[0] for g in groups for i in impls]
+  top = max([h for h in heights if _finite(h)], default=1.0) or 1.0
+  for k, impl in enumerate(impls):
+    for x, g in enumerate(groups):
+      h, row = value(g, impl)
+      pos = x - 0.4 + width * (k + 0.5)
+      if _finite(h):
+        ax.bar(pos, h, width, color=f"C{k}")
+        if annotate:
+          ax.text(pos, h, f"{h:g}", ha="center", va="bottom", fontsize=7)
+      else:
+        ax.bar(pos, top, width, fill=False, edgecolor=f"C{k}", linestyle="--")
+        ax.text(pos, top / 2, _label(row), rotation=90, ha="center", va="center", fontsize=7)
+  ax.set_xticks(range(len(groups)))
+  ax.set_title(title)
+  ax.grid(axis="y", alpha=0.3)
+  handles = [matplotlib.patches.Patch(color=f"C{k}", label=impl) for k, impl in enumerate(impls)]
+  ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def plot_table(rows, path: str) -> str | None:
+  """Peak GiB and step ms per impl, grouped by model/batch/tokens (None without matplotlib)."""
+  plt = _pyplot()
+  if plt is None or not rows:
+    return None
+  groups = list(dict.fromkeys((r["model"], r["batch"], r["tokens"]) for r in rows))
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  index = {(r["model"], r["batch"], r["tokens"], r["impl"]): r for r in rows}
+
+  def value(key):
+    def get(g, impl):
+      r = index.get((*g, impl))
+      return (r.get(key) if r is not None and _ok(r) else None), r
+    return get
+
+  fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 0.25 * len(groups) * len(impls) + 3), 7))
+  _grouped_bars(axes[0], groups, impls, value("peak_gib"), "peak GiB")
+  _grouped_bars(axes[1], groups, impls, value("step_ms"), "step ms")
+  for ax in axes:
+    ax.set_xticklabels([f"{m}\n{b}x{t}" for m, b, t in groups], fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def plot_capacity(results, path: str) -> str | None:
+  """The largest batch per impl, grouped by model (None without matplotlib)."""
+  plt = _pyplot()
+  if plt is None or not results:
+    return None
+  models_ = list(dict.fromkeys(s["model"] for s in results))
+  impls = list(dict.fromkeys(s["impl"] for s in results))
+  index = {(s["model"], s["impl"]): s for s in results}
+
+  def value(model_name, impl):
+    s = index.get((model_name, impl))
+    if s is None:
+      return None, None
+    fail = next((r for r in s["tried"] if not _ok(r)), None)
+    return (s["largest_batch"] or None), fail
+
+  fig, ax = plt.subplots(figsize=(max(7.0, 0.4 * len(models_) * len(impls) + 3), 4))
+  _grouped_bars(ax, models_, impls, value, "largest batch that fits", annotate=True)
+  ax.set_xticklabels(models_, fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def _meta(args, argv) -> dict:
+  return {"command": "python -m experiments.bench_models " + " ".join(argv),
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "device": "unknown", "jax": importlib.metadata.version("jax"), "dtype": args.dtype,
+          "attention": args.attention, "remat": REMAT, "steps": args.steps,
+          "timeout_s": args.timeout, "time_budget_s": args.time_budget,
+          "max_batch": args.max_batch}
+
+
+def _table(args, impls, meta, runner):
+  tag = os.environ.get("BENCH_TAG", "bench_models")
+  paths = {ext: os.path.join(args.out, f"{tag}.{ext}") for ext in ("json", "md", "png")}
+  rows = []
+  for model_name in args.models.split(","):
+    for batch in map(int, args.batch.split(",")):
+      for tokens in map(int, args.tokens.split(",")):
+        for impl in impls:
+          rows.append(runner.run(model_name, impl, batch, tokens))
+          print(json.dumps(rows[-1]), flush=True)
+          meta.update(device=runner.device or "unknown", elapsed_s=runner.elapsed())
+          _write(paths["json"], json.dumps({"meta": meta, "rows": rows}, indent=1))
+          md = markdown(rows, meta)
+          _write(paths["md"], md)
+          plot_table(rows, paths["png"])
+  print(md)
+  return rows
+
+
+def _capacity(args, impls, meta, runner):
+  if "," in args.tokens:
+    raise SystemExit("--capacity takes a single --tokens value.")
+  tokens = int(args.tokens)
+  paths = {ext: os.path.join(args.out, f"capacity.{ext}") for ext in ("json", "md", "png")}
+  results = []
+  for model_name in args.models.split(","):
+    for impl in impls:
+      tried = []
+      batch = 1
+      while batch <= args.max_batch:
+        tried.append(runner.run(model_name, impl, batch, tokens))
+        print(json.dumps(tried[-1]), flush=True)
+        summary = capacity_summary(model_name, impl, tokens, tried)
+        if len(tried) == 1:
+          results.append(summary)
+        else:
+          results[-1] = summary
+        meta.update(device=runner.device or "unknown", elapsed_s=runner.elapsed())
+        _write(paths["json"], json.dumps({"meta": meta, "results": results}, indent=1))
+        md = capacity_markdown(results, meta)
+        _write(paths["md"], md)
+        plot_capacity(results, paths["png"])
+        if not _ok(tried[-1]):
+          break
+        batch *= 2
+  print(md)
+  return results
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "runs"))
   parser.add_argument("--models", default="qwen3-0.6b,llama-3.1-8b")
-  parser.add_argument("--impls", default=",".join(IMPLS))
-  parser.add_argument("--tokens", default="1024")
-  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--impls", default="optax,optax_clip,forge",
+                      help=f"comma list of {', '.join(IMPLS)}, each optionally + {UNROLLED}")
+  parser.add_argument("--tokens", default="1024", help="comma list (one value with --capacity)")
+  parser.add_argument("--batch", default="1", help="comma list")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--attention", default="auto")
-  parser.add_argument("--unrolled", action="store_true")
+  parser.add_argument("--unrolled", action="store_true",
+                      help=f"append {UNROLLED} to every implementation")
   parser.add_argument("--steps", type=int, default=5)
-  parser.add_argument("--timeout", type=int, default=300)
-  parser.add_argument("--worker", choices=IMPLS)
+  parser.add_argument("--timeout", type=int, default=300, help="seconds per worker")
+  parser.add_argument("--time-budget", type=float, default=None,
+                      help="seconds for the whole run; rows that would not fit are skipped")
+  parser.add_argument("--capacity", action="store_true",
+                      help="the largest batch per model and impl instead of the table")
+  parser.add_argument("--max-batch", type=int, default=64)
+  parser.add_argument("--worker")
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   if args.worker:
-    row = worker(args.models, args.worker, args.batch, int(args.tokens), args.dtype,
-                 not args.unrolled, args.attention, args.steps)
+    row = worker(args.models, args.worker, int(args.batch), int(args.tokens), args.dtype,
+                 args.attention, args.steps)
     print("ROW " + json.dumps(row), flush=True)
     return
-  import jax
-  meta = {"command": "python -m experiments.bench_models " + " ".join(argv or sys.argv[1:]),
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
-  rows = []
-  for model_name in args.models.split(","):
-    for tokens in map(int, args.tokens.split(",")):
-      for impl in args.impls.split(","):
-        rows.append(_run_row(args, model_name, impl, tokens))
-        print(json.dumps(rows[-1]), flush=True)
+  impls = [i + UNROLLED if args.unrolled and not i.endswith(UNROLLED) else i
+           for i in args.impls.split(",")]
+  for impl in impls:
+    try:
+      parse_impl(impl)
+    except ValueError as e:
+      parser.error(str(e))
   os.makedirs(args.out, exist_ok=True)
-  tag = os.environ.get("BENCH_TAG", "bench_models")
-  with open(os.path.join(args.out, f"{tag}.json"), "w") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=1)
-  md = markdown(rows, meta)
-  with open(os.path.join(args.out, f"{tag}.md"), "w") as f:
-    f.write(md)
-  print(md)
+  runner = Runner(args)
+  meta = _meta(args, argv)
+  if args.capacity:
+    return _capacity(args, impls, meta, runner)
+  return _table(args, impls, meta, runner)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,84 @@
+"""experiments/bench_models.py on CPU: every implementation's worker runs, and
+the table, capacity and time-budget modes write their results.
+
+Each row is a subprocess that imports jax and compiles a tiny model, so the
+rows are few, one timed step each, and XLA's CPU backend skips its expensive
+optimizations (compile time dominates here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+from experiments import bench_models
+
+TINY = ["--models", "tiny-qwen3", "--tokens", "16", "--steps", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _fast_cpu_compiles(monkeypatch):
+  flags = os.environ.get("XLA_FLAGS", "")
+  monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_backend_optimization_level=0 "
+                     "--xla_llvm_disable_expensive_passes=true".strip())
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.delenv("BENCH_TAG", raising=False)
+
+
+def test_table_runs_every_implementation_and_batch(tmp_path):
+  impls = ["optax", "forge", "forge_unrolled", "forge_int8"]
+  bench_models.main(["--out", str(tmp_path), *TINY, "--batch", "1,2",
+                     "--impls", ",".join(impls)])
+  result = json.loads((tmp_path / "bench_models.json").read_text())
+  rows = result["rows"]
+  assert [(r["batch"], r["impl"]) for r in rows] == [(b, i) for b in (1, 2) for i in impls]
+  for r in rows:
+    assert "error" not in r, r
+    assert math.isfinite(r["step_ms"]) and r["step_ms"] > 0
+    assert math.isfinite(r["loss"]) and r["wall_s"] > 0
+    assert r["scan"] == (r["impl"] != "forge_unrolled")
+    assert math.isnan(r["peak_gib"])  # CPU: no memory_stats()
+  meta = result["meta"]
+  assert meta["device"] == "cpu" and meta["remat"] == "full" and meta["dtype"] == "bfloat16"
+  md = (tmp_path / "bench_models.md").read_text()
+  assert "| vs optax_clip |" in md and "| vs optax |" in md
+  assert "| tiny-qwen3 | 2x16 | forge_unrolled | unrolled |" in md
+  assert "attention auto" in md and "remat full" in md
+  if importlib.util.find_spec("matplotlib") is not None:
+    assert (tmp_path / "bench_models.png").stat().st_size > 0
+
+
+def test_capacity_records_every_tried_batch(tmp_path):
+  bench_models.main(["--out", str(tmp_path), *TINY, "--capacity", "--max-batch", "2",
+                     "--impls", "forge"])
+  results = json.loads((tmp_path / "capacity.json").read_text())["results"]
+  assert len(results) == 1
+  s = results[0]
+  assert [r["batch"] for r in s["tried"]] == [1, 2]
+  assert all("error" not in r for r in s["tried"])
+  assert s["largest_batch"] == 2 and s["first_fail_batch"] is None
+  assert "| tiny-qwen3 | forge | scanned | 16 | 2 |" in (tmp_path / "capacity.md").read_text()
+
+
+def test_time_budget_skips_rows_and_still_writes_results(tmp_path):
+  bench_models.main(["--out", str(tmp_path), *TINY, "--batch", "1,2", "--impls",
+                     "optax_clip,forge_unrolled", "--time-budget", "0"])
+  rows = json.loads((tmp_path / "bench_models.json").read_text())["rows"]
+  assert len(rows) == 4 and all(r["error"] == bench_models.SKIPPED for r in rows)
+  bench_models.main(["--out", str(tmp_path), *TINY, "--capacity", "--impls", "forge",
+                     "--time-budget", "0"])
+  s = json.loads((tmp_path / "capacity.json").read_text())["results"][0]
+  assert [r["batch"] for r in s["tried"]] == [1] and s["skipped"] and s["largest_batch"] == 0
+
+
+def test_implementation_names():
+  assert bench_models.parse_impl("forge_int8") == ("forge_int8", True)
+  assert bench_models.parse_impl("optax_unrolled") == ("optax", False)
+  with pytest.raises(ValueError):
+    bench_models.parse_impl("sgd")
+  with pytest.raises(SystemExit):
+    bench_models.main(["--impls", "forge,sgd"])
