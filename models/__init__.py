@@ -18,6 +18,7 @@ Example::
   logits_BxLxV = models.CausalLM(cfg).apply({"params": params}, tokens_BxL)
 """
 
+from models._config import FORGE_BACKENDS
 from models._config import PRESETS
 from models._config import ModelConfig
 from models._config import RopeScaling
@@ -35,6 +36,7 @@ from models.hf_io import params_to_hf
 from models.hf_io import save_checkpoint
 
 __all__ = [
+    "FORGE_BACKENDS",
     "PRESETS",
     "CausalLM",
     "DecoderBlock",

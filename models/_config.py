@@ -16,6 +16,9 @@ import jax.numpy as jnp
 
 FAMILIES = ("llama", "qwen3")
 LINEAR_IMPLS = ("flax", "forge")
+# forge_jax._fused.BACKENDS, repeated so that plain-Flax configs need not import forge_jax
+# (tests/test_models.py checks they agree).
+FORGE_BACKENDS = ("auto", "xla", "pallas", "interpret", "mosaic", "mosaic_interpret")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 # jax.checkpoint_policies members that are policies themselves (the others,
 # e.g. save_only_these_names, are factories that need arguments).
@@ -72,6 +75,11 @@ class ModelConfig:
       ``initializer_range``).
     linear: ``"flax"`` (``nn.Dense``, trained by optax) or ``"forge"``
       (``forge_jax.Dense``: the optimizer runs inside the backward GEMM).
+    forge_backend: the ``backend`` of every FORGE layer (see
+      ``forge_jax.fused_linear_update``): ``"auto"``, ``"pallas"`` (the fused
+      Triton-lowered kernel), ``"mosaic"``, ``"xla"`` (one dot, then the update
+      fused by XLA: the layer's dW lives in HBM for one layer at a time), or an
+      interpreter. Ignored when ``linear="flax"``.
     scan_layers: ``nn.scan`` over one block (params stacked ``[L, ...]`` under
       ``layers``) or a Python loop (``layers_0`` ... ``layers_{L-1}``).
     remat: activation checkpointing of each block: ``"none"``, ``"full"``
@@ -101,6 +109,7 @@ class ModelConfig:
   init_std: float = 0.02
   # Implementation switches: not part of the checkpoint.
   linear: str = "flax"
+  forge_backend: str = "auto"
   scan_layers: bool = True
   remat: str = "none"
   param_dtype: str = "float32"
@@ -110,6 +119,7 @@ class ModelConfig:
   def __post_init__(self):
     _check_choice("family", self.family, FAMILIES)
     _check_choice("linear", self.linear, LINEAR_IMPLS)
+    _check_choice("forge_backend", self.forge_backend, FORGE_BACKENDS)
     _check_choice("remat", self.remat, REMAT_CHOICES)
     _check_choice("attention", self.attention, ATTENTION_IMPLS)
     for field in ("param_dtype", "dtype"):

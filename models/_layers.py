@@ -43,7 +43,7 @@ def dense(cfg: ModelConfig, features: int, name: str, optimizer: Any = None,
         "ModelConfig(linear='forge') needs a FORGE optimizer: "
         "CausalLM(cfg, optimizer=forge_jax.adamw(...))"
     )
-  return forge_jax.Dense(features, optimizer=optimizer, **common)
+  return forge_jax.Dense(features, optimizer=optimizer, backend=cfg.forge_backend, **common)
 
 
 class RMSNorm(nn.Module):

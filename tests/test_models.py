@@ -85,6 +85,7 @@ def test_get_config_overrides():
     ("num_kv_heads", 3, "num_heads=4 must be a multiple of num_kv_heads=3"),
     ("dtype", "int8", "dtype='int8' must be the name of a float dtype"),
     ("family", "gemma", "family='gemma' is not one of"),
+    ("forge_backend", "triton", "forge_backend='triton' is not one of"),
 ])
 def test_config_validation(field, value, message):
   with pytest.raises(ValueError, match=message):
@@ -243,12 +244,23 @@ def test_scanned_layout_is_forge_scanned_stacks():
   np.testing.assert_allclose(theirs_y, ours_y, rtol=1e-6, atol=1e-6)
 
 
-def test_forge_linear_trains_like_optax():
-  """One step with FORGE layers equals one optax step of the same optimizer."""
+def test_forge_backend_choices_are_forge_jax_backends():
+  from forge_jax import _fused
+  assert models.FORGE_BACKENDS == _fused.BACKENDS
+
+
+@pytest.mark.parametrize("forge_backend", ["auto", "interpret"])
+def test_forge_linear_trains_like_optax(forge_backend):
+  """One step with FORGE layers equals one optax step of the same optimizer.
+
+  ``forge_backend="interpret"`` runs every layer's update through the Pallas
+  kernel (interpret mode), so it also checks that the backend reaches the layers.
+  """
   forge_jax = pytest.importorskip("forge_jax")
   if not hasattr(forge_jax, "train_step"):
     pytest.skip("forge_jax.train_step is not available")
-  cfg = models.get_config("tiny-llama", linear="forge", remat="full")  # scanned, untied: lm_head is FORGE too
+  # scanned, untied: lm_head is FORGE too
+  cfg = models.get_config("tiny-llama", linear="forge", remat="full", forge_backend=forge_backend)
   opt = forge_jax.adamw(1e-2, weight_decay=0.1)
   model = models.CausalLM(cfg, optimizer=opt)
   batch = _tokens(cfg, length=9)
