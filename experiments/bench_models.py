@@ -14,6 +14,11 @@ of ``models`` with random weights on random tokens:
   - ``forge``: forge_jax.adamw (the scanned stack is a forge_jax.ScannedStack);
   - ``forge_int8``: forge_jax.adamw with int8 optimizer states
     (``Precision(state_dtype="int8")``, blocks of 64 along N);
+  - a FORGE implementation with the suffix ``_xla``, ``_pallas`` or
+    ``_mosaic`` (``forge_xla``, ``forge_int8_xla``, ...): that
+    ``ModelConfig.forge_backend`` (default ``"auto"``): ``_xla`` is FORGE's
+    update order (each layer updated in the backward pass, no gradient pool)
+    with XLA's GEMM and a fused elementwise update instead of the fused kernel;
   - any of them with the suffix ``_unrolled`` (``optax_unrolled``,
     ``forge_unrolled``, ...): layers unrolled (``scan_layers=False``) instead
     of scanned. ``--unrolled`` appends it to every implementation.
@@ -73,17 +78,31 @@ import time
 
 IMPLS = ("optax", "optax_clip", "forge", "forge_int8")
 UNROLLED = "_unrolled"
+FORGE_BACKENDS = ("xla", "pallas", "mosaic")  # optional "_<backend>" suffix of a forge impl
 REMAT = "full"
 SKIPPED = "skipped: time budget"
 
 
 def parse_impl(impl: str) -> tuple[str, bool]:
-  """``(base implementation, scan_layers)`` of an ``--impls`` name."""
+  """``(base implementation, scan_layers)`` of an ``--impls`` name.
+
+  The base keeps a FORGE backend suffix (``forge_xla``); see :func:`forge_backend`.
+  """
   base = impl[:-len(UNROLLED)] if impl.endswith(UNROLLED) else impl
-  if base not in IMPLS:
+  if forge_backend(base)[0] not in IMPLS:
     names = ", ".join(IMPLS)
-    raise ValueError(f"Unknown implementation {impl!r}: one of {names}, optionally + {UNROLLED!r}.")
+    raise ValueError(
+        f"Unknown implementation {impl!r}: one of {names}, a forge one optionally + "
+        f"'_' + one of {FORGE_BACKENDS}, then optionally + {UNROLLED!r}.")
   return base, not impl.endswith(UNROLLED)
+
+
+def forge_backend(base: str) -> tuple[str, str]:
+  """``("forge_int8", "xla")`` for ``"forge_int8_xla"``; backend ``"auto"`` without a suffix."""
+  head, _, tail = base.rpartition("_")
+  if head.startswith("forge") and tail in FORGE_BACKENDS:
+    return head, tail
+  return base, "auto"
 
 
 def _loss(apply_fn, variables, tokens):
@@ -112,11 +131,14 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   import models
 
   base, scan = parse_impl(impl)
+  base, backend = forge_backend(base)
   linear = "forge" if base.startswith("forge") else "flax"
   cfg = models.get_config(model_name, linear=linear, remat=REMAT, scan_layers=scan,
+                          forge_backend=backend,
                           param_dtype=dtype, dtype=dtype, attention=attention)
   row = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens, "dtype": dtype,
-         "scan": scan, "attention": attention, "remat": REMAT, "params_b": cfg.num_params / 1e9,
+         "scan": scan, "attention": attention, "remat": REMAT,
+         "forge_backend": backend if linear == "forge" else None, "params_b": cfg.num_params / 1e9,
          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   opt = _forge_optimizer(base)
   model = models.CausalLM(cfg, optimizer=opt)

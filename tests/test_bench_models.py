@@ -78,6 +78,11 @@ def test_time_budget_skips_rows_and_still_writes_results(tmp_path):
 def test_implementation_names():
   assert bench_models.parse_impl("forge_int8") == ("forge_int8", True)
   assert bench_models.parse_impl("optax_unrolled") == ("optax", False)
+  assert bench_models.parse_impl("forge_int8_xla_unrolled") == ("forge_int8_xla", False)
+  assert bench_models.forge_backend("forge_int8_xla") == ("forge_int8", "xla")
+  assert bench_models.forge_backend("forge") == ("forge", "auto")
+  with pytest.raises(ValueError, match="Unknown implementation 'optax_xla'"):
+    bench_models.parse_impl("optax_xla")
   with pytest.raises(ValueError):
     bench_models.parse_impl("sgd")
   with pytest.raises(SystemExit):
