@@ -16,7 +16,8 @@ optimizer's elementwise rule to each tile as soon as it is complete:
   tests; falls back to ``"xla"``);
 * ``"xla"``: the reference: one float32 dot plus the same rule, fused by XLA
   as it sees fit (the default on CPU, and the baseline in benchmarks);
-* ``"auto"``: ``"pallas"`` on GPUs, ``"xla"`` elsewhere.
+* ``"auto"``: ``"pallas"`` on GPUs (``"xla"`` for int8 optimizer states, see
+  :func:`_resolve_backend`), ``"xla"`` elsewhere.
 """
 
 from __future__ import annotations
@@ -51,12 +52,17 @@ def _platform() -> str:
   return jax.default_backend()
 
 
-def _resolve_backend(backend: str) -> str:
+def _resolve_backend(backend: str, quantized_slots: bool = False) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} is not one of {BACKENDS}.")
   platform = _platform()
   if backend == "auto":
-    return "pallas" if platform == "gpu" else "xla"
+    # int8 slots: the Triton kernel's block (de)quantization runs 2.5-4x slower
+    # than its float32 epilogue on the H200, while XLA's dot + fused update
+    # costs ~1.1x its float32 time (experiments/results/h200/lowp/), and a
+    # whole Llama-3.1-8B step took 429 ms with "pallas" vs 206 ms with "xla"
+    # (bench_models_int8_batch.md, bench_models_large.md).
+    return "pallas" if platform == "gpu" and not quantized_slots else "xla"
   if backend in ("pallas", "mosaic") and platform != "gpu":
     raise ValueError(
         f"backend={backend!r} needs a GPU, but jax's default backend is {platform!r}: "
@@ -217,7 +223,8 @@ def fused_linear_update(
     optimizer: a forge_jax optimizer (``forge_jax.adamw(...)``, ...).
     backend: ``"auto"``, ``"xla"``, ``"pallas"``, ``"interpret"``,
       ``"mosaic"`` or ``"mosaic_interpret"`` (see the module docstring;
-      ``"auto"`` picks ``"pallas"`` on GPUs for now).
+      ``"auto"`` picks ``"pallas"`` on GPUs, except for int8 states, where
+      XLA's dot + fused update is faster than the Triton kernel: ``"xla"``).
     layer: int32 scalar index into stacked ``w`` and slots. The returned
       ``count`` is then left unchanged: advance it once per step, after the
       last layer.
@@ -264,7 +271,8 @@ def fused_linear_update(
   # int8 codes may arrive as their float view (see forge_jax.train_step).
   slots = tuple(_lowp.from_float_view(s) for s in state[1:])
   new_w, new_slots, sq = _run_backend(
-      _resolve_backend(backend), x2, dy2, w, slots, scalars, update_fn,
+      _resolve_backend(backend, any(isinstance(q, numerics.QuantizedArray) for q in slots)),
+      x2, dy2, w, slots, scalars, update_fn,
       layer=layer, config=config, compute_grad_sq_norm=return_grad_sq_norm, rounding=rounding,
   )
   new_slots = tuple(_lowp.view_like(n, s) for n, s in zip(new_slots, state[1:]))

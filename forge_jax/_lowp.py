@@ -147,15 +147,23 @@ def check_rule(rule, precision: Precision) -> None:
 
 
 def init_slots(rule, precision: Precision, w) -> tuple:
-  """The initial slots of one parameter, stored as ``precision`` says."""
+  """The initial slots of one parameter, stored as ``precision`` says.
+
+  Every rule's initial slots are constants (``rule.slot_init_values()``), so
+  they are built directly in their storage form: a float ``state_dtype`` is
+  filled in that dtype, and int8 states quantize one block of the constant and broadcast
+  its (single) code and scale, never materializing a
+  float32 array of the parameter's size. Outside ``jit`` (``optimizer.init``
+  of a large embedding, say) that float32 detour and the quantizer's
+  temporaries would otherwise be allocated one by one.
+  """
   if precision.state_dtype is None:
     return rule.init_slots(w)
-  if precision.state_dtype != "int8":
-    return tuple(s.astype(precision.state_dtype) for s in rule.init_slots(w))
-  slots = rule.init_slots(jnp.zeros(jnp.shape(w), jnp.float32))
-  if not precision.quantizes(jnp.shape(w)):
-    return slots
   shape = tuple(jnp.shape(w))
+  if precision.state_dtype != "int8":
+    return tuple(jnp.full(shape, v, precision.state_dtype) for v in rule.slot_init_values())
+  if not precision.quantizes(shape):
+    return rule.init_slots(jnp.zeros(shape, jnp.float32))
   if shape[-1] % precision.block_size:
     raise ValueError(
         f"state_dtype='int8': a parameter of shape {shape} has a last axis that is not a "
@@ -163,7 +171,15 @@ def init_slots(rule, precision: Precision, w) -> tuple:
         "axis, N). Pad N, choose a block_size that divides it, or set "
         f"min_quantized_size above its size ({w.size}) to keep its states in float32."
     )
-  return tuple(precision.codec(name).quantize(s) for name, s in zip(rule.slot_names, slots))
+  slots = []
+  for name, value in zip(rule.slot_names, rule.slot_init_values()):
+    block = precision.codec(name).quantize(jnp.full((precision.block_size,), value, jnp.float32))
+    slots.append(dataclasses.replace(
+        block,
+        codes=jnp.broadcast_to(block.codes[0], shape),  # a constant: one code throughout
+        scale=jnp.broadcast_to(block.scale[0], shape[:-1] + (shape[-1] // precision.block_size,)),
+    ))
+  return tuple(slots)
 
 
 def decode_slot(slot, dtype) -> jax.Array:

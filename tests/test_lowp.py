@@ -101,6 +101,32 @@ def test_state_storage_follows_the_precision():
   np.testing.assert_allclose(init.nu["w"].dequantize(), 0.1, rtol=1e-6)
 
 
+@pytest.mark.parametrize("make", [
+    lambda p: forge_jax.adamw(1e-3, precision=p),
+    lambda p: forge_jax.rmsprop(1e-3, initial_scale=0.1, momentum=0.9, precision=p),
+    lambda p: forge_jax.adagrad(1e-3, initial_accumulator_value=0.3, precision=p),
+])
+def test_int8_init_is_the_quantized_initial_slots_without_a_float_copy(make):
+  """Initial int8 slots equal quantizing the full float32 slots, bit for bit, and
+  are built without any float32 array of the parameter's size (also outside jit)."""
+  p = P(state_dtype="int8")
+  opt = make(p)
+  w = jnp.zeros((3, 128, 256), BF16)  # stacked, like a ScannedStack's kernel
+  rule = opt.rule
+  for name, got, full in zip(rule.slot_names, forge_jax._lowp.init_slots(rule, p, w),
+                             rule.init_slots(jnp.zeros(w.shape, F32))):
+    want = p.codec(name).quantize(full)
+    assert got.codes.dtype == want.codes.dtype and got.scale.dtype == want.scale.dtype
+    np.testing.assert_array_equal(got.codes, want.codes)
+    np.testing.assert_array_equal(got.scale, want.scale)
+  jaxpr = jax.make_jaxpr(lambda w: forge_jax._lowp.init_slots(rule, p, w))(w)
+  sizes = [v.aval.size for e in jaxpr.eqns for v in e.outvars if v.aval.dtype == F32]
+  assert max(sizes, default=0) < w.size // p.block_size + 1, sizes
+  bf16 = forge_jax._lowp.init_slots(rule, P(state_dtype="bfloat16"), w)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b.astype(BF16)), bf16,
+               rule.init_slots(jnp.zeros(w.shape, F32)))
+
+
 # ----------------------------------------------------------------------------
 # One definition everywhere: optax face == XLA backend == kernel.
 # ----------------------------------------------------------------------------

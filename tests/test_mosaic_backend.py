@@ -181,3 +181,19 @@ def test_mosaic_problem_codecs_and_configs():
   assert "slot 1" in reason and "quantized" in reason
   with pytest.raises(ValueError, match="MosaicTileConfig"):
     _fused._mosaic_problem(x, dy, w, (w,), fd.TileConfig(), False)
+
+
+def test_auto_on_a_gpu_is_the_kernel_except_for_int8_states(fake_gpu):
+  """"auto" takes the Triton kernel on a GPU, but XLA's dot + update for int8 states
+  (measured faster on the H200; see _fused._resolve_backend)."""
+  x, dy, w, state, opt = _problem(64, 128, 256)
+  forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto")
+  assert [name for name, _, _ in fake_gpu] == ["pallas"]
+  fake_gpu.clear()
+  opt8 = forge_jax.adamw(1e-3, precision=forge_jax.Precision(state_dtype="int8", min_quantized_size=0))
+  state8 = opt8.init(w)
+  assert isinstance(state8.mu, forge_jax.QuantizedArray)
+  new_w, _ = forge_jax.fused_linear_update(x, dy, w, state8, opt8, backend="auto")
+  want, _ = forge_jax.fused_linear_update(x, dy, w, state8, opt8, backend="xla")
+  assert fake_gpu == []  # neither kernel ran
+  np.testing.assert_array_equal(new_w, want)

@@ -1,0 +1,133 @@
+"""Compile-only memory analysis of a model's init and train step (no allocation).
+
+XLA's ``compiled.memory_analysis()`` splits a program's memory into
+arguments, outputs, aliased (donated and reused) bytes and temporaries. This
+script compiles ``jax.jit(model.init)`` and one training step for each
+implementation of :mod:`experiments.bench_models` from abstract shapes only
+(``jax.eval_shape``), so it runs in seconds even for 8B models and shows
+*where* a peak comes from (states, temporaries, an init transient), which the
+runtime peak of ``bench_models`` cannot. ``--hlo`` also writes each step's
+optimized HLO and counts its weight-stack-sized buffers by opcode.
+
+    PYTHONPATH=$PWD python -m experiments.memory_analysis --model qwen3-0.6b \\
+        --impls forge,forge_int8 --out $OUT/memory_analysis --hlo
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import re
+import sys
+
+import jax
+import optax
+
+import forge_jax
+import models
+from experiments import bench_models
+
+GIB = 2**30
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _sizes(ma) -> dict:
+  keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+          "temp_size_in_bytes", "generated_code_size_in_bytes")
+  return {k.replace("_size_in_bytes", "_gib"): getattr(ma, k, float("nan")) / GIB for k in keys}
+
+
+def _nbytes(tree) -> float:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)) / GIB
+
+
+def stack_buffers(hlo: str, shapes) -> dict:
+  """Counts of ``opcode`` for instructions whose result is one of ``shapes`` (any dtype)."""
+  dims = {",".join(map(str, s)) for s in shapes}
+  counts = collections.Counter()
+  for m in re.finditer(r"= (\w+)\[([\d,]+)\]\{[^}]*\} ([\w-]+)\(", hlo):
+    if m.group(2) in dims:
+      counts[f"{m.group(1)} {m.group(3)}"] += 1
+  return dict(counts.most_common())
+
+
+def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo_dir=None) -> dict:
+  base, scan = bench_models.parse_impl(impl)
+  base, backend = bench_models.forge_backend(base)
+  linear = "forge" if base.startswith("forge") else "flax"
+  cfg = models.get_config(model_name, linear=linear, remat=bench_models.REMAT, scan_layers=scan,
+                          forge_backend=backend, param_dtype=dtype, dtype=dtype)
+  opt = bench_models._forge_optimizer(base)
+  model = models.CausalLM(cfg, optimizer=opt)
+  data = jax.ShapeDtypeStruct((batch, tokens + 1), jax.numpy.int32)
+  key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32)
+  init = jax.jit(model.init).lower(key, jax.ShapeDtypeStruct((batch, tokens), jax.numpy.int32)).compile()
+  variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.numpy.zeros((batch, tokens), "int32"))
+  loss_fn = functools.partial(bench_models._loss, model.apply)
+  row = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens, "dtype": dtype,
+         "init": _sizes(init.memory_analysis()), "params_gib": _nbytes(variables["params"])}
+  if opt is not None:
+    state = jax.eval_shape(lambda v: forge_jax.TrainState.create(model.apply, v, opt), variables)
+    step = forge_jax.train_step.lower(state, data, loss_fn).compile()
+    row["forge_state_gib"] = _nbytes(state.forge_state)
+    row["opt_state_gib"] = _nbytes(state.opt_state)
+  else:
+    tx = optax.adamw(1e-5, weight_decay=0.0)
+    if base == "optax_clip":
+      tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def optax_step(s, data):
+      params, opt_state = s
+      loss, grads = jax.value_and_grad(lambda p: loss_fn({"params": p}, data))(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+    state = (variables["params"], jax.eval_shape(tx.init, variables["params"]))
+    step = optax_step.lower(_abstract(state), data).compile()
+    row["opt_state_gib"] = _nbytes(state[1])
+  row["step"] = _sizes(step.memory_analysis())
+  row["state_gib"] = _nbytes(state)
+  if hlo_dir is not None:
+    text = step.as_text()
+    os.makedirs(hlo_dir, exist_ok=True)
+    with open(os.path.join(hlo_dir, f"{model_name}_{impl}.hlo.txt"), "w") as f:
+      f.write(text)
+    shapes = {tuple(x.shape) for x in jax.tree.leaves(variables["params"]) if x.ndim == 3}
+    row["stack_buffers"] = stack_buffers(text, shapes)
+  return row
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="qwen3-0.6b")
+  parser.add_argument("--impls", default="optax,forge,forge_int8")
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--tokens", type=int, default=1024)
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--out", default=os.environ.get("OUT", "runs"))
+  parser.add_argument("--hlo", action="store_true", help="write each step's HLO and count stack-sized buffers")
+  args = parser.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  rows = []
+  for impl in args.impls.split(","):
+    try:
+      rows.append(analyse(args.model, impl, args.batch, args.tokens, args.dtype,
+                          os.path.join(args.out, "hlo") if args.hlo else None))
+    except Exception as e:  # recorded, not fatal: the other impls still run
+      rows.append({"model": args.model, "impl": impl, "error": f"{type(e).__name__}: {e}"[:500]})
+    print(json.dumps(rows[-1]), flush=True)
+    meta = {"command": "python -m experiments.memory_analysis " + " ".join(argv or sys.argv[1:]),
+            "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+    with open(os.path.join(args.out, "memory_analysis.json"), "w") as f:
+      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
