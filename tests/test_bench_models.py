@@ -87,3 +87,17 @@ def test_implementation_names():
     bench_models.parse_impl("sgd")
   with pytest.raises(SystemExit):
     bench_models.main(["--impls", "forge,sgd"])
+
+
+def test_memory_analysis_compiles_from_shapes_and_finds_the_state_aliased(tmp_path):
+  from experiments import memory_analysis
+  memory_analysis.main(["--model", "tiny-qwen3", "--tokens", "16", "--impls", "forge,forge_int8,bogus",
+                        "--out", str(tmp_path), "--hlo"])
+  rows = json.loads((tmp_path / "memory_analysis.json").read_text())["rows"]
+  forge, int8, bogus = rows
+  assert "Unknown implementation 'bogus'" in bogus["error"]
+  for r in (forge, int8):
+    # The donated state is reused for the outputs: everything aliased.
+    assert abs(r["step"]["alias_gib"] - r["state_gib"]) < 1e-3 * r["state_gib"]
+    assert r["stack_buffers"] and (tmp_path / "hlo" / f"tiny-qwen3_{r['impl']}.hlo.txt").exists()
+  assert int8["forge_state_gib"] < 0.6 * forge["forge_state_gib"]
