@@ -39,7 +39,8 @@ first OOM or error, every tried batch recorded. Writes ``capacity.json``,
 ``capacity.md`` and ``capacity.png``.
 
 ``--time-budget SECONDS``: a row is launched only while the elapsed time plus
-the longest wall time of any row so far fits the budget; the others are
+the median wall time of the rows so far fits the budget (the longest skipped
+too many rows on the H200: one slow row shut out the rest); the others are
 recorded as ``skipped: time budget``, and a worker's timeout is cut to what is
 left of the budget. Results are rewritten after every row, so a killed run
 still leaves them. Each row records ``wall_s``, its worker's wall seconds.
@@ -72,6 +73,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -187,7 +189,7 @@ class Runner:
   def __init__(self, args):
     self.args = args
     self.start = time.monotonic()
-    self.longest = 0.0  # the largest wall time of a row so far: the next row's estimate
+    self.walls: list = []  # wall seconds of the rows so far: their median is the next row's estimate
     self.device = None
 
   def elapsed(self) -> float:
@@ -201,7 +203,7 @@ class Runner:
     timeout = args.timeout
     if args.time_budget is not None:
       left = args.time_budget - self.elapsed()
-      if left - self.longest < 0:
+      if left - (statistics.median(self.walls) if self.walls else 0.0) < 0:
         return {**base, "error": SKIPPED, "wall_s": 0.0}
       timeout = max(1, min(timeout, int(left)))
     cmd = [sys.executable, "-m", "experiments.bench_models", "--worker", impl,
@@ -222,7 +224,7 @@ class Runner:
       if row is None:
         row = {**base, "error": _error(proc.stderr, proc.returncode)}
     row["wall_s"] = time.monotonic() - t0
-    self.longest = max(self.longest, row["wall_s"])
+    self.walls.append(row["wall_s"])
     self.device = self.device or row.get("device")
     return row
 
