@@ -57,9 +57,9 @@ def _resolve_backend(backend: str, quantized_slots: bool = False) -> str:
     raise ValueError(f"backend={backend!r} is not one of {BACKENDS}.")
   platform = _platform()
   if backend == "auto":
-    # int8 slots: the Triton kernel's block (de)quantization runs 2.5-4x slower
-    # than its float32 epilogue on the H200, while XLA's dot + fused update
-    # costs ~1.1x its float32 time (experiments/results/h200/lowp/), and a
+    # int8 slots: the Triton kernel with int8 states runs 1.3-4x slower than
+    # with float32 ones on the H200 (4x at T=1024), while XLA's dot + fused
+    # update costs 1.05-1.1x its float32 time (experiments/results/h200/lowp/), and a
     # whole Llama-3.1-8B step took 429 ms with "pallas" vs 206 ms with "xla"
     # (bench_models_int8_batch.md, bench_models_large.md).
     return "pallas" if platform == "gpu" and not quantized_slots else "xla"

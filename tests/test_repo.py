@@ -32,3 +32,10 @@ def test_readme_python_examples_run():
   code = "\n".join(b for b in blocks if "fused_linear_update(x" not in b)
   assert "train_step" in code
   exec(compile(code, "README.md", "exec"), {})
+
+
+def test_results_md_table_is_generated_from_the_committed_json():
+  from experiments import results_tables
+  assert results_tables.main(["--check"]) == 0, "run: python -m experiments.results_tables"
+  rows = results_tables.merged_rows(results_tables.load_runs())
+  assert any(r["model"] == "qwen3-14b" and r["impl"] == "forge" and "error" not in r for r in rows)

@@ -1,0 +1,105 @@
+"""Builds the whole-model table of ``experiments/RESULTS.md`` from the committed JSON.
+
+Every ``bench_models*.json`` under ``experiments/results/h200/`` is one
+``experiments.bench_models`` run (its command, date, device and jax version in
+``meta``). This merges their rows into one table, sorted by model size, batch
+and implementation; ratios (``vs optax_clip`` peak memory, ``vs optax`` step
+time) are taken only against rows of the *same run*, measured side by side.
+Where several runs measured the same (model, batch, tokens, implementation),
+the row of the run with the most same-run references (optax, optax_clip) is
+shown, the newest among equals.
+
+    python -m experiments.results_tables            # rewrite the table in RESULTS.md
+    python -m experiments.results_tables --check    # exit 1 if RESULTS.md is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent
+RESULTS_DIR = ROOT / "results" / "h200"
+RESULTS_MD = ROOT / "RESULTS.md"
+BEGIN, END = "<!-- models-table:begin -->", "<!-- models-table:end -->"
+MODEL_ORDER = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-14b")
+IMPL_ORDER = ("optax", "optax_unrolled", "optax_clip", "forge", "forge_unrolled", "forge_xla",
+              "forge_int8", "forge_int8_xla")
+
+
+def load_runs(folder: pathlib.Path = RESULTS_DIR) -> list[tuple[str, dict]]:
+  runs = []
+  for path in sorted(folder.glob("bench_models*.json")):
+    runs.append((path.name, json.loads(path.read_text())))
+  return sorted(runs, key=lambda r: r[1]["meta"]["date"])
+
+
+def _key(row):
+  return (row["model"], row["batch"], row["tokens"], row["impl"])
+
+
+def merged_rows(runs) -> list[dict]:
+  """One row per (model, batch, tokens, impl), with same-run ratios (see the module doc)."""
+  best = {}
+  for name, run in runs:
+    by_key = {_key(r): r for r in run["rows"]}
+    for r in run["rows"]:
+      if r.get("error", "").startswith("skipped"):
+        continue  # never ran: not a measurement
+      row = dict(r, source=name, date=run["meta"]["date"][:10])
+      for other, field, out in (("optax_clip", "peak_gib", "vs_clip"), ("optax", "step_ms", "vs_optax")):
+        ref = by_key.get((r["model"], r["batch"], r["tokens"], other))
+        if ref and "error" not in ref and "error" not in r and ref.get(field, 0) > 0:
+          row[out] = r[field] / ref[field]
+      refs = lambda x: ("vs_clip" in x) + ("vs_optax" in x)
+      if _key(r) not in best or refs(row) >= refs(best[_key(r)]):  # date order: newest among equals
+        best[_key(r)] = row
+  order = lambda r: (MODEL_ORDER.index(r["model"]) if r["model"] in MODEL_ORDER else 99, r["batch"],
+                     r["tokens"],
+                     IMPL_ORDER.index(r["impl"]) if r["impl"] in IMPL_ORDER else 99, r["impl"])
+  return sorted(best.values(), key=order)
+
+
+def table(rows) -> str:
+  lines = ["| model | tokens | impl | layers | peak GiB | vs optax_clip | step ms | vs optax | tokens/s | run |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    layers = "scanned" if r.get("scan", True) else "unrolled"
+    head = f"| {r['model']} | {r['batch']}x{r['tokens']} | {r['impl']} | {layers} |"
+    src = f"[{r['source'][:-5]}](results/h200/{r['source'][:-5]}.md)"
+    if "error" in r:
+      lines.append(f"{head} {r['error']} | | | | | {src} |")
+      continue
+    ratio = lambda k: f"{r[k]:.2f}x" if k in r else ""
+    lines.append(f"{head} {r['peak_gib']:.2f} | {ratio('vs_clip')} | {r['step_ms']:.1f} | "
+                 f"{ratio('vs_optax')} | {r['tokens_per_s']:.0f} | {src} |")
+  return "\n".join(lines) + "\n"
+
+
+def render(md: str, body: str) -> str:
+  if BEGIN not in md or END not in md:
+    raise ValueError(f"{RESULTS_MD} lacks the {BEGIN} ... {END} markers")
+  head, rest = md.split(BEGIN, 1)
+  _, tail = rest.split(END, 1)
+  return f"{head}{BEGIN}\n{body}{END}{tail}"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--check", action="store_true", help="fail if RESULTS.md's table is stale")
+  args = parser.parse_args(argv)
+  md = RESULTS_MD.read_text()
+  new = render(md, table(merged_rows(load_runs())))
+  if args.check:
+    if new != md:
+      print(f"{RESULTS_MD} is stale: run python -m experiments.results_tables", file=sys.stderr)
+      return 1
+    return 0
+  RESULTS_MD.write_text(new)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
