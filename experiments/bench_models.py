@@ -124,10 +124,31 @@ def _forge_optimizer(base: str):
   return None
 
 
+def optax_baseline(base: str, loss_fn):
+  """``(tx, step)``: the optax baseline's transformation and its donated jit step.
+
+  ``step((params, opt_state), data) -> ((params, opt_state), {"loss": ...})``.
+  """
+  import jax
+  import optax
+
+  tx = optax.adamw(1e-5, weight_decay=0.0)
+  if base == "optax_clip":
+    tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def step(s, data):
+    params, opt_state = s
+    loss, grads = jax.value_and_grad(lambda p: loss_fn({"params": p}, data))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+  return tx, step
+
+
 def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
            attention: str, steps: int) -> dict:
   import jax
-  import optax
 
   import forge_jax
   import models
@@ -153,17 +174,7 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
     compiled = forge_jax.train_step.lower(state, data, loss_fn).compile()
     step = lambda s: compiled(s, data)
   else:
-    tx = optax.adamw(1e-5, weight_decay=0.0)
-    if base == "optax_clip":
-      tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
-
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def optax_step(s, data):
-      params, opt_state = s
-      loss, grads = jax.value_and_grad(lambda p: loss_fn({"params": p}, data))(params)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
-
+    tx, optax_step = optax_baseline(base, loss_fn)
     state = (variables["params"], tx.init(variables["params"]))
     compiled = optax_step.lower(state, data).compile()
     step = lambda s: compiled(s, data)

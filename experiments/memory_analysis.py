@@ -24,7 +24,6 @@ import re
 import sys
 
 import jax
-import optax
 
 import forge_jax
 import models
@@ -78,17 +77,7 @@ def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo
     row["forge_state_gib"] = _nbytes(state.forge_state)
     row["opt_state_gib"] = _nbytes(state.opt_state)
   else:
-    tx = optax.adamw(1e-5, weight_decay=0.0)
-    if base == "optax_clip":
-      tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
-
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def optax_step(s, data):
-      params, opt_state = s
-      loss, grads = jax.value_and_grad(lambda p: loss_fn({"params": p}, data))(params)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
-
+    tx, optax_step = bench_models.optax_baseline(base, loss_fn)
     state = (variables["params"], jax.eval_shape(tx.init, variables["params"]))
     step = optax_step.lower(_abstract(state), data).compile()
     row["opt_state_gib"] = _nbytes(state[1])
