@@ -124,6 +124,11 @@ def _forge_optimizer(base: str):
   return None
 
 
+def _peak_gib(jax) -> float:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use", float("nan")) / 2**30
+
+
 def optax_baseline(base: str, loss_fn):
   """``(tx, step)``: the optax baseline's transformation and its donated jit step.
 
@@ -150,6 +155,8 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
            attention: str, steps: int) -> dict:
   import jax
 
+  from experiments import runlog
+
   import forge_jax
   import models
 
@@ -168,6 +175,10 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   data = jax.random.randint(jax.random.PRNGKey(0), (batch, tokens + 1), 0, cfg.vocab_size)
   t0 = time.perf_counter()
   variables = jax.jit(model.init)(jax.random.PRNGKey(1), data[:, :-1])
+  jax.block_until_ready(variables)
+  # The process peak so far: init's (random normal draws in float32, state
+  # construction). If it equals the final peak, init set it, not the step.
+  row["init_peak_gib"] = _peak_gib(jax)
   loss_fn = functools.partial(_loss, model.apply)
   if opt is not None:
     state = forge_jax.TrainState.create(model.apply, variables, opt)
@@ -178,6 +189,8 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
     state = (variables["params"], tx.init(variables["params"]))
     compiled = optax_step.lower(state, data).compile()
     step = lambda s: compiled(s, data)
+  # XLA's plan for one step: arguments + outputs - donated + temporaries.
+  row["xla_step_gib"] = runlog.xla_memory(compiled).get("step_gib", float("nan"))
   state, metrics = step(state)
   jax.block_until_ready(state)
   row["compile_and_first_s"] = time.perf_counter() - t0
@@ -189,8 +202,7 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   row["step_ms"] = dt * 1e3
   row["tokens_per_s"] = batch * tokens / dt
   row["loss"] = float(metrics["loss"])
-  stats = jax.devices()[0].memory_stats() or {}
-  row["peak_gib"] = stats.get("peak_bytes_in_use", float("nan")) / 2**30
+  row["peak_gib"] = _peak_gib(jax)
   return row
 
 
@@ -298,22 +310,26 @@ def markdown(rows, meta) -> str:
   lines = [f"# Whole-model training steps ({meta['device']})", "", *_settings(meta), "",
            "`vs optax_clip`: peak memory / the same model, batch and tokens' `optax_clip` "
            "peak; `vs optax`: step time / `optax`'s step time.", "",
-           "| model | tokens | impl | layers | peak GiB | vs optax_clip | step ms | vs optax "
-           "| tokens/s | loss | wall s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "`init peak`: the process peak right after `model.init` (if it equals `peak`, init set "
+           "the peak); `XLA step`: the compiled step's arguments + outputs - donated + "
+           "temporaries.", "",
+           "| model | tokens | impl | layers | peak GiB | vs optax_clip | init peak GiB | XLA step GiB "
+           "| step ms | vs optax | tokens/s | loss | wall s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   index = {(r["model"], r["batch"], r["tokens"], r["impl"]): r for r in rows if _ok(r)}
   for r in rows:
     layers = "scanned" if r.get("scan", True) else "unrolled"
     head = f"| {r['model']} | {r['batch']}x{r['tokens']} | {r['impl']} | {layers} |"
     wall = f"{r['wall_s']:.0f}" if _finite(r.get("wall_s")) else ""
     if not _ok(r):
-      lines.append(f"{head} {_cell(r['error'])} | | | | | | {wall} |")
+      lines.append(f"{head} {_cell(r['error'])} | | | | | | | | {wall} |")
       continue
     key = (r["model"], r["batch"], r["tokens"])
     clip = index.get((*key, "optax_clip"), {})
     opt = index.get((*key, "optax"), {})
     lines.append(
         f"{head} {_fmt(r['peak_gib'], '.2f')} | {_ratio(r['peak_gib'], clip.get('peak_gib'))} "
+        f"| {_fmt(r.get('init_peak_gib'), '.2f')} | {_fmt(r.get('xla_step_gib'), '.2f')} "
         f"| {r['step_ms']:.1f} | {_ratio(r['step_ms'], opt.get('step_ms'))} "
         f"| {r['tokens_per_s']:.0f} | {_fmt(r['loss'], '.3f')} | {wall} |")
   return "\n".join(lines) + "\n"
