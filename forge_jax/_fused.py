@@ -9,8 +9,8 @@ optimizer's elementwise rule to each tile as soon as it is complete:
 * ``"interpret"``: the same kernel in Pallas interpret mode (CPU tests);
 * ``"mosaic"``: the warp-specialized Hopper kernel lowered through Mosaic GPU
   (:mod:`pallas_kernels.fused_dw_mosaic`; sm_90 only). Calls it cannot take
-  (shapes off its tiling, float32 ``x``, stochastic rounding, int8 slots, a
-  non-Hopper GPU) run on ``"pallas"`` instead, with one
+  (shapes off its tiling, float32 ``x``, stochastic rounding until it is
+  checked on a GPU, int8 slots, a non-Hopper GPU) run on ``"pallas"`` instead, with one
   :class:`BackendFallbackWarning` per distinct reason;
 * ``"mosaic_interpret"``: that kernel under the Mosaic GPU interpreter (CPU
   tests; falls back to ``"xla"``);
@@ -90,9 +90,13 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None
     )
   codec = (rounding or {}).get("weight_codec")
   if getattr(codec, "needs_bits", False):
+    # The epilogue implements it (fused_dw_update_mosaic(weight_codec=...)), and
+    # it lowers for sm_90, but it has not run on a GPU yet: until
+    # experiments.check_mosaic_gpu's "sr" cases pass there, the backend routes
+    # it elsewhere rather than risk a wrong write-back.
     return (
-        f"the weight is written back with {type(codec).__name__} (stochastic rounding); "
-        "the Mosaic kernel rounds to nearest", None,
+        f"the weight is written back with {type(codec).__name__} (stochastic rounding), "
+        "which the Mosaic epilogue has not yet been checked with on a GPU", None,
     )
   for i, s in enumerate(slots):
     if getattr(s, "dtype", None) is None:
@@ -116,7 +120,7 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
       cfg = dataclasses.replace(cfg, num_sms=1)  # one interpreted block, not 132
     return fm.fused_dw_update_mosaic(
         x, dy, w, slots, scalars, update_fn, layer=layer, config=cfg,
-        compute_grad_sq_norm=compute_grad_sq_norm, interpret=interpret,
+        compute_grad_sq_norm=compute_grad_sq_norm, interpret=interpret, **(rounding or {}),
     )
   fallback = "pallas" if backend == "mosaic" else "xla"
   if (backend, reason) not in _FALLBACK_WARNED:

@@ -42,7 +42,10 @@ Kernel structure (one CUDA block per SM, persistent):
 
 What this file does not do yet (see ``MOSAIC_NOTES.md``): pipelining across
 tiles in the cooperative schedule (``pipeline_state``), clusters/multicast,
-stochastic rounding (``store_cast`` is round-to-nearest), quantized slots.
+quantized slots. Stochastic rounding of a bfloat16 weight is done in the
+epilogue, with the same hash of (seed, step, layer, row * N + col) as the
+Triton kernel and the reference (element indices from an iota in the WGMMA
+layout), so all three write the same bits.
 Checked under the Mosaic GPU interpreter and by lowering for ``cuda`` on a
 CPU (jax 0.10.2), and on an H200 (jax 0.11.2, ``experiments/check_mosaic_gpu``):
 fp32 states match the reference to ~1e-7; bf16 states match it to the
@@ -68,6 +71,8 @@ import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import numerics
+from pallas_kernels.fused_dw import _rounding_ints
 from pallas_kernels.fused_dw import store_cast
 
 Array = jax.Array
@@ -444,6 +449,7 @@ class _Plan:
   num_sms: int
   with_norm: bool
   interpreting: bool  # under the CPU interpreter (see mma_body)
+  stochastic: bool = False  # stochastic rounding of the weight (key in layer_gmem[1])
 
   @property
   def m_iters(self) -> int:
@@ -546,6 +552,7 @@ class _Epilogue:
   ring_ready: Any
   norm_smem: Any
   wg_idx: Any
+  layer_gmem: Any = None  # [layer, rounding key bits] (int32)
 
   @property
   def depth(self) -> int:
@@ -583,6 +590,21 @@ class _Epilogue:
     for src in (self.w_gmem, *self.slot_gmems):
       plgpu.async_prefetch(src.at[win])
 
+  def _stochastic_round(self, value, row0, col0, dtype):
+    """``value`` (a WGMMA-layout sub-tile at ``row0, col0`` of the [L*K, N] view)
+    rounded to ``dtype`` with each element's hashed bits."""
+    cfg, plan = self.plan.cfg, self.plan
+    shape = (cfg.epi_m, cfg.epi_n)
+    # The accumulator's layout (the interpreter has no rule for layout casts).
+    layout = None if plan.interpreting else plgpu.Layout.WGMMA
+    # Rows within the layer: the hash indexes one [K, N] weight, as the reference does.
+    local_row0 = row0 - self.layer_gmem[0] * plan.k
+    rows = local_row0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+    cols = col0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+    key = jax.lax.bitcast_convert_type(self.layer_gmem[1], jnp.uint32)
+    bits = numerics.element_bits(key, numerics.element_index(rows, cols, plan.n))
+    return numerics.stochastic_round(value, bits, dtype)
+
   def finish(self, acc, row0, col0, norm_block, norm_row0) -> None:
     plan, cfg = self.plan, self.plan.cfg
     scalars = jax.tree.unflatten(
@@ -604,7 +626,10 @@ class _Epilogue:
       w32 = w_ref[...].astype(jnp.float32)
       s32 = tuple(ref[...].astype(jnp.float32) for ref in s_refs)
       u, new_slots = self.rule(g, w32, s32, scalar_leaves)
-      w_ref[...] = store_cast(w32 + u, w_ref.dtype)
+      if plan.stochastic:
+        w_ref[...] = self._stochastic_round(w32 + u, row0 + r, col0 + c, w_ref.dtype)
+      else:
+        w_ref[...] = store_cast(w32 + u, w_ref.dtype)
       for ref, new in zip(s_refs, new_slots):
         ref[...] = store_cast(new, ref.dtype)
       if plan.with_norm:
@@ -662,7 +687,7 @@ def _fused_kernel(
   def make_epilogue(w_ring, slot_rings, ring_ready, norm_smem, wg_idx) -> _Epilogue:
     return _Epilogue(
         plan, rule, scalars_treedef, sc_gmem, w_gmem, slot_gmems, norm_gmem,
-        w_ring, slot_rings, ring_ready, norm_smem, wg_idx,
+        w_ring, slot_rings, ring_ready, norm_smem, wg_idx, layer_gmem,
     )
 
   # The interpreter has no L2 (and no rule for the prefetch); it is a hint.
@@ -987,6 +1012,9 @@ def fused_dw_update_mosaic(
     config: Optional[MosaicTileConfig] = None,
     compute_grad_sq_norm: bool = False,
     interpret: Union[bool, Any] = False,
+    weight_codec: Optional[numerics.Codec] = None,
+    seed: Optional[Any] = None,
+    step: Optional[Any] = None,
 ):
   """Fused ``dW = x.T @ dy`` + optimizer update on one Hopper GPU (Mosaic GPU).
 
@@ -1007,6 +1035,10 @@ def fused_dw_update_mosaic(
       per-row partial sums the kernel writes, summed by XLA).
     interpret: run on CPU under the Mosaic GPU interpreter (``True`` or an
       ``InterpretGPUParams``).
+    weight_codec: the weight's write-back: ``None``/``numerics.Cast()``
+      (round to nearest) or ``numerics.StochasticRound()`` (bfloat16 ``w``),
+      as in :func:`pallas_kernels.fused_dw.fused_dw_update`.
+    seed, step: the stochastic-rounding seed and step (needed with it).
 
   Returns:
     ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless
@@ -1037,7 +1069,26 @@ def fused_dw_update_mosaic(
   # Clamped like dynamic_index_in_dim (and like the reference and the Triton
   # kernel): an out-of-range layer must not address rows outside the stack.
   layer_i32 = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1) if stacked else jnp.int32(0)
-  layer_vec = jnp.reshape(layer_i32, (1,))
+  codec = weight_codec or numerics.Cast()
+  if codec.needs_bits and not isinstance(codec, numerics.StochasticRound):
+    raise ValueError(f"weight_codec={codec!r}: the Mosaic kernel takes Cast or StochasticRound")
+  stochastic = isinstance(codec, numerics.StochasticRound)
+  if stochastic and _interpret_params(interpret) is not None:
+    # Seen with jax 0.10.2: the interpreter never returns (no error) from a
+    # kernel whose epilogue has an iota or a float32 -> uint32 bitcast.
+    raise NotImplementedError(
+        "stochastic rounding in the Mosaic GPU kernel cannot run under the Mosaic GPU "
+        "interpreter (it hangs on the epilogue's iota and uint32 bitcasts); it is checked "
+        "by lowering for cuda and on the GPU (experiments.check_mosaic_gpu). Use "
+        "backend='interpret' or 'xla' on a CPU."
+    )
+  if stochastic:
+    numerics.stochastic_round(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.uint32), w.dtype)  # dtype check
+  # The hash key of (seed, step, layer), computed once here; the kernel reads
+  # it next to the layer and hashes it with each element's index.
+  seed_i32, step_i32 = _rounding_ints((codec,), seed, step)
+  key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
+  layer_vec = jnp.stack([layer_i32, jax.lax.bitcast_convert_type(key, jnp.int32)])
 
   plan = _Plan(
       cfg=cfg, t=t, k=k, n=n, num_slots=len(slots), num_scalars=len(leaves),
@@ -1048,7 +1099,7 @@ def fused_dw_update_mosaic(
           else max(1, min(cfg.max_concurrent_steps, t // cfg.tile_t))
       ),
       num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
-      interpreting=_interpret_params(interpret) is not None,
+      interpreting=_interpret_params(interpret) is not None, stochastic=stochastic,
   )
   rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars)
   # The kernel addresses one 2-D [L*K, N] array; the layer is a row offset.

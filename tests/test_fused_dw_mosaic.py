@@ -35,6 +35,7 @@ import pytest
 
 import forge_jax
 from pallas_kernels import fused_dw_mosaic as fm
+from pallas_kernels import numerics as nm
 from pallas_kernels.fused_dw import fused_dw_update_reference
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -112,6 +113,18 @@ def test_matches_reference(opt, w_dtype, slot_dtype):
   for i, (a, e) in enumerate(zip(new_slots, ref_slots)):
     assert a.dtype == slots[i].dtype
     _assert_close(a, e, f"slot {rule.slot_names[i]}")
+
+
+def test_stochastic_rounding_under_the_interpreter_is_a_clear_error():
+  """jax 0.10.2's Mosaic GPU interpreter hangs on the SR epilogue (iota, uint32 bitcast):
+  refused up front instead; the real path is covered by lowering for cuda (below)."""
+  rule = _rules()["adamw"]
+  x, dy, w, slots = _inputs(4, 64, 128, 128, rule, w_dtype=BF16)
+  with pytest.raises(NotImplementedError, match="interpreter"):
+    fm.fused_dw_update_mosaic(
+        x, dy, w, slots, rule.scalars(jnp.int32(3)), rule.update, config=SMALL, interpret=True,
+        weight_codec=nm.StochasticRound(), seed=jnp.uint32(1), step=jnp.int32(2),
+    )
 
 
 def test_grad_sq_norm_and_every_tile_written():
@@ -207,6 +220,26 @@ def test_lowers_for_cuda(name, state_dtype, schedule):
   lowered = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0))).lower(
       lowering_platforms=("cuda",)
   )
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("schedule", ["default", "cooperative"])
+def test_stochastic_rounding_lowers_for_cuda(schedule):
+  """The SR epilogue (uint32 hash on WGMMA-layout iotas) lowers for sm_90, stacked."""
+  rule = _all_rules()["adamw"].rule
+  x = jax.ShapeDtypeStruct((512, 256), BF16)
+  dy = jax.ShapeDtypeStruct((512, 512), BF16)
+  w = jax.ShapeDtypeStruct((3, 256, 512), BF16)
+  slots = tuple(jax.ShapeDtypeStruct((3, 256, 512), BF16) for _ in rule.slot_names)
+  config = fm.default_config(x, dy, w, slots, num_sms=132)
+  if schedule == "cooperative":
+    config = fm.MosaicTileConfig(max_concurrent_steps=2, epi_n=16, num_sms=132)
+  kernel = jax.jit(functools.partial(
+      fm.fused_dw_update_mosaic, update_fn=rule.update, config=config,
+      weight_codec=nm.StochasticRound(),
+  ))
+  lowered = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0)), layer=jnp.int32(1),
+                         seed=jnp.uint32(5), step=jnp.int32(2)).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 
 
