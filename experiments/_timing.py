@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -113,6 +114,44 @@ def write_json(path: pathlib.Path, payload: Any) -> None:
   tmp = path.with_suffix(path.suffix + ".tmp")
   tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
   tmp.replace(path)
+
+
+def run_shapes(
+    path: pathlib.Path,
+    info: dict,
+    tokens: Sequence[int],
+    shapes: Sequence[tuple[int, int]],
+    bench: Callable[[int, int, int], list],
+    error_row: dict,
+) -> list[dict]:
+  """``bench(t, k, n)`` for every T x (K, N); returns all rows.
+
+  A shape that fails (e.g. out of memory making its inputs) becomes one
+  ``error_row`` with its shape and error. ``{"info", "rows"}`` is rewritten
+  to ``path`` after every shape, so a run cut short keeps what it measured,
+  and once more at the end with ``elapsed_s``.
+  """
+  rows: list[dict] = []
+  payload = {"info": info, "rows": rows}
+  start = time.perf_counter()
+  for t in tokens:
+    for k, n in shapes:
+      try:
+        rows += bench(t, k, n)
+      except Exception as e:  # pylint: disable=broad-except  (recorded, the next shape runs)
+        rows.append({**error_row, "shape": f"{t}x{k}x{n}", "status": "error", "error": short_error(e)})
+      gc.collect()
+      write_json(path, payload)
+  payload["elapsed_s"] = time.perf_counter() - start
+  write_json(path, payload)
+  return rows
+
+
+def write_table(path: pathlib.Path, table: str, json_path: pathlib.Path) -> None:
+  """Writes a run's markdown table and logs it."""
+  path.write_text(table)
+  log("\n" + table)
+  log(f"wrote {json_path} and {path}")
 
 
 def short_error(exc: BaseException, limit: int = 600) -> str:

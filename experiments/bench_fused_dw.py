@@ -405,24 +405,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               pallas_tile=dataclasses.asdict(args.tile) if args.tile else "default_tile_config")
   _timing.log(f"bench_fused_dw on {info['device']} (jax {info['jax']}), interpret={interpret}")
 
-  rows: list[dict] = []
-  payload = {"info": info, "rows": rows}
-  start = time.perf_counter()
-  for t in tokens:
-    for k, n in shapes:
-      try:
-        rows += bench_shape(t, k, n, args.optimizers, args.impls, interpret=interpret, timing=timing)
-      except Exception as e:  # e.g. out of memory making the inputs
-        rows.append({"impl": "-", "optimizer": "-", "shape": f"{t}x{k}x{n}", "status": "error",
-                     "floor_ms": float("nan"), "error": _timing.short_error(e)})
-      gc.collect()
-      _timing.write_json(folder / "bench_fused_dw.json", payload)
-  payload["elapsed_s"] = time.perf_counter() - start
-  _timing.write_json(folder / "bench_fused_dw.json", payload)
-  table = markdown(info, rows, args.impls)
-  (folder / "bench_fused_dw.md").write_text(table)
-  _timing.log("\n" + table)
-  _timing.log(f"wrote {folder / 'bench_fused_dw.json'} and {folder / 'bench_fused_dw.md'}")
+  rows = _timing.run_shapes(
+      folder / "bench_fused_dw.json", info, tokens, shapes,
+      lambda t, k, n: bench_shape(t, k, n, args.optimizers, args.impls, interpret=interpret,
+                                  timing=timing),
+      {"impl": "-", "optimizer": "-", "floor_ms": float("nan")},
+  )
+  _timing.write_table(folder / "bench_fused_dw.md", markdown(info, rows, args.impls),
+                      folder / "bench_fused_dw.json")
   return 0
 
 

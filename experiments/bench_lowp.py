@@ -38,7 +38,7 @@ import functools
 import gc
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -204,7 +204,7 @@ def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
       f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
       f"triton {info['triton']}.", "",
       "Each cell: median ms per call (device time, back-to-back calls), TFLOP/s at 2TKN. bytes/param: "
-      f"weight + optimizer state. `pallas vs X`: X's ms over this row's pallas ms (above 1: faster). optax rows show their time in the first column.", "",
+      "weight + optimizer state. `pallas vs X`: X's ms over this row's pallas ms (above 1: faster). optax rows show their time in the first column.", "",
       "| T x K x N | config | bytes/param | " + " | ".join(impls)
       + f" | pallas vs {REFERENCE} | pallas vs optax_fp32 |",
       "|---|---|---|" + "---|" * (len(impls) + 2),
@@ -257,27 +257,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               configs={k: {"w_dtype": jnp.dtype(d).name, "precision": repr(p)} for k, (d, p) in CONFIGS.items()},
               update_tol=UPDATE_TOL, slot_tol=SLOT_TOL)
   _timing.log(f"bench_lowp on {info['device']} (jax {info['jax']}), interpret={interpret}")
-  rows: list[dict] = []
-  payload = {"info": info, "rows": rows}
-  start = time.perf_counter()
-  for t in tokens:
-    for k, n in shapes:
-      try:
-        rows += bench_shape(t, k, n, args.configs, args.impls, interpret=interpret, timing=timing, tile=args.tile)
-      except Exception as e:  # e.g. out of memory making the inputs
-        rows.append({"impl": "-", "config": "-", "shape": f"{t}x{k}x{n}", "status": "error",
-                     "bytes_per_param": float("nan"), "error": _timing.short_error(e)})
-      gc.collect()
-      _timing.write_json(folder / "bench_lowp.json", payload)
-  payload["elapsed_s"] = time.perf_counter() - start
-  _timing.write_json(folder / "bench_lowp.json", payload)
+  rows = _timing.run_shapes(
+      folder / "bench_lowp.json", info, tokens, shapes,
+      lambda t, k, n: bench_shape(t, k, n, args.configs, args.impls, interpret=interpret,
+                                  timing=timing, tile=args.tile),
+      {"impl": "-", "config": "-", "bytes_per_param": float("nan")},
+  )
   impls = [i for i in ("xla", "pallas", "pallas_view") if i in args.impls]
   if any(b in args.impls for b in BASELINES):
     impls = impls or ["pallas"]
-  table = markdown(info, rows, impls)
-  (folder / "bench_lowp.md").write_text(table)
-  _timing.log("\n" + table)
-  _timing.log(f"wrote {folder / 'bench_lowp.json'} and {folder / 'bench_lowp.md'}")
+  _timing.write_table(folder / "bench_lowp.md", markdown(info, rows, impls), folder / "bench_lowp.json")
   return 0
 
 

@@ -28,7 +28,6 @@ table lookup, with their block sizes 256 and 2048 over the flattened array.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from typing import Callable, Optional, Sequence
 

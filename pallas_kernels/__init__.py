@@ -9,7 +9,7 @@ from pallas_kernels.fused_dw import TileConfig
 from pallas_kernels.fused_dw import default_tile_config
 from pallas_kernels.fused_dw import fused_dw_update
 from pallas_kernels.fused_dw import fused_dw_update_reference
-from pallas_kernels.fused_dw import store_cast
+from pallas_kernels.numerics import store_cast
 
 __all__ = [
     "TileConfig",

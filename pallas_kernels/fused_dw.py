@@ -60,7 +60,6 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 from pallas_kernels import numerics
-from pallas_kernels.numerics import store_cast  # re-exported: the default write-back
 
 Array = jax.Array
 UpdateFn = Callable[..., tuple[Array, tuple[Array, ...]]]

@@ -73,7 +73,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import numerics
 from pallas_kernels.fused_dw import _rounding_ints
-from pallas_kernels.fused_dw import store_cast
+from pallas_kernels.numerics import store_cast
 
 Array = jax.Array
 UpdateFn = Callable[..., tuple[Array, tuple[Array, ...]]]

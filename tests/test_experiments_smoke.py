@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-import jax
 import pytest
 
 from experiments import bench_fused_dw

@@ -14,7 +14,6 @@ fraction of elements one bfloat16 ulp apart.
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,5 @@
 """The optax face of every rule matches optax 0.2.8 itself."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
