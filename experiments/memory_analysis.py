@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import functools
 import json
 import os
 import re
 import sys
+import time
 
 import jax
 
@@ -73,14 +75,17 @@ def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo
          "init": _sizes(init.memory_analysis()), "params_gib": _nbytes(variables["params"])}
   if opt is not None:
     state = jax.eval_shape(lambda v: forge_jax.TrainState.create(model.apply, v, opt), variables)
+    t0 = time.perf_counter()
     step = forge_jax.train_step.lower(state, data, loss_fn).compile()
     row["forge_state_gib"] = _nbytes(state.forge_state)
     row["opt_state_gib"] = _nbytes(state.opt_state)
   else:
     tx, optax_step = bench_models.optax_baseline(base, loss_fn)
     state = (variables["params"], jax.eval_shape(tx.init, variables["params"]))
+    t0 = time.perf_counter()
     step = optax_step.lower(_abstract(state), data).compile()
     row["opt_state_gib"] = _nbytes(state[1])
+  row["step_compile_s"] = time.perf_counter() - t0  # lowering + compiling the step
   row["step"] = _sizes(step.memory_analysis())
   row["state_gib"] = _nbytes(state)
   if hlo_dir is not None:
@@ -113,6 +118,7 @@ def main(argv=None):
       rows.append({"model": args.model, "impl": impl, "error": f"{type(e).__name__}: {e}"[:500]})
     print(json.dumps(rows[-1]), flush=True)
     meta = {"command": "python -m experiments.memory_analysis " + " ".join(argv or sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     with open(os.path.join(args.out, "memory_analysis.json"), "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)

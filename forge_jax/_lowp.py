@@ -155,7 +155,8 @@ def init_slots(rule, precision: Precision, w) -> tuple:
   and broadcast its (single) code and scale. No float32 array of the
   parameter's size is made: outside ``jit`` (``optimizer.init`` of a large
   embedding, say) that detour and the quantizer's temporaries were each
-  allocated in turn (3.0 GiB of peak for Qwen3-0.6B's embedding, now 0.37).
+  allocated in turn (3.7 GiB of peak for Qwen3-0.6B's embedding, now 0.37;
+  ``python -m experiments.int8_init_memory``).
   """
   if precision.state_dtype is None:
     return rule.init_slots(w)
