@@ -331,17 +331,23 @@ _REWRITES: dict[Any, Callable[..., Array]] = {
 }
 # Rewrite even primitives Mosaic GPU lowers natively (tests, experiments).
 _FORCE_REWRITES = False
+# The kernel is lowered with warpgroup semantics on every jax version: the
+# default of jax >= 0.11 (where `plgpu.CompilerParams()` switched from "Lane"
+# to "Warpgroup"), what jax's own Hopper matmul asks for, and what every H200
+# run of this kernel used. Pinned so that jax 0.10.2's cross-lowering tests
+# check the code path the GPU runs.
+_LOWERING_SEMANTICS = "Warpgroup"
 
 
 def _lowers_natively(prim) -> bool:
-  """Whether this jax's Mosaic GPU has a lowering rule for ``prim`` (Lane
-  semantics, warpgroup threads: what the kernel uses). Private API: any
-  surprise counts as "no", which only costs the portable spelling."""
+  """Whether this jax's Mosaic GPU has a lowering rule for ``prim``
+  (``_LOWERING_SEMANTICS``, warpgroup threads: what the kernel uses). Private
+  API: any surprise counts as "no", which only costs the portable spelling."""
   try:
     from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
 
     for (lowering_sem, primitive_sem), table in mgpu_lowering.mosaic_lowering_rules.items():
-      if lowering_sem.name == "Lane" and primitive_sem.name == "Warpgroup":
+      if lowering_sem.name == _LOWERING_SEMANTICS and primitive_sem.name == "Warpgroup":
         return prim in table
   except Exception:  # pylint: disable=broad-except
     pass
@@ -601,7 +607,10 @@ class _Epilogue:
     local_row0 = row0 - self.layer_gmem[0] * plan.k
     rows = local_row0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
     cols = col0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
-    key = jax.lax.bitcast_convert_type(self.layer_gmem[1], jnp.uint32)
+    # int32 -> uint32 keeps the bits (two's complement). Not a scalar
+    # bitcast_convert_type: warpgroup semantics lowers that to a vector
+    # ("Scalars must be represented by non-vector types", jax 0.10.2-0.11.2).
+    key = self.layer_gmem[1].astype(jnp.uint32)
     bits = numerics.element_bits(key, numerics.element_index(rows, cols, plan.n))
     return numerics.stochastic_round(value, bits, dtype)
 
@@ -1126,7 +1135,9 @@ def fused_dw_update_mosaic(
 
     @pl.core_map(
         mesh,
-        compiler_params=plgpu.CompilerParams(),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=getattr(plgpu.LoweringSemantics, _LOWERING_SEMANTICS)
+        ),
         name="fused_dw_update_mosaic",
         **core_map_kwargs,
     )
