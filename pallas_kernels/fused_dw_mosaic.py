@@ -133,6 +133,17 @@ class MosaicTileConfig:
       ``W``/slot sub-tile this many sub-tiles beyond the shared-memory ring
       (0: off). The ring bounds the bytes in flight by shared memory; L2
       prefetches do not, so the ring's own loads then hit L2.
+    epi_out_slots: 0: the epilogue writes its results back into the ring slot
+      it read and stores them from there, so refilling that slot waits until
+      the TMA store has read it (one wait per sub-tile, behind every TMA copy
+      queued before it). ``n > 0``: results go to a separate ring of ``n``
+      store buffers per compute warpgroup, the input slot is refilled as soon
+      as the warpgroup has read it, and a store buffer is reused once the
+      store issued ``n`` sub-tiles earlier has read it.
+    lowering_semantics: ``"Warpgroup"`` (the default: jax >= 0.11's own
+      default, layouts inferred for whole warpgroup arrays) or ``"Lane"``
+      (the per-thread lowering jax 0.10 defaults to). Same results; a knob
+      for the sweep.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -150,6 +161,8 @@ class MosaicTileConfig:
   schedule: str = "cooperative"
   mma_in_flight: bool = False
   epi_l2_lookahead: int = 0
+  epi_out_slots: int = 0
+  lowering_semantics: str = "Warpgroup"
   num_sms: Optional[int] = None
 
 
@@ -161,6 +174,12 @@ class MosaicTileConfig:
 def _block_n(cfg: MosaicTileConfig) -> int:
   """Columns of W per block tile: both warpgroups' halves, or one warpgroup's."""
   return cfg.tile_n * (_NUM_COMPUTE_WGS if cfg.schedule == "cooperative" else 1)
+
+
+def _out_depth(cfg: MosaicTileConfig) -> int:
+  """Epilogue store buffers allocated (0: results go back into the ring)."""
+  sub_tiles = (cfg.tile_m // cfg.epi_m) * (cfg.tile_n // cfg.epi_n)
+  return min(cfg.epi_out_slots, sub_tiles)
 
 
 def _ring_depth(cfg: MosaicTileConfig) -> int:
@@ -175,6 +194,7 @@ def _smem_bytes(cfg: MosaicTileConfig, in_dtype, w_dtype, slot_dtypes, with_norm
   stage = cfg.tile_t * (cfg.tile_m + _block_n(cfg)) * ib
   per_sub = cfg.epi_m * cfg.epi_n * sum(jnp.dtype(d).itemsize for d in (w_dtype, *slot_dtypes))
   total = cfg.max_concurrent_steps * stage + _NUM_COMPUTE_WGS * _ring_depth(cfg) * per_sub
+  total += _NUM_COMPUTE_WGS * _out_depth(cfg) * per_sub
   if with_norm:
     total += _NUM_COMPUTE_WGS * cfg.tile_m * 4
   return total
@@ -216,6 +236,10 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
     return "mma_in_flight=True needs schedule='pingpong'"
   if cfg.epi_l2_lookahead < 0:
     return f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"
+  if cfg.epi_out_slots < 0:
+    return f"epi_out_slots={cfg.epi_out_slots} must be >= 0"
+  if cfg.lowering_semantics not in ("Warpgroup", "Lane"):
+    return f"lowering_semantics={cfg.lowering_semantics!r} must be 'Warpgroup' or 'Lane'"
   return None
 
 
@@ -331,34 +355,35 @@ _REWRITES: dict[Any, Callable[..., Array]] = {
 }
 # Rewrite even primitives Mosaic GPU lowers natively (tests, experiments).
 _FORCE_REWRITES = False
-# The kernel is lowered with warpgroup semantics on every jax version: the
-# default of jax >= 0.11 (where `plgpu.CompilerParams()` switched from "Lane"
-# to "Warpgroup"), what jax's own Hopper matmul asks for, and what every H200
-# run of this kernel used. Pinned so that jax 0.10.2's cross-lowering tests
-# check the code path the GPU runs.
+# The kernel is lowered with warpgroup semantics on every jax version unless
+# MosaicTileConfig.lowering_semantics says otherwise: the default of
+# jax >= 0.11 (where `plgpu.CompilerParams()` switched from "Lane" to
+# "Warpgroup"), what jax's own Hopper matmul asks for, and what every H200 run
+# of this kernel used. Pinned so that jax 0.10.2's cross-lowering tests check
+# the code path the GPU runs.
 _LOWERING_SEMANTICS = "Warpgroup"
 
 
-def _lowers_natively(prim) -> bool:
+def _lowers_natively(prim, semantics: str = _LOWERING_SEMANTICS) -> bool:
   """Whether this jax's Mosaic GPU has a lowering rule for ``prim``
-  (``_LOWERING_SEMANTICS``, warpgroup threads: what the kernel uses). Private
+  (``semantics`` lowering, warpgroup threads: what the kernel uses). Private
   API: any surprise counts as "no", which only costs the portable spelling."""
   try:
     from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
 
     for (lowering_sem, primitive_sem), table in mgpu_lowering.mosaic_lowering_rules.items():
-      if lowering_sem.name == _LOWERING_SEMANTICS and primitive_sem.name == "Warpgroup":
+      if lowering_sem.name == semantics and primitive_sem.name == "Warpgroup":
         return prim in table
   except Exception:  # pylint: disable=broad-except
     pass
   return False
 
 
-def _active_rewrites() -> dict[Any, Callable[..., Array]]:
-  """The rewrites the kernel applies on this jax."""
+def _active_rewrites(semantics: str = _LOWERING_SEMANTICS) -> dict[Any, Callable[..., Array]]:
+  """The rewrites the kernel applies on this jax (with ``semantics`` lowering)."""
   return {
       prim: fn for prim, fn in _REWRITES.items()
-      if _FORCE_REWRITES or not _lowers_natively(prim)
+      if _FORCE_REWRITES or not _lowers_natively(prim, semantics)
   }
 
 _INLINED_CALLS = {
@@ -415,9 +440,11 @@ class _TracedRule:
 
   closed_jaxpr: Any
   out_tree: Any
+  semantics: str = _LOWERING_SEMANTICS
 
   def __call__(self, g, w, slots, scalar_leaves):
-    outs = _eval_for_mosaic(self.closed_jaxpr, g, w, *slots, *scalar_leaves)
+    outs = _eval_for_mosaic(self.closed_jaxpr, g, w, *slots, *scalar_leaves,
+                            rewrites=_active_rewrites(self.semantics))
     return jax.tree.unflatten(self.out_tree, outs)
 
 
@@ -559,6 +586,11 @@ class _Epilogue:
   norm_smem: Any
   wg_idx: Any
   layer_gmem: Any = None  # [layer, rounding key bits] (int32)
+  out_rings: Optional[Sequence[Any]] = None  # [W, *slots] store buffers, or None
+
+  @property
+  def out_depth(self) -> int:
+    return _out_depth(self.plan.cfg) if self.out_rings else 0
 
   @property
   def depth(self) -> int:
@@ -577,8 +609,9 @@ class _Epilogue:
       plgpu.copy_gmem_to_smem(src.at[win], ring.at[self.wg_idx, slot], barrier)
 
   def begin(self, row0, col0) -> None:
-    # The previous tile's stores must have left the ring before it is refilled.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if not self.out_depth:
+      # The previous tile's stores must have left the ring before it is refilled.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for j in range(self.depth):
       self._fetch(j, row0, col0)  # lands while the main loop runs
 
@@ -635,6 +668,14 @@ class _Epilogue:
       w32 = w_ref[...].astype(jnp.float32)
       s32 = tuple(ref[...].astype(jnp.float32) for ref in s_refs)
       u, new_slots = self.rule(g, w32, s32, scalar_leaves)
+      if self.out_depth:
+        # Separate store buffers: the one the store of sub-tile
+        # j - out_depth used must have been read out (at most out_depth - 1
+        # store groups, one per sub-tile, may still be reading).
+        out = j % self.out_depth
+        plgpu.wait_smem_to_gmem(self.out_depth - 1, wait_read_only=True)
+        w_ref = self.out_rings[0].at[self.wg_idx, out]
+        s_refs = [ring.at[self.wg_idx, out] for ring in self.out_rings[1:]]
       if plan.stochastic:
         w_ref[...] = self._stochastic_round(w32 + u, row0 + r, col0 + c, w_ref.dtype)
       else:
@@ -653,8 +694,11 @@ class _Epilogue:
       if ahead:
         self._prefetch_sub_l2(j + self.depth + ahead, row0, col0)
       if j + self.depth < len(plan.sub_tiles):
-        # Refill this slot once its results have been read out.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if not self.out_depth:
+          # Refill this slot once its results have been read out.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        # (With store buffers the slot is free: commit_smem's warpgroup
+        # barrier ordered every thread's reads of it before this copy.)
         self._fetch(j + self.depth, row0, col0)
     if plan.with_norm:
       for r, part in row_sums.items():
@@ -687,16 +731,22 @@ def _fused_kernel(
       norm_smem=(
           plgpu.SMEM((_NUM_COMPUTE_WGS, cfg.tile_m), jnp.float32) if plan.with_norm else None
       ),
+      out_rings=(
+          [plgpu.SMEM((_NUM_COMPUTE_WGS, _out_depth(cfg), cfg.epi_m, cfg.epi_n), d,
+                      transforms=_mma_transforms(cfg.epi_n, d))
+           for d in (w_dtype, *slot_dtypes)]
+          if _out_depth(cfg) else None
+      ),
       xt_smem=(
           plgpu.SMEM((_NUM_COMPUTE_WGS, cfg.tile_m, cfg.tile_t), in_dtype, transforms=in_transforms)
           if plan.interpreting else None
       ),
   )
 
-  def make_epilogue(w_ring, slot_rings, ring_ready, norm_smem, wg_idx) -> _Epilogue:
+  def make_epilogue(w_ring, slot_rings, ring_ready, norm_smem, wg_idx, out_rings) -> _Epilogue:
     return _Epilogue(
         plan, rule, scalars_treedef, sc_gmem, w_gmem, slot_gmems, norm_gmem,
-        w_ring, slot_rings, ring_ready, norm_smem, wg_idx, layer_gmem,
+        w_ring, slot_rings, ring_ready, norm_smem, wg_idx, layer_gmem, out_rings,
     )
 
   # The interpreter has no L2 (and no rule for the prefetch); it is a hint.
@@ -752,9 +802,9 @@ def _cooperative_body(
       collective_axes="wg",
       **epilogue_allocs,
   )
-  def _scope(pipeline_allocs, w_ring, slot_rings, ring_ready, norm_smem, xt_smem):
+  def _scope(pipeline_allocs, w_ring, slot_rings, ring_ready, norm_smem, out_rings, xt_smem):
     wg_idx = lax.axis_index("wg")
-    epi = make_epilogue(w_ring, slot_rings, ring_ready, norm_smem, wg_idx)
+    epi = make_epilogue(w_ring, slot_rings, ring_ready, norm_smem, wg_idx, out_rings)
 
     @plgpu.nd_loop((plan.m_iters * plan.n_iters,), collective_axes="sm")
     def _tile_loop(loop_info):
@@ -833,7 +883,7 @@ def _pingpong_body(
       **epilogue_allocs,
   )
   def _scope(x_stages, dy_stages, stage_ready, stage_free,
-             w_ring, slot_rings, ring_ready, norm_smem, xt_smem):
+             w_ring, slot_rings, ring_ready, norm_smem, out_rings, xt_smem):
     wg_idx = lax.axis_index("wg")
     sm_idx = lax.axis_index("sm")
     # This block's tiles: sm_idx, sm_idx + num_sms, ... of the snake order.
@@ -882,7 +932,7 @@ def _pingpong_body(
     @pl.when(wg_idx < _NUM_COMPUTE_WGS)
     def _compute_warpgroup():
       plgpu.set_max_registers(_compute_registers(cfg.memory_registers), action="increase")
-      epi = make_epilogue(w_ring, slot_rings, ring_ready, norm_smem, wg_idx)
+      epi = make_epilogue(w_ring, slot_rings, ring_ready, norm_smem, wg_idx, out_rings)
       xt = xt_smem.at[wg_idx] if plan.interpreting else None
       # Tiles wg_idx, wg_idx + 2, ... of this block's list.
       num_mine = lax.div(num_local - wg_idx + (_NUM_COMPUTE_WGS - 1), _NUM_COMPUTE_WGS)
@@ -1110,7 +1160,10 @@ def fused_dw_update_mosaic(
       num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
       interpreting=_interpret_params(interpret) is not None, stochastic=stochastic,
   )
-  rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars)
+  rule = dataclasses.replace(
+      _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars),
+      semantics=cfg.lowering_semantics,
+  )
   # The kernel addresses one 2-D [L*K, N] array; the layer is a row offset.
   flat = lambda a: a.reshape(num_layers * k, n)
   # One row of per-W-row partial sums per warpgroup column block; each entry
@@ -1136,7 +1189,7 @@ def fused_dw_update_mosaic(
     @pl.core_map(
         mesh,
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=getattr(plgpu.LoweringSemantics, _LOWERING_SEMANTICS)
+            lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.lowering_semantics)
         ),
         name="fused_dw_update_mosaic",
         **core_map_kwargs,

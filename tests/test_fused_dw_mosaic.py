@@ -160,6 +160,29 @@ def test_pingpong_schedule_matches_reference(tuned=True):
     _assert_close(a, e, "slot")
 
 
+@pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
+def test_separate_store_buffers_match_reference(schedule):
+  """epi_out_slots: results staged in their own buffers, the ring slot refilled
+  before the store; 8 sub-tiles per warpgroup tile through 2 slots and 2
+  buffers (both reused within a tile and across tiles)."""
+  rule = _rules()["adamw"]
+  cfg = fm.MosaicTileConfig(
+      schedule=schedule, tile_m=64, tile_n=128, max_concurrent_steps=2, epi_n=16, num_sms=1,
+      epi_out_slots=2,
+  )
+  n = 256 if schedule == "pingpong" else 512
+  # T = 2 steps: under the interpreter the cooperative pipeline hangs at T = tile_t
+  # (one step, fewer than its stages; it ran on the H200: the sweep's T=64 probe).
+  x, dy, w, slots = _inputs(6, 128, 128, n, rule, w_dtype=BF16, slot_dtype=F32)
+  (new_w, new_slots, norm), (ref_w, ref_slots, ref_norm) = _run_both(
+      x, dy, w, slots, rule, norm=True, config=cfg
+  )
+  np.testing.assert_allclose(float(norm), float(ref_norm), rtol=2e-5)
+  _assert_close(new_w, ref_w, "w")
+  for a, e in zip(new_slots, ref_slots):
+    _assert_close(a, e, "slot")
+
+
 def test_stacked_layer_updates_only_its_slice():
   rule = _rules()["adamw"]
   x, dy, w, slots = _inputs(2, 64, 64, 128, rule, w_dtype=BF16, slot_dtype=BF16, layers=3)
@@ -198,7 +221,8 @@ def _all_rules():
     [(name, F32, "default") for name in sorted(_all_rules())]
     + [(name, BF16, "default") for name in ("adamw", "lion", "rmsprop_centered_momentum")]
     + [(name, dt, "cooperative") for name in ("adamw", "rmsprop_centered_momentum") for dt in (F32, BF16)]
-    + [(name, dt, "pingpong_tuned") for name in ("adamw", "sgd") for dt in (F32, BF16)],
+    + [(name, dt, "pingpong_tuned") for name in ("adamw", "sgd") for dt in (F32, BF16)]
+    + [("adamw", dt, "out_slots") for dt in (F32, BF16)],
 )
 def test_lowers_for_cuda(name, state_dtype, schedule):
   rule = _all_rules()[name].rule
@@ -213,6 +237,11 @@ def test_lowers_for_cuda(name, state_dtype, schedule):
     config = fm.MosaicTileConfig(
         schedule="pingpong", max_concurrent_steps=4, epi_n=16, num_sms=132, mma_in_flight=True,
         epi_l2_lookahead=4,
+    )
+  elif schedule == "out_slots":  # separate epilogue store buffers
+    config = fm.MosaicTileConfig(
+        schedule="pingpong", max_concurrent_steps=3, epi_n=16, num_sms=132, mma_in_flight=True,
+        epi_out_slots=2,
     )
   kernel = jax.jit(functools.partial(
       fm.fused_dw_update_mosaic, update_fn=rule.update, compute_grad_sq_norm=True, config=config,
@@ -268,7 +297,7 @@ def test_sqrt_rewrite_only_where_missing(monkeypatch):
   sqrt_p = jax.lax.sqrt_p
   assert (sqrt_p in fm._active_rewrites()) == (not fm._lowers_natively(sqrt_p))
   assert fm._lowers_natively(jax.lax.rsqrt_p)  # the probe sees the rule table
-  monkeypatch.setattr(fm, "_lowers_natively", lambda prim: True)
+  monkeypatch.setattr(fm, "_lowers_natively", lambda prim, semantics="Warpgroup": True)
   assert fm._active_rewrites() == {}
   monkeypatch.setattr(fm, "_FORCE_REWRITES", True)
   assert sqrt_p in fm._active_rewrites()
