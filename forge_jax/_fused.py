@@ -9,15 +9,17 @@ optimizer's elementwise rule to each tile as soon as it is complete:
 * ``"interpret"``: the same kernel in Pallas interpret mode (CPU tests);
 * ``"mosaic"``: the warp-specialized Hopper kernel lowered through Mosaic GPU
   (:mod:`pallas_kernels.fused_dw_mosaic`; sm_90 only). Calls it cannot take
-  (shapes off its tiling, float32 ``x``, stochastic rounding until it is
-  checked on a GPU, int8 slots, a non-Hopper GPU) run on ``"pallas"`` instead, with one
-  :class:`BackendFallbackWarning` per distinct reason;
+  (shapes off its tiling, float32 ``x``, int8 slots, a non-Hopper GPU) run on
+  ``"pallas"`` instead, with one :class:`BackendFallbackWarning` per distinct
+  reason;
 * ``"mosaic_interpret"``: that kernel under the Mosaic GPU interpreter (CPU
   tests; falls back to ``"xla"``);
 * ``"xla"``: the reference: one float32 dot plus the same rule, fused by XLA
   as it sees fit (the default on CPU, and the baseline in benchmarks);
-* ``"auto"``: ``"pallas"`` on GPUs (``"xla"`` for int8 optimizer states, see
-  :func:`_resolve_backend`), ``"xla"`` elsewhere.
+* ``"auto"``: on a Hopper GPU the Mosaic kernel, and the Triton kernel for
+  what it cannot take (silently: nobody asked for Mosaic); the Triton kernel
+  on other GPUs; ``"xla"`` for int8 optimizer states on any GPU and for
+  everything off GPUs (see :func:`_resolve_backend`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from pallas_kernels import fused_dw as _fused_dw
 from pallas_kernels import numerics
 
 BACKENDS = ("auto", "xla", "pallas", "interpret", "mosaic", "mosaic_interpret")
-_MOSAIC_BACKENDS = ("mosaic", "mosaic_interpret")
+# "auto" on a Hopper GPU: the Mosaic kernel, "pallas" (no warning) where it cannot run.
+_AUTO_MOSAIC = "auto:mosaic"
+_MOSAIC_BACKENDS = ("mosaic", "mosaic_interpret", _AUTO_MOSAIC)
 
 
 class BackendFallbackWarning(UserWarning):
@@ -61,8 +65,15 @@ def _resolve_backend(backend: str, quantized_slots: bool = False) -> str:
     # with float32 ones on the H200 (4x at T=1024), while XLA's dot + fused
     # update costs 1.05-1.1x its float32 time (experiments/results/h200/lowp/), and a
     # whole Llama-3.1-8B step took 429 ms with "pallas" vs 206 ms with "xla"
-    # (bench_models_int8_batch.md, bench_models_large.md).
-    return "pallas" if platform == "gpu" and not quantized_slots else "xla"
+    # (bench_models_int8_batch.md, bench_models_large.md). The Mosaic kernel
+    # has no int8 epilogue.
+    if platform != "gpu" or quantized_slots:
+      return "xla"
+    # Float states on Hopper: the Mosaic kernel. Whole Llama-3.1-8B step,
+    # pure bf16, 1x1024 tokens, side by side on the H200: 144.8 ms against
+    # 169.0 ms with the Triton kernel, and 146.6 / 152.7 ms for optax /
+    # optax clip+adamw (experiments/results/h200/models_mosaic/).
+    return _AUTO_MOSAIC if _on_hopper() else "pallas"
   if backend in ("pallas", "mosaic") and platform != "gpu":
     raise ValueError(
         f"backend={backend!r} needs a GPU, but jax's default backend is {platform!r}: "
@@ -73,7 +84,16 @@ def _resolve_backend(backend: str, quantized_slots: bool = False) -> str:
   return backend
 
 
-def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None):
+def _on_hopper() -> bool:
+  """Whether jax's default device is a Hopper (sm_90) GPU."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return False
+  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None, interpret=False):
   """``(reason, None)`` if the Mosaic GPU kernel cannot take this call, else ``(None, config)``.
 
   ``config`` is the caller's ``MosaicTileConfig`` or ``None`` (the kernel's
@@ -88,15 +108,14 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None
         f"config={config!r} is not a MosaicTileConfig: backend='mosaic' takes "
         "pallas_kernels.fused_dw_mosaic.MosaicTileConfig or None."
     )
+  # Stochastic rounding of the weight runs in the epilogue (checked on the
+  # H200: experiments/results/h200/mosaic_quick_sr_fixed/, the sr* cases),
+  # but jax 0.10.2's Mosaic GPU interpreter hangs on its iota and bitcast.
   codec = (rounding or {}).get("weight_codec")
-  if getattr(codec, "needs_bits", False):
-    # The epilogue implements it (fused_dw_update_mosaic(weight_codec=...)), and
-    # it lowers for sm_90, but it has not run on a GPU yet: until
-    # experiments.check_mosaic_gpu's "sr" cases pass there, the backend routes
-    # it elsewhere rather than risk a wrong write-back.
+  if interpret and getattr(codec, "needs_bits", False):
     return (
-        f"the weight is written back with {type(codec).__name__} (stochastic rounding), "
-        "which the Mosaic epilogue has not yet been checked with on a GPU", None,
+        f"the Mosaic GPU interpreter cannot run the {type(codec).__name__} write-back "
+        "(stochastic rounding; it runs on a GPU)", None,
     )
   for i, s in enumerate(slots):
     if getattr(s, "dtype", None) is None:
@@ -111,7 +130,24 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None
 def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
                 compute_grad_sq_norm, rounding=None):
   """The Mosaic GPU kernel, or the fallback backend (with a warning) if it cannot run this call."""
-  reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding)
+  if backend == _AUTO_MOSAIC:
+    from pallas_kernels import fused_dw as fd  # pylint: disable=g-import-not-at-top
+
+    if isinstance(config, fd.TileConfig):  # a Triton tiling: the caller means that kernel
+      reason, cfg = "a Triton TileConfig was given", None
+    else:
+      reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding)
+    if reason is not None:  # "auto" did not promise Mosaic: no warning
+      kwargs = {} if rounding is None else {"rounding": rounding}
+      return _run_backend(
+          "pallas", x, dy, w, slots, scalars, update_fn, layer=layer,
+          config=config if isinstance(config, fd.TileConfig) else None,
+          compute_grad_sq_norm=compute_grad_sq_norm, **kwargs,
+      )
+    backend = "mosaic"
+  else:
+    reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding,
+                                  interpret=backend == "mosaic_interpret")
   if reason is None:
     from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
 
@@ -227,8 +263,10 @@ def fused_linear_update(
     optimizer: a forge_jax optimizer (``forge_jax.adamw(...)``, ...).
     backend: ``"auto"``, ``"xla"``, ``"pallas"``, ``"interpret"``,
       ``"mosaic"`` or ``"mosaic_interpret"`` (see the module docstring;
-      ``"auto"`` picks ``"pallas"`` on GPUs, except for int8 states, where
-      XLA's dot + fused update is faster than the Triton kernel: ``"xla"``).
+      ``"auto"`` picks the Mosaic kernel on Hopper GPUs, the Triton kernel
+      on other GPUs and for what the Mosaic kernel cannot take, and
+      ``"xla"`` for int8 states, where XLA's dot + fused update is faster
+      than the Triton kernel, and off GPUs).
     layer: int32 scalar index into stacked ``w`` and slots. The returned
       ``count`` is then left unchanged: advance it once per step, after the
       last layer.

@@ -980,23 +980,29 @@ def _pingpong_body(
 
 
 _PINGPONG = functools.partial(MosaicTileConfig, schedule="pingpong")
+# The two knobs the second and third H200 sweeps kept (jax 0.11.2, AdamW fp32,
+# experiments/results/h200/mosaic_tuned/ and mosaic_store_buffers/): one wgmma
+# in flight (T=16384 main loop: 1.024 -> 0.883 ms against cuBLAS's 0.696) and
+# the L2 lookahead of 4 epilogue sub-tiles (T=1024: 0.226 -> 0.212 ms).
+_TUNED = dict(l2_prefetch_steps=0, mma_in_flight=True, epi_l2_lookahead=4)
 # Tried in order by :func:`default_config`: the first that fits the operands'
-# dtypes in shared memory (and divides their shape) wins. From the first H200
-# sweep (jax 0.11.2, AdamW fp32, experiments/results/h200/mosaic/sweep.json):
-# ping-pong beat cooperative at every setting; at T=4096 the best was 4 stages
-# with 64x16 sub-tiles and no whole-tile L2 prefetch (0.298 ms; cooperative
-# 0.340-0.362), at T=1024 3 stages with 64x32 sub-tiles (0.188 ms; the former
-# 0.232): the main loop matters at long T, the number of epilogue round trips
-# at short T. 64x32 sub-tiles are tried first at long T too: they fit 4 stages
-# when the states are small (bf16, or few fp32 slots) and are the bf16 rows'
-# 64-byte swizzle that ran on the H200 (64x16 bf16 would be 32 bytes).
+# dtypes in shared memory (and divides their shape) wins. Ping-pong beat
+# cooperative at every setting; at T=4096 the best is 4 stages with 64x16
+# sub-tiles (0.295 / 0.296 ms in two sweeps; 64x32 sub-tiles, which leave room
+# for 3 stages only with fp32 AdamW, 0.346 / 0.351), at T=1024 3 stages with
+# 64x32 sub-tiles (0.180 / 0.178 ms; 64x16 0.211-0.212): the main loop matters
+# at long T, the number of epilogue round trips at short T. 64x32 sub-tiles
+# are tried first at long T too: they fit 4 stages when the states are small
+# (bf16, or few fp32 slots) and are the bf16 rows' 64-byte swizzle (64x16
+# bf16 would be 32 bytes). Separate store buffers (epi_out_slots) and the lane
+# lowering measured no better (mosaic_store_buffers/), so both stay off.
 _LONG_T_CANDIDATES = (
-    _PINGPONG(max_concurrent_steps=4, epi_n=32, l2_prefetch_steps=0),
-    _PINGPONG(max_concurrent_steps=4, epi_n=16, l2_prefetch_steps=0),
+    _PINGPONG(max_concurrent_steps=4, epi_n=32, **_TUNED),
+    _PINGPONG(max_concurrent_steps=4, epi_n=16, **_TUNED),
 )
 _SHORT_T_CANDIDATES = (
-    _PINGPONG(max_concurrent_steps=3, epi_n=32, l2_prefetch_steps=16),
-    _PINGPONG(max_concurrent_steps=3, epi_n=16, l2_prefetch_steps=16),
+    _PINGPONG(max_concurrent_steps=3, epi_n=32, **_TUNED),
+    _PINGPONG(max_concurrent_steps=3, epi_n=16, **_TUNED),
 )
 # Then smaller pipelines and tiles, for what the above do not fit or divide.
 _OTHER_CANDIDATES = (

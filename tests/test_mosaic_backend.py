@@ -163,8 +163,8 @@ def test_mosaic_falls_back_on_a_non_hopper_gpu(fake_gpu, monkeypatch):
 
 
 def test_mosaic_problem_codecs_and_configs():
-  """Stochastic rounding (until checked on a GPU) and quantized slots go elsewhere; a Triton
-  config is an error."""
+  """Stochastic rounding runs in the epilogue (checked on the H200); quantized slots go
+  elsewhere; a Triton config is an error."""
   x = jax.ShapeDtypeStruct((64, 128), BF16)
   dy = jax.ShapeDtypeStruct((64, 256), BF16)
   w = jax.ShapeDtypeStruct((128, 256), F32)
@@ -177,7 +177,10 @@ def test_mosaic_problem_codecs_and_configs():
 
   assert _fused._mosaic_problem(x, dy, w, (w, w), None, False)[0] is None
   reason, _ = _fused._mosaic_problem(x, dy, w, (w,), None, False, {"weight_codec": StochasticRound()})
-  assert "stochastic" in reason and "not yet been checked" in reason
+  assert reason is None
+  reason, _ = _fused._mosaic_problem(x, dy, w, (w,), None, False, {"weight_codec": StochasticRound()},
+                                     interpret=True)
+  assert "interpreter" in reason and "stochastic" in reason
   reason, _ = _fused._mosaic_problem(x, dy, w, (w, Quantized()), None, False)
   assert "slot 1" in reason and "quantized" in reason
   with pytest.raises(ValueError, match="MosaicTileConfig"):
@@ -198,3 +201,34 @@ def test_auto_on_a_gpu_is_the_kernel_except_for_int8_states(fake_gpu):
   want, _ = forge_jax.fused_linear_update(x, dy, w, state8, opt8, backend="xla")
   assert fake_gpu == []  # neither kernel ran
   np.testing.assert_array_equal(new_w, want)
+
+
+def test_auto_on_hopper_is_the_mosaic_kernel_with_a_silent_triton_fallback(fake_gpu, monkeypatch):
+  """On a Hopper GPU "auto" runs the Mosaic kernel; what it cannot take (here N off its
+  tiling, or a Triton TileConfig) runs the Triton kernel without a warning; int8 states
+  still take XLA's dot + update."""
+  monkeypatch.setattr(_fused, "_on_hopper", lambda: True)
+  x, dy, w, state, opt = _problem(64, 128, 256)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    got = forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto")
+    assert [c[0] for c in fake_gpu] == ["mosaic"]
+    fake_gpu.clear()
+    x2, dy2, w2, state2, opt2 = _problem(64, 128, 100)  # N=100: no Mosaic tiling divides it
+    forge_jax.fused_linear_update(x2, dy2, w2, state2, opt2, backend="auto")
+    assert [(c[0], c[1]) for c in fake_gpu] == [("pallas", None)]
+    fake_gpu.clear()
+    tiles = fd.TileConfig()
+    forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto", config=tiles)
+    assert [(c[0], c[1]) for c in fake_gpu] == [("pallas", tiles)]
+  assert not _fallback_warnings(record)
+  want = forge_jax.fused_linear_update(x, dy, w, state, opt, backend="xla")
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  fake_gpu.clear()
+  opt8 = forge_jax.adamw(1e-3, precision=forge_jax.Precision(state_dtype="int8", min_quantized_size=0))
+  forge_jax.fused_linear_update(x, dy, w, opt8.init(w), opt8, backend="auto")
+  assert fake_gpu == []
+
+
+def test_on_hopper_is_false_on_this_cpu():
+  assert not _fused._on_hopper()
