@@ -221,7 +221,8 @@ class Dense(nn.Module):
     decay: apply the optimizer's weight decay to the kernel. (An optimizer
       ``mask`` governs the parameters optax updates; see TrainState.)
     backend: the fused-update backend (``"auto"``, ``"xla"``, ``"pallas"``,
-      ``"interpret"``).
+      ``"mosaic"``, ``"interpret"``, ``"mosaic_interpret"``; see
+      :func:`forge_jax.fused_linear_update`).
     tile_config: the kernel's tile configuration (``None``: per-shape default).
   """
 

@@ -76,8 +76,10 @@ class ModelConfig:
     linear: ``"flax"`` (``nn.Dense``, trained by optax) or ``"forge"``
       (``forge_jax.Dense``: the optimizer runs inside the backward GEMM).
     forge_backend: the ``backend`` of every FORGE layer (see
-      ``forge_jax.fused_linear_update``): ``"auto"``, ``"pallas"`` (the fused
-      Triton-lowered kernel), ``"mosaic"``, ``"xla"`` (one dot, then the update
+      ``forge_jax.fused_linear_update``): ``"auto"`` (the Mosaic kernel on
+      Hopper, the Triton one on other GPUs, ``"xla"`` for int8 states and off
+      GPUs), ``"pallas"`` (the fused Triton-lowered kernel), ``"mosaic"`` (the
+      warp-specialized Hopper kernel), ``"xla"`` (one dot, then the update
       fused by XLA: the layer's dW lives in HBM for one layer at a time), or an
       interpreter. Ignored when ``linear="flax"``.
     scan_layers: ``nn.scan`` over one block (params stacked ``[L, ...]`` under
