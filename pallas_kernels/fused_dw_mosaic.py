@@ -34,7 +34,9 @@ Kernel structure (one CUDA block per SM, persistent):
   (the accumulator's), updated by the rule, written back to its slot and
   stored with an asynchronous TMA copy into the aliased ``W``/slot arrays;
   those stores drain while the next sub-tiles load and the next tile's main
-  loop runs.
+  loop runs. (``epi_out_slots > 0`` stages the results in separate store
+  buffers instead, so a slot is refilled without waiting for its store;
+  measured no faster on the H200.)
 * in-place: the kernel runs under ``pl.run_state`` + ``pl.core_map``, whose
   discharge aliases exactly the refs the kernel writes (``W``, the slots, the
   optional norm partials) to its outputs; under ``jit`` with those arrays
@@ -47,9 +49,11 @@ epilogue, with the same hash of (seed, step, layer, row * N + col) as the
 Triton kernel and the reference (element indices from an iota in the WGMMA
 layout), so all three write the same bits.
 Checked under the Mosaic GPU interpreter and by lowering for ``cuda`` on a
-CPU (jax 0.10.2), and on an H200 (jax 0.11.2, ``experiments/check_mosaic_gpu``):
-fp32 states match the reference to ~1e-7; bf16 states match it to the
-rounding of the last bit (see MOSAIC_NOTES.md, "bf16 on the H200").
+CPU (jax 0.10.2, with the warpgroup lowering semantics that jax 0.11 uses by
+default and this kernel pins), and on an H200 (jax 0.11.2,
+``experiments/check_mosaic_gpu``): fp32 states match the reference to ~1e-7;
+bf16 states and stochastically rounded bf16 weights match it to the rounding
+of the last bit (see MOSAIC_NOTES.md).
 
 Mosaic GPU in jax 0.10.2 (and 0.11.1) has no ``sqrt`` lowering, only
 ``rsqrt`` (jax 0.11.2 lowers it). Where it is missing, the kernel evaluates
