@@ -366,6 +366,16 @@ _FORCE_REWRITES = False
 # of this kernel used. Pinned so that jax 0.10.2's cross-lowering tests check
 # the code path the GPU runs.
 _LOWERING_SEMANTICS = "Warpgroup"
+# Mosaic GPU's in-kernel profiler, for experiments.profile_mosaic: None, or
+# (profile_space, profile_dir). Each _region below then becomes a timed range
+# per warpgroup, written as a Chrome trace to profile_dir after every call.
+# Without it the regions are names only (no code).
+_PROFILE: Optional[tuple[int, str]] = None
+
+
+def _region(name: str):
+  """A named range of the kernel body (timed only when ``_PROFILE`` is set)."""
+  return jax.named_scope(f"fdw_{name}")
 
 
 def _lowers_natively(prim, semantics: str = _LOWERING_SEMANTICS) -> bool:
@@ -663,47 +673,54 @@ class _Epilogue:
       self._prefetch_sub_l2(j, row0, col0)
     for j, (r, c) in enumerate(plan.sub_tiles):
       slot = j % self.depth
-      plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
+      with _region("epi_wait"):
+        plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
       g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
       w_ref = self.w_ring.at[self.wg_idx, slot]
       s_refs = [ring.at[self.wg_idx, slot] for ring in self.slot_rings]
-      # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
-      # accumulator's, so the rule's arithmetic needs no relayout.
-      w32 = w_ref[...].astype(jnp.float32)
-      s32 = tuple(ref[...].astype(jnp.float32) for ref in s_refs)
-      u, new_slots = self.rule(g, w32, s32, scalar_leaves)
+      with _region("epi_math"):
+        # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
+        # accumulator's, so the rule's arithmetic needs no relayout.
+        w32 = w_ref[...].astype(jnp.float32)
+        s32 = tuple(ref[...].astype(jnp.float32) for ref in s_refs)
+        u, new_slots = self.rule(g, w32, s32, scalar_leaves)
       if self.out_depth:
         # Separate store buffers: the one the store of sub-tile
         # j - out_depth used must have been read out (at most out_depth - 1
         # store groups, one per sub-tile, may still be reading).
         out = j % self.out_depth
-        plgpu.wait_smem_to_gmem(self.out_depth - 1, wait_read_only=True)
+        with _region("epi_out_wait"):
+          plgpu.wait_smem_to_gmem(self.out_depth - 1, wait_read_only=True)
         w_ref = self.out_rings[0].at[self.wg_idx, out]
         s_refs = [ring.at[self.wg_idx, out] for ring in self.out_rings[1:]]
-      if plan.stochastic:
-        w_ref[...] = self._stochastic_round(w32 + u, row0 + r, col0 + c, w_ref.dtype)
-      else:
-        w_ref[...] = store_cast(w32 + u, w_ref.dtype)
-      for ref, new in zip(s_refs, new_slots):
-        ref[...] = store_cast(new, ref.dtype)
-      if plan.with_norm:
-        part = jnp.sum(g * g, axis=1)
-        row_sums[r] = part if r not in row_sums else row_sums[r] + part
-      plgpu.commit_smem()
-      win = self._window(j, row0, col0)
-      plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[win], commit_group=False)
-      for ref, dst in zip(s_refs, self.slot_gmems):
-        plgpu.copy_smem_to_gmem(ref, dst.at[win], commit_group=False)
-      plgpu.commit_smem_to_gmem_group()
-      if ahead:
-        self._prefetch_sub_l2(j + self.depth + ahead, row0, col0)
+      with _region("epi_write"):
+        if plan.stochastic:
+          w_ref[...] = self._stochastic_round(w32 + u, row0 + r, col0 + c, w_ref.dtype)
+        else:
+          w_ref[...] = store_cast(w32 + u, w_ref.dtype)
+        for ref, new in zip(s_refs, new_slots):
+          ref[...] = store_cast(new, ref.dtype)
+        if plan.with_norm:
+          part = jnp.sum(g * g, axis=1)
+          row_sums[r] = part if r not in row_sums else row_sums[r] + part
+      with _region("epi_store"):
+        plgpu.commit_smem()
+        win = self._window(j, row0, col0)
+        plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[win], commit_group=False)
+        for ref, dst in zip(s_refs, self.slot_gmems):
+          plgpu.copy_smem_to_gmem(ref, dst.at[win], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        if ahead:
+          self._prefetch_sub_l2(j + self.depth + ahead, row0, col0)
       if j + self.depth < len(plan.sub_tiles):
         if not self.out_depth:
           # Refill this slot once its results have been read out.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          with _region("epi_store_read"):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         # (With store buffers the slot is free: commit_smem's warpgroup
         # barrier ordered every thread's reads of it before this copy.)
-        self._fetch(j + self.depth, row0, col0)
+        with _region("epi_refill"):
+          self._fetch(j + self.depth, row0, col0)
     if plan.with_norm:
       for r, part in row_sums.items():
         self.norm_smem[self.wg_idx, pl.ds(r, cfg.epi_m)] = part
@@ -948,8 +965,7 @@ def _pingpong_body(
         row0, col0 = tile_origin(m_idx, n_idx, wg_idx)
         epi.begin(row0, col0)
 
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-        def _acc_scope(acc_ref):
+        def _main_loop(acc_ref):
           @pl.loop(0, t_iters)
           def _step(k):
             step = i * t_iters + k
@@ -972,7 +988,12 @@ def _pingpong_body(
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(stage_free.at[lax.rem(i * t_iters + (t_iters - 1), stages)])
 
-          epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m)
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          with _region("mainloop"):
+            _main_loop(acc_ref)
+          with _region("epilogue"):
+            epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m)
 
     # All results must be in device memory before the kernel exits.
     plgpu.wait_smem_to_gmem(0)
@@ -1199,7 +1220,8 @@ def fused_dw_update_mosaic(
     @pl.core_map(
         mesh,
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.lowering_semantics)
+            lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.lowering_semantics),
+            **({} if _PROFILE is None else dict(profile_space=_PROFILE[0], profile_dir=_PROFILE[1])),
         ),
         name="fused_dw_update_mosaic",
         **core_map_kwargs,

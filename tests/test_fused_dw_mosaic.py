@@ -394,3 +394,44 @@ def test_planar_snake_visits_every_tile_once():
       ref = plgpu.planar_snake(lin, (m, n), 1 if minor == "n" else 0, width)
       np.testing.assert_array_equal(mi, np.asarray(ref[0]))
       np.testing.assert_array_equal(ni, np.asarray(ref[1]))
+
+
+def test_profiled_kernel_lowers_for_cuda(monkeypatch, tmp_path):
+  """With the in-kernel profiler on (experiments.profile_mosaic), the named regions become
+  timed ranges and the Mosaic GPU module (instrumentation included) is built for sm_90. Only
+  the trace-dumping host callback, lowered after it, needs a CUDA backend, which this CPU
+  lacks: that is the one error allowed."""
+  monkeypatch.setattr(fm, "_PROFILE", (256, str(tmp_path)))
+  rule = _all_rules()["adamw"].rule
+  x = jax.ShapeDtypeStruct((512, 256), BF16)
+  dy = jax.ShapeDtypeStruct((512, 512), BF16)
+  w = jax.ShapeDtypeStruct((256, 512), F32)
+  slots = tuple(jax.ShapeDtypeStruct((256, 512), F32) for _ in rule.slot_names)
+  kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update,
+                                     config=fm.default_config(x, dy, w, slots, num_sms=132)))
+  built = []
+  real = fm.plgpu.CompilerParams
+  monkeypatch.setattr(fm.plgpu, "CompilerParams", lambda **kw: built.append(kw) or real(**kw))
+  traced = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0)))
+  try:
+    traced.lower(lowering_platforms=("cuda",))
+  except ValueError as e:  # the dump callback: see the docstring
+    assert "platform for the specified backend" in str(e)
+  assert built and built[0]["profile_space"] == 256 and built[0]["profile_dir"] == str(tmp_path)
+
+
+def test_profile_trace_summary():
+  from experiments import profile_mosaic  # pylint: disable=g-import-not-at-top
+
+  ev = lambda name, ph, ts, tid: {"name": name, "ph": ph, "ts": ts, "pid": 1, "tid": tid}
+  trace = {"traceEvents": [
+      ev("fdw_mainloop", "B", 0.0, 1), ev("fdw_mainloop", "E", 10.0, 1),
+      ev("fdw_epilogue", "B", 10.0, 1), ev("fdw_epi_wait", "B", 10.0, 1), ev("fdw_epi_wait", "E", 13.0, 1),
+      ev("fdw_epi_wait", "B", 14.0, 1), ev("fdw_epi_wait", "E", 15.0, 1), ev("fdw_epilogue", "E", 20.0, 1),
+      ev("fdw_mainloop", "B", 5.0, 2), ev("fdw_mainloop", "E", 9.0, 2),
+  ]}
+  s = profile_mosaic.summarize_trace(trace)
+  assert s["tracks"] == 2 and s["span_us"] == 20.0 and s["busy_us"] == 24.0
+  assert s["regions"]["fdw_mainloop"] == {"count": 2, "total_us": 14.0, "mean_us": 7.0}
+  assert s["regions"]["fdw_epi_wait"]["total_us"] == 4.0
+  assert s["regions"]["fdw_epilogue"]["total_us"] == 10.0

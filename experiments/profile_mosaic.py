@@ -1,0 +1,189 @@
+"""Where the Mosaic kernel's time goes: Mosaic GPU's in-kernel profiler on one call (H200).
+
+``pallas_kernels.fused_dw_mosaic`` marks its ping-pong schedule with named
+regions: ``mainloop`` and ``epilogue`` per warpgroup tile, and inside the
+epilogue, per sub-tile, ``epi_wait`` (the ring slot's TMA load),
+``epi_math`` (shared-memory reads + the rule), ``epi_write`` (results back
+to shared memory), ``epi_store`` (fence + TMA stores + L2 lookahead),
+``epi_store_read`` (waiting until the store has read the slot) and
+``epi_refill`` (issuing the next load). With ``fused_dw_mosaic._PROFILE``
+set, Mosaic GPU's profiler times every region on every warpgroup and writes a
+Chrome trace per call. This script runs each problem once unprofiled (timed
+the benchmarks' way: warm-up, back-to-back calls, median) and once profiled,
+then sums each region over the warpgroups: mean microseconds per occurrence,
+per tile, and its share of the warpgroups' busy time. The T=64 problem is
+the sweep's epilogue probe (one token step: the time is the epilogue's).
+
+    PYTHONPATH=$PWD python -m experiments.profile_mosaic --out $OUT/profile
+    PYTHONPATH=$PWD python -m experiments.profile_mosaic --problems 1024x4096x4096 \\
+        --config-json '{"schedule": "pingpong", "max_concurrent_steps": 3, "epi_n": 32}'
+
+Writes ``profile_mosaic.json`` and ``profile_mosaic.md`` (plus the raw traces
+under ``traces/`` unless ``--no-traces``). GPU only (the profiler has no
+interpreter); ``summarize_trace`` is tested on CPU with a synthetic trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import pathlib
+import shutil
+import sys
+from typing import Any, Optional, Sequence
+
+PROBLEMS = ("64x4096x4096", "1024x4096x4096", "4096x4096x4096")
+# Ranges per warpgroup the profiler can hold: 2 (main loop, epilogue) + 7 per
+# sub-tile, per tile; 4096^2 in 128x128 tiles on 132 SMs is ~4 tiles per
+# warpgroup, 16 sub-tiles each: ~470. Generous, the buffer is small.
+PROFILE_SPACE = 4096
+
+
+def summarize_trace(trace: dict) -> dict[str, Any]:
+  """Per-region totals of a Mosaic GPU profiler trace (Chrome ``B``/``E`` events).
+
+  Returns ``{"regions": {name: {"count", "total_us", "mean_us"}}, "tracks": n,
+  "busy_us": total over tracks of (last - first event), "span_us": the
+  longest track}``. Nested regions are counted in full in each level, so
+  ``epilogue`` includes its ``epi_*`` children.
+  """
+  stacks: dict[tuple, list] = collections.defaultdict(list)
+  first: dict[tuple, float] = {}
+  last: dict[tuple, float] = {}
+  totals: dict[str, list[float]] = collections.defaultdict(list)
+  for ev in trace.get("traceEvents", []):
+    track = (ev.get("pid"), ev.get("tid"))
+    ts = float(ev["ts"])
+    first[track] = min(first.get(track, ts), ts)
+    last[track] = max(last.get(track, ts), ts)
+    if ev["ph"] == "B":
+      stacks[track].append((ev["name"], ts))
+    elif ev["ph"] == "E":
+      if not stacks[track]:
+        continue  # an end without its begin (trace cut short)
+      name, start = stacks[track].pop()
+      totals[name].append(ts - start)
+  regions = {
+      name: {"count": len(d), "total_us": sum(d), "mean_us": sum(d) / len(d)}
+      for name, d in sorted(totals.items())
+  }
+  spans = [last[t] - first[t] for t in first]
+  return {"regions": regions, "tracks": len(first), "busy_us": sum(spans),
+          "span_us": max(spans) if spans else 0.0}
+
+
+def _problem(spec: str):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import forge_jax  # pylint: disable=g-import-not-at-top
+
+  t, k, n = (int(v) for v in spec.split("x"))
+  rule = forge_jax.adamw(1e-3, weight_decay=0.1).rule
+  kx, kd, kw = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, (t, n), jnp.float32).astype(jnp.bfloat16)
+  w = 0.02 * jax.random.normal(kw, (k, n), jnp.float32)
+  return x, dy, w, tuple(rule.init_slots(w)), rule
+
+
+def profile_problem(spec: str, config: Optional[dict], trace_dir: pathlib.Path) -> dict[str, Any]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
+  x, dy, w, slots, rule = _problem(spec)
+  cfg = fm.MosaicTileConfig(**config) if config else fm.default_config(x, dy, w, slots)
+  ok, why = fm.supports(x, dy, w, slots, cfg)
+  row: dict[str, Any] = {"problem": spec, "optimizer": "adamw", "dtypes": "float32 w/slots",
+                         "config": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}}
+  if not ok:
+    return dict(row, status="unsupported", error=why)
+  scalars = rule.scalars(jnp.int32(0))
+
+  def build():
+    return jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update, config=cfg),
+                   donate_argnums=(2, 3))
+
+  plain = build()
+  timing, _ = _timing.time_steps(lambda c: plain(x, dy, c[0], c[1], scalars)[:2],
+                                 (jnp.copy(w), tuple(jnp.copy(s) for s in slots)))
+  row["ms_unprofiled"] = timing.median_ms
+  trace_dir.mkdir(parents=True, exist_ok=True)
+  fm._PROFILE = (PROFILE_SPACE, str(trace_dir))
+  try:
+    profiled = build()  # a new jit: the compiler params differ
+    out = profiled(x, dy, jnp.copy(w), tuple(jnp.copy(s) for s in slots), scalars)
+    jax.block_until_ready(out)
+    jax.effects_barrier()  # the trace is written by a debug callback
+  finally:
+    fm._PROFILE = None
+  traces = sorted(trace_dir.glob("*.json"))
+  if not traces:
+    return dict(row, status="no_trace", error=f"the profiler wrote nothing to {trace_dir}")
+  summary = summarize_trace(json.loads(traces[-1].read_text()))
+  tiles = summary["regions"].get("fdw_mainloop", {}).get("count", 0)
+  for reg in summary["regions"].values():
+    reg["per_tile_us"] = reg["total_us"] / tiles if tiles else float("nan")
+    reg["share_of_busy"] = reg["total_us"] / summary["busy_us"] if summary["busy_us"] else float("nan")
+  return dict(row, status="ok", tiles=tiles, trace=traces[-1].name, **summary)
+
+
+def markdown(info: dict, rows: Sequence[dict]) -> str:
+  out = ["# Mosaic kernel profile: where a call's time goes", "",
+         f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}.", "",
+         "Per region: mean microseconds per occurrence, per warpgroup tile, and share of the warpgroups' "
+         "busy time (nested: `epilogue` includes the `epi_*` regions). Profiling adds a few cycles per "
+         "range; `ms unprofiled` is the same call timed without it.", ""]
+  for r in rows:
+    out.append(f"## {r['problem']} (AdamW, {r['dtypes']})")
+    out.append("")
+    if r["status"] != "ok":
+      out += [f"{r['status']}: {r.get('error', '')}", ""]
+      continue
+    out.append(f"ms unprofiled {r['ms_unprofiled']:.3f}; {r['tiles']} warpgroup tiles over {r['tracks']} "
+               f"tracks; longest track {r['span_us']:.1f} us.")
+    out += ["", "| region | count | mean us | us per tile | share of busy |", "|---|---|---|---|---|"]
+    for name, reg in r["regions"].items():
+      out.append(f"| {name} | {reg['count']} | {reg['mean_us']:.2f} | {reg['per_tile_us']:.2f} | "
+                 f"{100 * reg['share_of_busy']:.1f}% |")
+    out.append("")
+  return "\n".join(out) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
+  parser.add_argument("--problems", default=",".join(PROBLEMS), help="TxKxN list, AdamW fp32")
+  parser.add_argument("--config-json", default=None, help="MosaicTileConfig fields (default: default_config)")
+  parser.add_argument("--no-traces", action="store_true", help="delete the raw traces afterwards")
+  args = parser.parse_args(argv)
+  import jax  # pylint: disable=g-import-not-at-top
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+
+  if jax.default_backend() != "gpu":
+    parser.error("the Mosaic GPU profiler needs a Hopper GPU")
+  folder = _timing.out_dir(args.out)
+  info = _timing.run_info("experiments.profile_mosaic", argv)
+  config = json.loads(args.config_json) if args.config_json else None
+  rows = []
+  for spec in args.problems.split(","):
+    try:
+      row = profile_problem(spec, config, folder / "traces" / spec)
+    except Exception as e:  # pylint: disable=broad-except  (recorded, next problem)
+      row = {"problem": spec, "status": "error", "error": _timing.short_error(e)}
+    rows.append(row)
+    _timing.log(f"  {spec}: {row['status']} "
+                + " ".join(f"{n}={v['per_tile_us']:.1f}us" for n, v in row.get("regions", {}).items()))
+    _timing.write_json(folder / "profile_mosaic.json", {"info": info, "rows": rows})
+  (folder / "profile_mosaic.md").write_text(markdown(info, rows))
+  if args.no_traces:
+    shutil.rmtree(folder / "traces", ignore_errors=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
