@@ -187,9 +187,10 @@ def test_mosaic_problem_codecs_and_configs():
     _fused._mosaic_problem(x, dy, w, (w,), fd.TileConfig(), False)
 
 
-def test_auto_on_a_gpu_is_the_kernel_except_for_int8_states(fake_gpu):
-  """"auto" takes the Triton kernel on a GPU, but XLA's dot + update for int8 states
+def test_auto_on_a_non_hopper_gpu_is_the_triton_kernel_except_for_int8_states(fake_gpu, monkeypatch):
+  """"auto" takes the Triton kernel on a non-Hopper GPU, but XLA's dot + update for int8 states
   (measured faster on the H200; see _fused._resolve_backend)."""
+  monkeypatch.setattr(_fused, "_on_hopper", lambda: False)
   x, dy, w, state, opt = _problem(64, 128, 256)
   forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto")
   assert [name for name, _, _ in fake_gpu] == ["pallas"]
