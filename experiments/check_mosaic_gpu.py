@@ -34,7 +34,8 @@ down; every section writes its JSON as it goes:
    stages, epilogue sub-tile and ring, L2 prefetch, grid band) timed on
    AdamW fp32 at 4096x4096x4096 and
    1024x4096x4096; the fastest config that passed the check on both is
-   reported as ``best`` (and used by the timing section).
+   reported as ``best`` (the timing section uses the kernel's per-operand
+   ``default_config``, what users get, unless ``--config-json`` names one).
 4. ``timing``: for T in {4096, 1024, 16384} (in that order) and (K, N) in
    {(4096, 4096), (4096, 14336), (14336, 4096), (5120, 17408)}, AdamW, Lion
    and SGD-momentum: the kernel vs XLA's GEMM alone vs XLA GEMM + optax in one
@@ -121,26 +122,21 @@ def _rules() -> dict[str, Any]:
 def _sweep_configs(fm) -> list[Any]:
   """The tilings the sweep times (invalid ones for a problem are skipped)."""
   pp = functools.partial(fm.MosaicTileConfig, schedule="pingpong", l2_prefetch_steps=0,
-                         mma_in_flight=True)
-  # Second H200 sweep (2026-11-29): the epilogue is the bound at T <= 4096
-  # (T=64 probe: 0.158-0.207 ms for 4096^2 fp32 AdamW, 45-60% of the HBM
-  # roofline), and it gained from bigger sub-tiles (fewer per tile), not from
-  # a deeper ring or L2 lookahead: consistent with each sub-tile waiting for
-  # its own TMA store to read the ring slot before the refill is issued. So:
-  # the two bests so far, then separate store buffers (epi_out_slots) at the
-  # shared-memory budgets that fit, then the lane lowering of the bests.
+                         mma_in_flight=True, epi_l2_lookahead=4)
+  # Third H200 session (2026-11-29, results/h200/mosaic_store_buffers/): the
+  # epilogue bounds T <= 4096 and gains from 64x32 sub-tiles (T=64 probe 0.157
+  # vs 0.211 ms), which with fp32 AdamW left room for 3 stages only under the
+  # conservative budget, costing the main loop at T=4096 (0.346 vs 0.296 ms).
+  # Separate store buffers and the lane lowering did not help. This sweep runs
+  # at Mosaic GPU's own 227 KiB limit (section_sweep), which admits 4 stages +
+  # 64x32 for fp32 AdamW (it lowers; not yet timed). The defaults first.
   return [
-      pp(max_concurrent_steps=4, epi_n=16, epi_l2_lookahead=4),  # best at T=4096: 0.295 ms
-      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=4),  # best at T=1024: 0.180 ms
-      pp(max_concurrent_steps=3, epi_n=16, epi_out_slots=2, epi_l2_lookahead=4),
-      pp(max_concurrent_steps=4, epi_n=16, epi_out_slots=1, epi_l2_lookahead=4),
-      pp(max_concurrent_steps=2, epi_n=32, epi_out_slots=1, epi_l2_lookahead=4),
-      pp(max_concurrent_steps=3, epi_n=16, epi_slots=3, epi_out_slots=2, epi_l2_lookahead=4),
-      pp(max_concurrent_steps=4, epi_n=16, epi_l2_lookahead=4, lowering_semantics="Lane"),
-      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=4, lowering_semantics="Lane"),
-      pp(max_concurrent_steps=2, epi_n=16, epi_slots=4, epi_out_slots=2, epi_l2_lookahead=4),
-      pp(max_concurrent_steps=3, epi_n=16, epi_out_slots=2),
-      pp(max_concurrent_steps=3, epi_n=16, epi_out_slots=2, epi_l2_lookahead=4, lowering_semantics="Lane"),
+      pp(max_concurrent_steps=4, epi_n=16),  # long-T default for fp32 AdamW: 0.295 ms at T=4096
+      pp(max_concurrent_steps=3, epi_n=32),  # short-T default: 0.178 ms at T=1024
+      pp(max_concurrent_steps=4, epi_n=32),  # 224 KiB: both at once?
+      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=8),
+      pp(max_concurrent_steps=2, epi_n=32, epi_slots=3),  # a deeper ring of big sub-tiles
+      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0),
   ]
 
 
@@ -535,6 +531,9 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
   if not smoke:
     problems.append(EPILOGUE_PROBE)
   configs = _sweep_configs(fm)
+  # Mosaic GPU's own limit, not the defaults' margin: a config over the real
+  # limit fails to lower and is recorded as an error row.
+  fm._SMEM_BUDGET_BYTES = fm._MOSAIC_SMEM_LIMIT
   if smoke:  # one config per schedule, one the kernel rejects (recorded, not run)
     configs = [
         fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=1, epi_n=32, epi_slots=1, num_sms=1),
@@ -821,7 +820,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--no-kernel", action="store_true",
                       help="skip the kernel in sweep/timing (set by the parent after a hang)")
   parser.add_argument("--config-json", default=None,
-                      help="MosaicTileConfig fields for the timing section (default: the sweep's best)")
+                      help="MosaicTileConfig fields for the timing section (default: default_config per shape)")
   args = parser.parse_args(argv)
   from experiments import _timing  # pylint: disable=g-import-not-at-top  (no jax backend touched)
 
@@ -838,9 +837,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   runs = []
   kernel = True
   for name in args.sections:
-    if name == "timing" and config is None:
-      sweep = _read(folder / "sweep.json") if "sweep" in args.sections else None
-      config = (sweep or {}).get("best", {}).get("config")
     _timing.log(f"== {name} ==")
     runs.append(_spawn(name, folder, args.smoke, config if name == "timing" else None, kernel, args.quick))
     if name == "correctness":

@@ -35,10 +35,13 @@ import sys
 from typing import Any, Optional, Sequence
 
 PROBLEMS = ("64x4096x4096", "1024x4096x4096", "4096x4096x4096")
-# Ranges per warpgroup the profiler can hold: 2 (main loop, epilogue) + 7 per
-# sub-tile, per tile; 4096^2 in 128x128 tiles on 132 SMs is ~4 tiles per
-# warpgroup, 16 sub-tiles each: ~470. Generous, the buffer is small.
-PROFILE_SPACE = 4096
+# Ranges per warpgroup the profiler can hold. It keeps them in shared memory
+# (16 bytes a range, for each of the block's 3 warpgroups) next to the
+# kernel's own ~176-221 KiB, under the 227 KiB limit: 512 ranges take 24 KiB.
+# Enough for 2 (main loop, epilogue) + 6 per sub-tile on each of the ~4
+# tiles a warpgroup gets at 4096^2 (128x128 tiles, 132 SMs): 392 with 64x16
+# sub-tiles, 200 with 64x32. Too small a space fails the trace dump loudly.
+PROFILE_SPACE = 512
 
 
 def summarize_trace(trace: dict) -> dict[str, Any]:

@@ -401,12 +401,17 @@ def test_profiled_kernel_lowers_for_cuda(monkeypatch, tmp_path):
   timed ranges and the Mosaic GPU module (instrumentation included) is built for sm_90. Only
   the trace-dumping host callback, lowered after it, needs a CUDA backend, which this CPU
   lacks: that is the one error allowed."""
-  monkeypatch.setattr(fm, "_PROFILE", (256, str(tmp_path)))
+  from experiments import profile_mosaic  # pylint: disable=g-import-not-at-top
+
+  space = profile_mosaic.PROFILE_SPACE
+  monkeypatch.setattr(fm, "_PROFILE", (space, str(tmp_path)))
   rule = _all_rules()["adamw"].rule
-  x = jax.ShapeDtypeStruct((512, 256), BF16)
-  dy = jax.ShapeDtypeStruct((512, 512), BF16)
-  w = jax.ShapeDtypeStruct((256, 512), F32)
-  slots = tuple(jax.ShapeDtypeStruct((256, 512), F32) for _ in rule.slot_names)
+  # The script's largest default tiling (fp32 AdamW, T=64: 3 stages, 64x32 sub-tiles);
+  # Mosaic GPU checks kernel + profiler shared memory against 227 KiB while lowering.
+  x = jax.ShapeDtypeStruct((64, 4096), BF16)
+  dy = jax.ShapeDtypeStruct((64, 4096), BF16)
+  w = jax.ShapeDtypeStruct((4096, 4096), F32)
+  slots = tuple(jax.ShapeDtypeStruct((4096, 4096), F32) for _ in rule.slot_names)
   kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update,
                                      config=fm.default_config(x, dy, w, slots, num_sms=132)))
   built = []
@@ -417,7 +422,7 @@ def test_profiled_kernel_lowers_for_cuda(monkeypatch, tmp_path):
     traced.lower(lowering_platforms=("cuda",))
   except ValueError as e:  # the dump callback: see the docstring
     assert "platform for the specified backend" in str(e)
-  assert built and built[0]["profile_space"] == 256 and built[0]["profile_dir"] == str(tmp_path)
+  assert built and built[0]["profile_space"] == space and built[0]["profile_dir"] == str(tmp_path)
 
 
 def test_profile_trace_summary():
