@@ -606,7 +606,9 @@ def _cfg_text(cfg) -> str:
   return text
 
 
-def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional[dict], kernel: bool) -> None:
+def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional[dict], kernel: bool,
+                   state_dtype: str = "float32") -> None:
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
   from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
 
@@ -626,6 +628,8 @@ def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional
   impls = ["xla_gemm", "xla_gemm_optax", "mosaic"]
   sec.payload["impls"] = impls
   sec.payload["mosaic_config"] = config
+  sec.payload["state_dtype"] = state_dtype
+  sec.payload["info"]["state_dtype"] = state_dtype
   timing = dict(warmup=1, iters=2, repeats=1) if smoke else dict(warmup=3, iters=30, repeats=3)
   sec.payload["timing"] = timing
   tokens = (64,) if smoke else TOKENS
@@ -639,7 +643,8 @@ def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional
         sec.skip(f"{t}x{k}x{n}")
         continue
       try:
-        rows = bench.bench_shape(t, k, n, optimizers, impls, interpret=interpret, timing=timing)
+        rows = bench.bench_shape(t, k, n, optimizers, impls, interpret=interpret, timing=timing,
+                                 state_dtype=jnp.dtype(state_dtype))
       except Exception as e:  # e.g. out of memory making the inputs
         rows = [{"impl": "-", "optimizer": "-", "shape": f"{t}x{k}x{n}", "status": "error",
                  "floor_ms": float("nan"), "error": _timing.short_error(e)}]
@@ -656,7 +661,7 @@ def _budgets(smoke: bool, quick: bool) -> dict:
 
 
 def run_section(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict], kernel: bool,
-                quick: bool = False) -> int:
+                quick: bool = False, state_dtype: str = "float32") -> int:
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
 
@@ -677,7 +682,7 @@ def run_section(name: str, folder: pathlib.Path, smoke: bool, config: Optional[d
   elif name == "sweep":
     sec.skip("the kernel did not return from its first run (hang?): no sweep")
   elif name == "timing":
-    section_timing(sec, smoke, interpret, config, kernel)
+    section_timing(sec, smoke, interpret, config, kernel, state_dtype)
   sec.payload["done"] = True
   sec.save()
   return 0
@@ -696,7 +701,7 @@ def _read(path: pathlib.Path) -> Optional[dict]:
 
 
 def _spawn(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict], kernel: bool,
-           quick: bool = False) -> dict:
+           quick: bool = False, state_dtype: str = "float32") -> dict:
   limit = _budgets(smoke, quick)[name][1]
   cmd = [sys.executable, "-m", "experiments.check_mosaic_gpu", "--section", name, "--out", str(folder)]
   if smoke:
@@ -707,6 +712,8 @@ def _spawn(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict],
     cmd += ["--config-json", json.dumps(config)]
   if not kernel:
     cmd.append("--no-kernel")
+  if state_dtype != "float32":
+    cmd += ["--state-dtype", state_dtype]
   start = time.perf_counter()
   try:
     proc = subprocess.run(cmd, timeout=limit, capture_output=True, text=True)
@@ -821,13 +828,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="skip the kernel in sweep/timing (set by the parent after a hang)")
   parser.add_argument("--config-json", default=None,
                       help="MosaicTileConfig fields for the timing section (default: default_config per shape)")
+  parser.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="weight and optimizer-state dtype of the timing section (both sides)")
   args = parser.parse_args(argv)
   from experiments import _timing  # pylint: disable=g-import-not-at-top  (no jax backend touched)
 
   folder = _timing.out_dir(args.out)
   config = json.loads(args.config_json) if args.config_json else None
   if args.section:  # a child
-    return run_section(args.section, folder, args.smoke, config, not args.no_kernel, args.quick)
+    return run_section(args.section, folder, args.smoke, config, not args.no_kernel, args.quick,
+                       args.state_dtype)
   if args.sections is None:
     args.sections = ["correctness"] if args.quick else list(SECTIONS)
   if args.quick and args.sections != ["correctness"]:
@@ -838,7 +848,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   kernel = True
   for name in args.sections:
     _timing.log(f"== {name} ==")
-    runs.append(_spawn(name, folder, args.smoke, config if name == "timing" else None, kernel, args.quick))
+    runs.append(_spawn(name, folder, args.smoke, config if name == "timing" else None, kernel, args.quick,
+                       args.state_dtype))
     if name == "correctness":
       # A kernel that never came back from its first call (a hang) would eat
       # every later section's time limit: leave it out of sweep and timing.

@@ -78,6 +78,24 @@ def test_bench_smoke_checks_times_and_reports_every_implementation(tmp_path, mon
   assert "pallas vs xla_gemm_optax" in table and "simulated backend failure" in table
 
 
+def test_bench_bf16_states_stay_bf16_on_both_sides(tmp_path):
+  """--state-dtype bfloat16: weight and states are bf16 for the kernel and for optax (its
+  gradient cast to the parameter's dtype, as a bf16 model's is), before and after steps."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  x, dy, w0 = bench_fused_dw.make_inputs(64, 40, 72, state_dtype=jnp.bfloat16)
+  p = bench_fused_dw.make_problem(x, dy, w0, "adamw", interpret=True)
+  for impl in ("xla_gemm_optax", "pallas"):
+    runner = bench_fused_dw.IMPLEMENTATIONS[impl](p)
+    carry = runner.step(runner.step(runner.init()))
+    w, slots = runner.result(carry)
+    assert w.dtype == jnp.bfloat16 and all(s.dtype == jnp.bfloat16 for s in slots), impl
+  assert bench_fused_dw.main(["--smoke", "--state-dtype", "bfloat16", "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "bench_fused_dw.json").read_text())["rows"]
+  assert rows and all(r["status"] == "ok" for r in rows), rows
+  assert "Weight and optimizer states: bfloat16" in (tmp_path / "bench_fused_dw.md").read_text()
+
+
 def test_bench_floor_counts_minimal_bytes():
   x, dy, w0 = bench_fused_dw.make_inputs(64, 32, 48)
   p = bench_fused_dw.make_problem(x, dy, w0, "adamw", interpret=True)
