@@ -18,8 +18,10 @@ the sweep's epilogue probe (one token step: the time is the epilogue's).
     PYTHONPATH=$PWD python -m experiments.profile_mosaic --problems 1024x4096x4096 \\
         --config-json '{"schedule": "pingpong", "max_concurrent_steps": 3, "epi_n": 32}'
 
-Writes ``profile_mosaic.json`` and ``profile_mosaic.md`` (plus the raw traces
-under ``traces/`` unless ``--no-traces``). GPU only (the profiler has no
+Writes ``profile_mosaic.json`` and ``profile_mosaic.md`` plus one gzipped raw
+trace per problem under ``traces/`` (``--no-traces``: none). The device tool
+returns at most 8 files of 16 MiB: an uncompressed trace of a 4096^2 call can
+be bigger than that. GPU only (the profiler has no
 interpreter); ``summarize_trace`` is tested on CPU with a synthetic trace.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gzip
 import json
 import pathlib
 import shutil
@@ -127,11 +130,23 @@ def profile_problem(spec: str, config: Optional[dict], trace_dir: pathlib.Path) 
   if not traces:
     return dict(row, status="no_trace", error=f"the profiler wrote nothing to {trace_dir}")
   summary = summarize_trace(json.loads(traces[-1].read_text()))
+  kept = compress(traces[-1])
+  for extra in traces[:-1]:
+    extra.unlink()
   tiles = summary["regions"].get("fdw_mainloop", {}).get("count", 0)
   for reg in summary["regions"].values():
     reg["per_tile_us"] = reg["total_us"] / tiles if tiles else float("nan")
     reg["share_of_busy"] = reg["total_us"] / summary["busy_us"] if summary["busy_us"] else float("nan")
-  return dict(row, status="ok", tiles=tiles, trace=traces[-1].name, **summary)
+  return dict(row, status="ok", tiles=tiles, trace=kept.name, **summary)
+
+
+def compress(path: pathlib.Path) -> pathlib.Path:
+  """``path`` gzipped beside itself (the original removed); returns the new path."""
+  out = path.with_name(path.name + ".gz")
+  with gzip.open(out, "wb") as f:
+    f.write(path.read_bytes())
+  path.unlink()
+  return out
 
 
 def markdown(info: dict, rows: Sequence[dict]) -> str:

@@ -26,6 +26,8 @@ Slots are random (never zeros); nu-like slots positive.
 from __future__ import annotations
 
 import functools
+import gzip
+import json
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -425,7 +427,7 @@ def test_profiled_kernel_lowers_for_cuda(monkeypatch, tmp_path):
   assert built and built[0]["profile_space"] == space and built[0]["profile_dir"] == str(tmp_path)
 
 
-def test_profile_trace_summary():
+def test_profile_trace_summary(tmp_path):
   from experiments import profile_mosaic  # pylint: disable=g-import-not-at-top
 
   ev = lambda name, ph, ts, tid: {"name": name, "ph": ph, "ts": ts, "pid": 1, "tid": tid}
@@ -435,6 +437,10 @@ def test_profile_trace_summary():
       ev("fdw_epi_wait", "B", 14.0, 1), ev("fdw_epi_wait", "E", 15.0, 1), ev("fdw_epilogue", "E", 20.0, 1),
       ev("fdw_mainloop", "B", 5.0, 2), ev("fdw_mainloop", "E", 9.0, 2),
   ]}
+  path = tmp_path / "1-trace.json"
+  path.write_text(json.dumps(trace))
+  packed = profile_mosaic.compress(path)
+  assert not path.exists() and json.loads(gzip.decompress(packed.read_bytes())) == trace
   s = profile_mosaic.summarize_trace(trace)
   assert s["tracks"] == 2 and s["span_us"] == 20.0 and s["busy_us"] == 24.0
   assert s["regions"]["fdw_mainloop"] == {"count": 2, "total_us": 14.0, "mean_us": 7.0}
