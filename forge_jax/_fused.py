@@ -39,7 +39,8 @@ from pallas_kernels import fused_dw as _fused_dw
 from pallas_kernels import numerics
 
 BACKENDS = ("auto", "xla", "pallas", "interpret", "mosaic", "mosaic_interpret")
-# "auto" on a Hopper GPU: the Mosaic kernel, "pallas" (no warning) where it cannot run.
+# "auto" on a GPU with float states: the Mosaic kernel, "pallas" (no warning) where it
+# cannot run (not a Hopper GPU, shapes or dtypes off its tiling).
 _AUTO_MOSAIC = "auto:mosaic"
 _MOSAIC_BACKENDS = ("mosaic", "mosaic_interpret", _AUTO_MOSAIC)
 
@@ -69,11 +70,12 @@ def _resolve_backend(backend: str, quantized_slots: bool = False) -> str:
     # has no int8 epilogue.
     if platform != "gpu" or quantized_slots:
       return "xla"
-    # Float states on Hopper: the Mosaic kernel. Whole Llama-3.1-8B step,
-    # pure bf16, 1x1024 tokens, side by side on the H200: 144.8 ms against
-    # 169.0 ms with the Triton kernel, and 146.6 / 152.7 ms for optax /
-    # optax clip+adamw (experiments/results/h200/models_mosaic/).
-    return _AUTO_MOSAIC if _on_hopper() else "pallas"
+    # Float states: the Mosaic kernel wherever it can run (a Hopper GPU, its
+    # shapes and dtypes; _mosaic_problem says), else the Triton kernel. Whole
+    # Llama-3.1-8B step, pure bf16, 1x1024 tokens, side by side on the H200:
+    # 144.8 ms against 169.0 ms with the Triton kernel, and 146.6 / 152.7 ms
+    # for optax / optax clip+adamw (experiments/results/h200/bench_models_mosaic.md).
+    return _AUTO_MOSAIC
   if backend in ("pallas", "mosaic") and platform != "gpu":
     raise ValueError(
         f"backend={backend!r} needs a GPU, but jax's default backend is {platform!r}: "
@@ -82,15 +84,6 @@ def _resolve_backend(backend: str, quantized_slots: bool = False) -> str:
         "interpreter) here."
     )
   return backend
-
-
-def _on_hopper() -> bool:
-  """Whether jax's default device is a Hopper (sm_90) GPU."""
-  try:
-    device = jax.devices()[0]
-  except RuntimeError:
-    return False
-  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
 def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None, interpret=False):
@@ -129,22 +122,15 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None
 
 def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
                 compute_grad_sq_norm, rounding=None):
-  """The Mosaic GPU kernel, or the fallback backend (with a warning) if it cannot run this call."""
-  if backend == _AUTO_MOSAIC:
-    from pallas_kernels import fused_dw as fd  # pylint: disable=g-import-not-at-top
+  """The Mosaic GPU kernel, or a fallback backend if it cannot run this call.
 
-    if isinstance(config, fd.TileConfig):  # a Triton tiling: the caller means that kernel
-      reason, cfg = "a Triton TileConfig was given", None
-    else:
-      reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding)
-    if reason is not None:  # "auto" did not promise Mosaic: no warning
-      kwargs = {} if rounding is None else {"rounding": rounding}
-      return _run_backend(
-          "pallas", x, dy, w, slots, scalars, update_fn, layer=layer,
-          config=config if isinstance(config, fd.TileConfig) else None,
-          compute_grad_sq_norm=compute_grad_sq_norm, **kwargs,
-      )
-    backend = "mosaic"
+  An explicit ``"mosaic"``/``"mosaic_interpret"`` warns once per reason;
+  ``"auto"`` (``_AUTO_MOSAIC``) promised no kernel, so it falls back silently,
+  and a Triton ``TileConfig`` given with it means the Triton kernel.
+  """
+  auto = backend == _AUTO_MOSAIC
+  if auto and isinstance(config, _fused_dw.TileConfig):
+    reason, cfg = "a Triton TileConfig was given", None
   else:
     reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding,
                                   interpret=backend == "mosaic_interpret")
@@ -158,8 +144,8 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
         x, dy, w, slots, scalars, update_fn, layer=layer, config=cfg,
         compute_grad_sq_norm=compute_grad_sq_norm, interpret=interpret, **(rounding or {}),
     )
-  fallback = "pallas" if backend == "mosaic" else "xla"
-  if (backend, reason) not in _FALLBACK_WARNED:
+  fallback = "xla" if backend == "mosaic_interpret" else "pallas"
+  if not auto and (backend, reason) not in _FALLBACK_WARNED:
     _FALLBACK_WARNED.add((backend, reason))
     warnings.warn(
         f"fused_linear_update(backend={backend!r}): {reason}; running backend={fallback!r} "
@@ -168,7 +154,8 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
     )
   kwargs = {} if rounding is None else {"rounding": rounding}
   return _run_backend(
-      fallback, x, dy, w, slots, scalars, update_fn, layer=layer, config=None,
+      fallback, x, dy, w, slots, scalars, update_fn, layer=layer,
+      config=config if isinstance(config, _fused_dw.TileConfig) else None,
       compute_grad_sq_norm=compute_grad_sq_norm, **kwargs,
   )
 

@@ -468,7 +468,8 @@ class _TracedRule:
     return jax.tree.unflatten(self.out_tree, outs)
 
 
-def _trace_rule(update_fn: UpdateFn, shape, num_slots: int, scalars) -> _TracedRule:
+def _trace_rule(update_fn: UpdateFn, shape, num_slots: int, scalars,
+                semantics: str = _LOWERING_SEMANTICS) -> _TracedRule:
   tile = jax.ShapeDtypeStruct(shape, jnp.float32)
   scalar_avals = jax.tree.map(lambda _: jax.ShapeDtypeStruct((), jnp.float32), scalars)
   closed, out_shape = jax.make_jaxpr(update_fn, return_shape=True)(
@@ -480,7 +481,7 @@ def _trace_rule(update_fn: UpdateFn, shape, num_slots: int, scalars) -> _TracedR
   for s in jax.tree.leaves(out_shape):
     if tuple(s.shape) != tuple(shape):
       raise ValueError(f"update_fn must be elementwise: got an output of shape {s.shape}")
-  return _TracedRule(closed, jax.tree.structure(out_shape))
+  return _TracedRule(closed, jax.tree.structure(out_shape), semantics)
 
 
 # ----------------------------------------------------------------------------
@@ -1197,10 +1198,7 @@ def fused_dw_update_mosaic(
       num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
       interpreting=_interpret_params(interpret) is not None, stochastic=stochastic,
   )
-  rule = dataclasses.replace(
-      _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars),
-      semantics=cfg.lowering_semantics,
-  )
+  rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars, cfg.lowering_semantics)
   # The kernel addresses one 2-D [L*K, N] array; the layer is a row offset.
   flat = lambda a: a.reshape(num_layers * k, n)
   # One row of per-W-row partial sums per warpgroup column block; each entry

@@ -140,6 +140,16 @@ def test_grad_sq_norm_and_every_tile_written():
     _assert_close(a, e, "slot")
 
 
+def _assert_matches_reference_with_norm(x, dy, w, slots, rule, cfg):
+  (new_w, new_slots, norm), (ref_w, ref_slots, ref_norm) = _run_both(
+      x, dy, w, slots, rule, norm=True, config=cfg
+  )
+  np.testing.assert_allclose(float(norm), float(ref_norm), rtol=2e-5)
+  _assert_close(new_w, ref_w, "w")
+  for a, e in zip(new_slots, ref_slots):
+    _assert_close(a, e, "slot")
+
+
 def test_pingpong_schedule_matches_reference(tuned=True):
   """Each warpgroup owns whole tiles; 3 tiles on 2 blocks: one gets 1 (one idle warpgroup),
   one gets 2 (4 steps through a 3-stage ring: it wraps across tiles)."""
@@ -153,13 +163,7 @@ def test_pingpong_schedule_matches_reference(tuned=True):
       mma_in_flight=tuned, epi_l2_lookahead=2 if tuned else 0,
   )
   x, dy, w, slots = _inputs(4, 128, 192, 64, rule, slot_dtype=BF16)
-  (new_w, new_slots, norm), (ref_w, ref_slots, ref_norm) = _run_both(
-      x, dy, w, slots, rule, norm=True, config=cfg
-  )
-  np.testing.assert_allclose(float(norm), float(ref_norm), rtol=2e-5)
-  _assert_close(new_w, ref_w, "w")
-  for a, e in zip(new_slots, ref_slots):
-    _assert_close(a, e, "slot")
+  _assert_matches_reference_with_norm(x, dy, w, slots, rule, cfg)
 
 
 @pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
@@ -176,13 +180,7 @@ def test_separate_store_buffers_match_reference(schedule):
   # T = 2 steps: under the interpreter the cooperative pipeline hangs at T = tile_t
   # (one step, fewer than its stages; it ran on the H200: the sweep's T=64 probe).
   x, dy, w, slots = _inputs(6, 128, 128, n, rule, w_dtype=BF16, slot_dtype=F32)
-  (new_w, new_slots, norm), (ref_w, ref_slots, ref_norm) = _run_both(
-      x, dy, w, slots, rule, norm=True, config=cfg
-  )
-  np.testing.assert_allclose(float(norm), float(ref_norm), rtol=2e-5)
-  _assert_close(new_w, ref_w, "w")
-  for a, e in zip(new_slots, ref_slots):
-    _assert_close(a, e, "slot")
+  _assert_matches_reference_with_norm(x, dy, w, slots, rule, cfg)
 
 
 def test_stacked_layer_updates_only_its_slice():

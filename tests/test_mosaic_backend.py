@@ -188,11 +188,15 @@ def test_mosaic_problem_codecs_and_configs():
 
 
 def test_auto_on_a_non_hopper_gpu_is_the_triton_kernel_except_for_int8_states(fake_gpu, monkeypatch):
-  """"auto" takes the Triton kernel on a non-Hopper GPU, but XLA's dot + update for int8 states
-  (measured faster on the H200; see _fused._resolve_backend)."""
-  monkeypatch.setattr(_fused, "_on_hopper", lambda: False)
+  """"auto" takes the Triton kernel on a non-Hopper GPU (without a warning: it promised no
+  kernel), but XLA's dot + update for int8 states (measured faster on the H200; see
+  _fused._resolve_backend)."""
+  monkeypatch.setattr(fm, "_device_problem", lambda: "needs a Hopper GPU (sm_90, wgmma); A100 is sm_8.0")
   x, dy, w, state, opt = _problem(64, 128, 256)
-  forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto")
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto")
+  assert not _fallback_warnings(record)
   assert [name for name, _, _ in fake_gpu] == ["pallas"]
   fake_gpu.clear()
   opt8 = forge_jax.adamw(1e-3, precision=forge_jax.Precision(state_dtype="int8", min_quantized_size=0))
@@ -204,11 +208,10 @@ def test_auto_on_a_non_hopper_gpu_is_the_triton_kernel_except_for_int8_states(fa
   np.testing.assert_array_equal(new_w, want)
 
 
-def test_auto_on_hopper_is_the_mosaic_kernel_with_a_silent_triton_fallback(fake_gpu, monkeypatch):
-  """On a Hopper GPU "auto" runs the Mosaic kernel; what it cannot take (here N off its
-  tiling, or a Triton TileConfig) runs the Triton kernel without a warning; int8 states
-  still take XLA's dot + update."""
-  monkeypatch.setattr(_fused, "_on_hopper", lambda: True)
+def test_auto_on_hopper_is_the_mosaic_kernel_with_a_silent_triton_fallback(fake_gpu):
+  """On a Hopper GPU (what the faked GPU looks like to the kernel's device check) "auto" runs
+  the Mosaic kernel; what it cannot take (here N off its tiling, or a Triton TileConfig) runs
+  the Triton kernel without a warning; int8 states still take XLA's dot + update."""
   x, dy, w, state, opt = _problem(64, 128, 256)
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
@@ -230,6 +233,3 @@ def test_auto_on_hopper_is_the_mosaic_kernel_with_a_silent_triton_fallback(fake_
   forge_jax.fused_linear_update(x, dy, w, opt8.init(w), opt8, backend="auto")
   assert fake_gpu == []
 
-
-def test_on_hopper_is_false_on_this_cpu():
-  assert not _fused._on_hopper()
