@@ -123,20 +123,20 @@ def _sweep_configs(fm) -> list[Any]:
   """The tilings the sweep times (invalid ones for a problem are skipped)."""
   pp = functools.partial(fm.MosaicTileConfig, schedule="pingpong", l2_prefetch_steps=0,
                          mma_in_flight=True, epi_l2_lookahead=4)
-  # Third H200 session (2026-11-29, results/h200/mosaic_store_buffers/): the
-  # epilogue bounds T <= 4096 and gains from 64x32 sub-tiles (T=64 probe 0.157
-  # vs 0.211 ms), which with fp32 AdamW left room for 3 stages only under the
-  # conservative budget, costing the main loop at T=4096 (0.346 vs 0.296 ms).
-  # Separate store buffers and the lane lowering did not help. This sweep runs
-  # at Mosaic GPU's own 227 KiB limit (section_sweep), which admits 4 stages +
-  # 64x32 for fp32 AdamW (it lowers; not yet timed). The defaults first.
+  # Fourth H200 session (2026-11-29, results/h200/mosaic_defaults/): 4 stages
+  # + 64x32 sub-tiles (224 KiB for fp32 AdamW) was fastest at T = 4096, 1024
+  # and 64 (0.290 / 0.171 / 0.159 ms) and became the default; dropping the L2
+  # lookahead made 3 stages + 64x32 faster at every T (0.339 / 0.174 / 0.140
+  # vs 0.348 / 0.180 / 0.157). The profile (results/h200/mosaic_profile/)
+  # puts a quarter of the epilogue in the rule's arithmetic region. This
+  # sweep: the lookahead on the new default, and approximate math.
   return [
-      pp(max_concurrent_steps=4, epi_n=16),  # long-T default for fp32 AdamW: 0.295 ms at T=4096
-      pp(max_concurrent_steps=3, epi_n=32),  # short-T default: 0.178 ms at T=1024
-      pp(max_concurrent_steps=4, epi_n=32),  # 224 KiB: both at once?
-      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=8),
-      pp(max_concurrent_steps=2, epi_n=32, epi_slots=3),  # a deeper ring of big sub-tiles
-      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0),
+      pp(max_concurrent_steps=4, epi_n=32),  # the default for fp32 AdamW
+      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),
+      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=2),
+      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, approx_math=True),
+      pp(max_concurrent_steps=4, epi_n=32, approx_math=True),
+      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0),  # repeat of the last sweep's best at T=64
   ]
 
 
@@ -603,11 +603,13 @@ def _cfg_text(cfg) -> str:
     text += f" out{get('epi_out_slots')}"
   if get("lowering_semantics", "Warpgroup") != "Warpgroup":
     text += f" {str(get('lowering_semantics')).lower()}"
+  if get("approx_math", False):
+    text += " approx"
   return text
 
 
 def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional[dict], kernel: bool,
-                   state_dtype: str = "float32") -> None:
+                   state_dtype: str = "float32", tokens: Optional[Sequence[int]] = None) -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
   from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
@@ -632,7 +634,7 @@ def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional
   sec.payload["info"]["state_dtype"] = state_dtype
   timing = dict(warmup=1, iters=2, repeats=1) if smoke else dict(warmup=3, iters=30, repeats=3)
   sec.payload["timing"] = timing
-  tokens = (64,) if smoke else TOKENS
+  tokens = (64,) if smoke else tuple(tokens or TOKENS)
   shapes = ((64, 128),) if smoke else SHAPES_KN
   optimizers = ["adamw"] if smoke else list(bench.OPTIMIZERS)
   if not kernel:
@@ -661,7 +663,8 @@ def _budgets(smoke: bool, quick: bool) -> dict:
 
 
 def run_section(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict], kernel: bool,
-                quick: bool = False, state_dtype: str = "float32") -> int:
+                quick: bool = False, state_dtype: str = "float32",
+                tokens: Optional[Sequence[int]] = None) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
 
@@ -682,7 +685,7 @@ def run_section(name: str, folder: pathlib.Path, smoke: bool, config: Optional[d
   elif name == "sweep":
     sec.skip("the kernel did not return from its first run (hang?): no sweep")
   elif name == "timing":
-    section_timing(sec, smoke, interpret, config, kernel, state_dtype)
+    section_timing(sec, smoke, interpret, config, kernel, state_dtype, tokens)
   sec.payload["done"] = True
   sec.save()
   return 0
@@ -701,7 +704,8 @@ def _read(path: pathlib.Path) -> Optional[dict]:
 
 
 def _spawn(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict], kernel: bool,
-           quick: bool = False, state_dtype: str = "float32") -> dict:
+           quick: bool = False, state_dtype: str = "float32",
+           tokens: Optional[Sequence[int]] = None) -> dict:
   limit = _budgets(smoke, quick)[name][1]
   cmd = [sys.executable, "-m", "experiments.check_mosaic_gpu", "--section", name, "--out", str(folder)]
   if smoke:
@@ -714,6 +718,8 @@ def _spawn(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict],
     cmd.append("--no-kernel")
   if state_dtype != "float32":
     cmd += ["--state-dtype", state_dtype]
+  if tokens:
+    cmd += ["--tokens", *map(str, tokens)]
   start = time.perf_counter()
   try:
     proc = subprocess.run(cmd, timeout=limit, capture_output=True, text=True)
@@ -830,6 +836,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="MosaicTileConfig fields for the timing section (default: default_config per shape)")
   parser.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
                       help="weight and optimizer-state dtype of the timing section (both sides)")
+  parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                      help=f"T values of the timing section (default: {' '.join(map(str, TOKENS))})")
   args = parser.parse_args(argv)
   from experiments import _timing  # pylint: disable=g-import-not-at-top  (no jax backend touched)
 
@@ -837,7 +845,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   config = json.loads(args.config_json) if args.config_json else None
   if args.section:  # a child
     return run_section(args.section, folder, args.smoke, config, not args.no_kernel, args.quick,
-                       args.state_dtype)
+                       args.state_dtype, args.tokens)
   if args.sections is None:
     args.sections = ["correctness"] if args.quick else list(SECTIONS)
   if args.quick and args.sections != ["correctness"]:
@@ -849,7 +857,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   for name in args.sections:
     _timing.log(f"== {name} ==")
     runs.append(_spawn(name, folder, args.smoke, config if name == "timing" else None, kernel, args.quick,
-                       args.state_dtype))
+                       args.state_dtype, args.tokens))
     if name == "correctness":
       # A kernel that never came back from its first call (a hang) would eat
       # every later section's time limit: leave it out of sweep and timing.

@@ -82,14 +82,19 @@ from pallas_kernels.numerics import store_cast
 Array = jax.Array
 UpdateFn = Callable[..., tuple[Array, tuple[Array, ...]]]
 
-# The largest dynamic shared memory a Hopper block may use (227 KiB), minus a
-# margin for the barriers and Mosaic GPU's own reduction scratch. Mosaic GPU
-# checks the real total (its own accounting) against 227 KiB while lowering,
-# also when cross-lowering on a CPU: e.g. 4 stages + 64x32 sub-tiles for fp32
-# AdamW (224 KiB by _smem_bytes) lowers, but stays out of the defaults until
-# an H200 sweep has timed it (experiments.check_mosaic_gpu's sweep runs at
-# _MOSAIC_SMEM_LIMIT).
-_SMEM_BUDGET_BYTES = 227 * 1024 - 4 * 1024
+# The largest dynamic shared memory a Hopper block may use is 227 KiB, and
+# Mosaic GPU checks a kernel's real total (its own accounting: barriers and
+# its reduction scratch included) against it while lowering, also when
+# cross-lowering on a CPU. Its total exceeds _smem_bytes' count by about
+# 2.1 KiB, so the budget keeps a 3 KiB margin: 4 stages + 64x32 sub-tiles for
+# fp32 AdamW (exactly 224 KiB by _smem_bytes) lowers and ran correctly on the
+# H200, and is the fastest tiling at T = 64, 1024 and 4096
+# (experiments/results/h200/mosaic_defaults/); with the grad-norm buffer
+# (1 KiB more) it would not lower.
+# tests/test_fused_dw_mosaic.py lowers every default candidate that lands in
+# the margin, so a config the count admits but Mosaic refuses fails a test,
+# not a user's compile.
+_SMEM_BUDGET_BYTES = 224 * 1024
 _MOSAIC_SMEM_LIMIT = 227 * 1024
 _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -154,6 +159,12 @@ class MosaicTileConfig:
       default, layouts inferred for whole warpgroup arrays) or ``"Lane"``
       (the per-thread lowering jax 0.10 defaults to). Same results; a knob
       for the sweep.
+    approx_math: cheaper, inexact epilogue arithmetic: Mosaic GPU's
+      ``approx_math`` (approximate ``rsqrt``/``sqrt``/``exp``, a few ulp) and
+      division by a scalar (e.g. Adam's bias corrections) as multiplication
+      by its reciprocal (within 2 ulp). Off by default: the update then
+      differs from the exact rule by a few ulp per element. A knob to measure
+      how much of the epilogue the rule's arithmetic costs.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -173,6 +184,7 @@ class MosaicTileConfig:
   epi_l2_lookahead: int = 0
   epi_out_slots: int = 0
   lowering_semantics: str = "Warpgroup"
+  approx_math: bool = False
   num_sms: Optional[int] = None
 
 
@@ -420,12 +432,15 @@ def _open_jaxpr(j) -> tuple[Any, list]:
   return inner, list(getattr(j, "consts", ()))
 
 
-def _eval_for_mosaic(closed_jaxpr, *args, rewrites=None):
+def _eval_for_mosaic(closed_jaxpr, *args, rewrites=None, scalar_reciprocal: bool = False):
   """Evaluates a closed jaxpr with the primitives Mosaic GPU lacks rewritten.
 
   Nested ``jit`` / ``closed_call`` / ``custom_jvp_call`` bodies (``jnp``
   functions are often jitted) are inlined so their primitives are rewritten
   too. Everything else is bound unchanged (as ``jax.core.eval_jaxpr`` does).
+  ``scalar_reciprocal`` (``MosaicTileConfig.approx_math``): an array divided
+  by a scalar becomes the array times the scalar's reciprocal (one division
+  per sub-tile instead of one per element; within 2 ulp).
   """
   jaxpr, consts = _open_jaxpr(closed_jaxpr)
   rewrites = _active_rewrites() if rewrites is None else rewrites
@@ -443,8 +458,12 @@ def _eval_for_mosaic(closed_jaxpr, *args, rewrites=None):
     prim = eqn.primitive
     if prim in rewrites:
       outvals = [rewrites[prim](*invals)]
+    elif (scalar_reciprocal and prim is lax.div_p and _is_scalar(eqn.invars[1])
+          and not _is_scalar(eqn.invars[0])):
+      outvals = [invals[0] * (1.0 / invals[1])]
     elif prim in _INLINED_CALLS:
-      outvals = _eval_for_mosaic(eqn.params[_INLINED_CALLS[prim]], *invals, rewrites=rewrites)
+      outvals = _eval_for_mosaic(eqn.params[_INLINED_CALLS[prim]], *invals, rewrites=rewrites,
+                                 scalar_reciprocal=scalar_reciprocal)
     else:
       outvals = prim.bind(*invals, **prim.get_bind_params(eqn.params))
       if not prim.multiple_results:
@@ -454,6 +473,10 @@ def _eval_for_mosaic(closed_jaxpr, *args, rewrites=None):
   return [read(v) for v in jaxpr.outvars]
 
 
+def _is_scalar(v) -> bool:
+  return tuple(getattr(v.aval, "shape", ())) == ()
+
+
 @dataclasses.dataclass(frozen=True)
 class _TracedRule:
   """``update_fn`` traced once on one epilogue sub-tile."""
@@ -461,15 +484,17 @@ class _TracedRule:
   closed_jaxpr: Any
   out_tree: Any
   semantics: str = _LOWERING_SEMANTICS
+  approx: bool = False  # MosaicTileConfig.approx_math
 
   def __call__(self, g, w, slots, scalar_leaves):
     outs = _eval_for_mosaic(self.closed_jaxpr, g, w, *slots, *scalar_leaves,
-                            rewrites=_active_rewrites(self.semantics))
+                            rewrites=_active_rewrites(self.semantics),
+                            scalar_reciprocal=self.approx)
     return jax.tree.unflatten(self.out_tree, outs)
 
 
 def _trace_rule(update_fn: UpdateFn, shape, num_slots: int, scalars,
-                semantics: str = _LOWERING_SEMANTICS) -> _TracedRule:
+                semantics: str = _LOWERING_SEMANTICS, approx: bool = False) -> _TracedRule:
   tile = jax.ShapeDtypeStruct(shape, jnp.float32)
   scalar_avals = jax.tree.map(lambda _: jax.ShapeDtypeStruct((), jnp.float32), scalars)
   closed, out_shape = jax.make_jaxpr(update_fn, return_shape=True)(
@@ -481,7 +506,7 @@ def _trace_rule(update_fn: UpdateFn, shape, num_slots: int, scalars,
   for s in jax.tree.leaves(out_shape):
     if tuple(s.shape) != tuple(shape):
       raise ValueError(f"update_fn must be elementwise: got an output of shape {s.shape}")
-  return _TracedRule(closed, jax.tree.structure(out_shape), semantics)
+  return _TracedRule(closed, jax.tree.structure(out_shape), semantics, approx)
 
 
 # ----------------------------------------------------------------------------
@@ -1019,20 +1044,22 @@ _PINGPONG = functools.partial(MosaicTileConfig, schedule="pingpong")
 _TUNED = dict(l2_prefetch_steps=0, mma_in_flight=True, epi_l2_lookahead=4)
 # Tried in order by :func:`default_config`: the first that fits the operands'
 # dtypes in shared memory (and divides their shape) wins. Ping-pong beat
-# cooperative at every setting; at T=4096 the best is 4 stages with 64x16
-# sub-tiles (0.295 / 0.296 ms in two sweeps; 64x32 sub-tiles, which leave room
-# for 3 stages only with fp32 AdamW, 0.346 / 0.351), at T=1024 3 stages with
-# 64x32 sub-tiles (0.180 / 0.178 ms; 64x16 0.211-0.212): the main loop matters
-# at long T, the number of epilogue round trips at short T. 64x32 sub-tiles
-# are tried first at long T too: they fit 4 stages when the states are small
-# (bf16, or few fp32 slots) and are the bf16 rows' 64-byte swizzle (64x16
-# bf16 would be 32 bytes). Separate store buffers (epi_out_slots) and the lane
-# lowering measured no better (mosaic_store_buffers/), so both stay off.
+# cooperative at every setting. The fourth sweep (mosaic_defaults/, AdamW
+# fp32) timed 4 stages with 64x32 sub-tiles, which the 3 KiB margin now
+# admits, fastest everywhere: 0.290 / 0.171 / 0.159 ms at T = 4096 / 1024 /
+# 64, against 0.298 / 0.211 / 0.206 for 4 stages with 64x16 (the old long-T
+# default) and 0.348 / 0.180 / 0.157 for 3 stages with 64x32 (the old short-T
+# one): the main loop wants stages, the epilogue few round trips. When the
+# states are larger (3-4 fp32 slots), the order says which to give up first:
+# sub-tile width at long T, a stage at short T. Separate store buffers
+# (epi_out_slots) and the lane lowering measured no better
+# (mosaic_store_buffers/), so both stay off.
 _LONG_T_CANDIDATES = (
     _PINGPONG(max_concurrent_steps=4, epi_n=32, **_TUNED),
     _PINGPONG(max_concurrent_steps=4, epi_n=16, **_TUNED),
 )
 _SHORT_T_CANDIDATES = (
+    _PINGPONG(max_concurrent_steps=4, epi_n=32, **_TUNED),
     _PINGPONG(max_concurrent_steps=3, epi_n=32, **_TUNED),
     _PINGPONG(max_concurrent_steps=3, epi_n=16, **_TUNED),
 )
@@ -1054,7 +1081,7 @@ _SHORT_T = 2048
 def _default_candidates(t: int) -> tuple[MosaicTileConfig, ...]:
   first = _SHORT_T_CANDIDATES if t <= _SHORT_T else _LONG_T_CANDIDATES
   second = _LONG_T_CANDIDATES if t <= _SHORT_T else _SHORT_T_CANDIDATES
-  return first + second + _OTHER_CANDIDATES
+  return tuple(dict.fromkeys(first + second + _OTHER_CANDIDATES))  # in order, once each
 
 
 def default_config(
@@ -1198,7 +1225,8 @@ def fused_dw_update_mosaic(
       num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
       interpreting=_interpret_params(interpret) is not None, stochastic=stochastic,
   )
-  rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars, cfg.lowering_semantics)
+  rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars,
+                     cfg.lowering_semantics, cfg.approx_math)
   # The kernel addresses one 2-D [L*K, N] array; the layer is a row offset.
   flat = lambda a: a.reshape(num_layers * k, n)
   # One row of per-W-row partial sums per warpgroup column block; each entry
@@ -1225,6 +1253,7 @@ def fused_dw_update_mosaic(
         mesh,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.lowering_semantics),
+            approx_math=cfg.approx_math,
             **({} if _PROFILE is None else dict(profile_space=_PROFILE[0], profile_dir=_PROFILE[1])),
         ),
         name="fused_dw_update_mosaic",
