@@ -123,20 +123,19 @@ def _sweep_configs(fm) -> list[Any]:
   """The tilings the sweep times (invalid ones for a problem are skipped)."""
   pp = functools.partial(fm.MosaicTileConfig, schedule="pingpong", l2_prefetch_steps=0,
                          mma_in_flight=True, epi_l2_lookahead=4)
-  # Fourth H200 session (2026-11-29, results/h200/mosaic_defaults/): 4 stages
-  # + 64x32 sub-tiles (224 KiB for fp32 AdamW) was fastest at T = 4096, 1024
-  # and 64 (0.290 / 0.171 / 0.159 ms) and became the default; dropping the L2
-  # lookahead made 3 stages + 64x32 faster at every T (0.339 / 0.174 / 0.140
-  # vs 0.348 / 0.180 / 0.157). The profile (results/h200/mosaic_profile/)
-  # puts a quarter of the epilogue in the rule's arithmetic region. This
-  # sweep: the lookahead on the new default, and approximate math.
+  # Fourth H200 session (2026-11-29): 4 stages + 64x32 sub-tiles (224 KiB for
+  # fp32 AdamW) was fastest at T = 4096, 1024 and 64 (results/h200/
+  # mosaic_defaults/), and fastest without the L2 lookahead (mosaic_sweep4/:
+  # 0.276 / 0.162 / 0.140 ms, vs 0.288 / 0.172 / 0.158 with it); that is the
+  # default now. approx_math took T=1024 to 0.153 ms (inexact, off). Next:
+  # the default against the narrow sub-tiles and a deeper epilogue ring.
   return [
-      pp(max_concurrent_steps=4, epi_n=32),  # the default for fp32 AdamW
-      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),
-      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=2),
+      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),  # the default for fp32 AdamW
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, approx_math=True),
-      pp(max_concurrent_steps=4, epi_n=32, approx_math=True),
-      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0),  # repeat of the last sweep's best at T=64
+      pp(max_concurrent_steps=4, epi_n=16),  # the former long-T default
+      pp(max_concurrent_steps=4, epi_n=16, epi_l2_lookahead=0),
+      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0, epi_slots=3),
+      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0),
   ]
 
 

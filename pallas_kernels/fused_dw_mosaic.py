@@ -1037,31 +1037,37 @@ def _pingpong_body(
 
 
 _PINGPONG = functools.partial(MosaicTileConfig, schedule="pingpong")
-# The two knobs the second and third H200 sweeps kept (jax 0.11.2, AdamW fp32,
-# experiments/results/h200/mosaic_tuned/ and mosaic_store_buffers/): one wgmma
-# in flight (T=16384 main loop: 1.024 -> 0.883 ms against cuBLAS's 0.696) and
-# the L2 lookahead of 4 epilogue sub-tiles (T=1024: 0.226 -> 0.212 ms).
-_TUNED = dict(l2_prefetch_steps=0, mma_in_flight=True, epi_l2_lookahead=4)
+# The knobs the H200 sweeps kept (jax 0.11.2, AdamW fp32, all under
+# experiments/results/h200/): one wgmma in flight (mosaic_tuned/: T=16384 main
+# loop 1.024 -> 0.883 ms against cuBLAS's 0.696) and no L2 prefetch of the
+# whole tile. The L2 lookahead of 4 epilogue sub-tiles helps 64x16 sub-tiles
+# (mosaic_store_buffers/: T=1024 0.226 -> 0.212 ms) but slows 64x32 ones
+# (mosaic_sweep4/, 4 stages: 0.288 / 0.172 / 0.158 ms
+# with it at T = 4096 / 1024 / 64, 0.276 / 0.162 / 0.140 without).
+_TUNED = dict(l2_prefetch_steps=0, mma_in_flight=True)
+_WIDE = dict(epi_n=32, epi_l2_lookahead=0, **_TUNED)  # 64x32 sub-tiles
+_NARROW = dict(epi_n=16, epi_l2_lookahead=4, **_TUNED)  # 64x16 sub-tiles
 # Tried in order by :func:`default_config`: the first that fits the operands'
 # dtypes in shared memory (and divides their shape) wins. Ping-pong beat
-# cooperative at every setting. The fourth sweep (mosaic_defaults/, AdamW
-# fp32) timed 4 stages with 64x32 sub-tiles, which the 3 KiB margin now
-# admits, fastest everywhere: 0.290 / 0.171 / 0.159 ms at T = 4096 / 1024 /
-# 64, against 0.298 / 0.211 / 0.206 for 4 stages with 64x16 (the old long-T
-# default) and 0.348 / 0.180 / 0.157 for 3 stages with 64x32 (the old short-T
-# one): the main loop wants stages, the epilogue few round trips. When the
-# states are larger (3-4 fp32 slots), the order says which to give up first:
-# sub-tile width at long T, a stage at short T. Separate store buffers
-# (epi_out_slots) and the lane lowering measured no better
-# (mosaic_store_buffers/), so both stay off.
+# cooperative at every setting. 4 stages with 64x32 sub-tiles (224 KiB for
+# fp32 AdamW, which the 3 KiB margin admits) is the fastest tiling at every T
+# swept (64, 1024, 4096): 0.290 / 0.171 / 0.159 ms with the lookahead
+# (mosaic_defaults/), against 0.298 / 0.211 / 0.206 for 4 stages with 64x16
+# (the former long-T default) and 0.348 / 0.180 / 0.157 for 3 stages with
+# 64x32 (the former short-T one): the main loop wants stages, the epilogue
+# few round trips. When the states are larger (3-4 fp32 slots), the order
+# says which to give up first: the sub-tile width at long T, a stage at short
+# T. Separate store buffers (epi_out_slots), the lane lowering and
+# approx_math stay off (mosaic_store_buffers/: no faster; approx_math: 0.153
+# vs 0.162 ms at T=1024, but inexact).
 _LONG_T_CANDIDATES = (
-    _PINGPONG(max_concurrent_steps=4, epi_n=32, **_TUNED),
-    _PINGPONG(max_concurrent_steps=4, epi_n=16, **_TUNED),
+    _PINGPONG(max_concurrent_steps=4, **_WIDE),
+    _PINGPONG(max_concurrent_steps=4, **_NARROW),
 )
 _SHORT_T_CANDIDATES = (
-    _PINGPONG(max_concurrent_steps=4, epi_n=32, **_TUNED),
-    _PINGPONG(max_concurrent_steps=3, epi_n=32, **_TUNED),
-    _PINGPONG(max_concurrent_steps=3, epi_n=16, **_TUNED),
+    _PINGPONG(max_concurrent_steps=4, **_WIDE),
+    _PINGPONG(max_concurrent_steps=3, **_WIDE),
+    _PINGPONG(max_concurrent_steps=3, **_NARROW),
 )
 # Then smaller pipelines and tiles, for what the above do not fit or divide.
 _OTHER_CANDIDATES = (
