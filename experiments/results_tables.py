@@ -9,7 +9,9 @@ Where several runs measured the same (model, batch, tokens, implementation),
 the row of the run with the most same-run references (optax, optax_clip) is
 shown, the newest among equals. int8-state rows from runs before the int8 init
 fix (``INT8_INIT_FIX``: their peak included float32 init temporaries) are left
-out: they measured a bug.
+out: they measured a bug. ``forge`` rows (``backend="auto"``) from runs before
+``backend="auto"`` picked the Mosaic kernel on Hopper (``AUTO_MOSAIC``) ran the
+Triton kernel: they are shown as ``forge_triton``.
 
     python -m experiments.results_tables            # rewrite the table in RESULTS.md
     python -m experiments.results_tables --check    # exit 1 if RESULTS.md is stale
@@ -29,9 +31,12 @@ BEGIN, END = "<!-- models-table:begin -->", "<!-- models-table:end -->"
 # Commit a4a50d9 (int8 slots initialised in storage form): int8 rows measured
 # before it are superseded.
 INT8_INIT_FIX = "2026-11-29T18:42"
+# Commit a9a6146: backend="auto" runs the Mosaic kernel on Hopper. Before it,
+# "auto" (and the default before "auto" existed) meant the Triton kernel.
+AUTO_MOSAIC = "2026-11-29T21:29"
 MODEL_ORDER = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-14b")
-IMPL_ORDER = ("optax", "optax_unrolled", "optax_clip", "forge", "forge_mosaic", "forge_unrolled", "forge_xla",
-              "forge_int8", "forge_int8_xla")
+IMPL_ORDER = ("optax", "optax_unrolled", "optax_clip", "forge", "forge_mosaic", "forge_triton", "forge_unrolled",
+              "forge_triton_unrolled", "forge_xla", "forge_int8", "forge_int8_xla")
 
 
 def load_runs(folder: pathlib.Path = RESULTS_DIR) -> list[tuple[str, dict]]:
@@ -56,13 +61,15 @@ def merged_rows(runs) -> list[dict]:
       if r["impl"].startswith("forge_int8") and run["meta"]["date"] < INT8_INIT_FIX:
         continue  # measured the int8 init bug
       row = dict(r, source=name, date=run["meta"]["date"][:10])
+      if r["impl"] in ("forge", "forge_unrolled") and run["meta"]["date"] < AUTO_MOSAIC:
+        row["impl"] = r["impl"].replace("forge", "forge_triton", 1)  # "auto" then meant Triton
       for other, field, out in (("optax_clip", "peak_gib", "vs_clip"), ("optax", "step_ms", "vs_optax")):
         ref = by_key.get((r["model"], r["batch"], r["tokens"], other))
         if ref and "error" not in ref and "error" not in r and ref.get(field, 0) > 0:
           row[out] = r[field] / ref[field]
       refs = lambda x: ("vs_clip" in x) + ("vs_optax" in x)
-      if _key(r) not in best or refs(row) >= refs(best[_key(r)]):  # date order: newest among equals
-        best[_key(r)] = row
+      if _key(row) not in best or refs(row) >= refs(best[_key(row)]):  # date order: newest among equals
+        best[_key(row)] = row
   order = lambda r: (MODEL_ORDER.index(r["model"]) if r["model"] in MODEL_ORDER else 99, r["batch"],
                      r["tokens"],
                      IMPL_ORDER.index(r["impl"]) if r["impl"] in IMPL_ORDER else 99, r["impl"])
