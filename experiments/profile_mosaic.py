@@ -3,7 +3,10 @@
 ``pallas_kernels.fused_dw_mosaic`` marks its ping-pong schedule with named
 regions: ``mainloop`` and ``epilogue`` per warpgroup tile, and inside the
 epilogue, per sub-tile, ``epi_wait`` (the ring slot's TMA load),
-``epi_math`` (shared-memory reads + the rule), ``epi_write`` (results back
+``epi_load`` (issuing the shared-memory reads of W and the states; a read's
+latency may show in ``epi_math``, where its value is first used; the first
+H200 profile, results/h200/mosaic_profile/, had both in ``epi_math``),
+``epi_math`` (the rule's arithmetic), ``epi_write`` (results back
 to shared memory), ``epi_store`` (fence + TMA stores + L2 lookahead),
 ``epi_store_read`` (waiting until the store has read the slot) and
 ``epi_refill`` (issuing the next load). With ``fused_dw_mosaic._PROFILE``

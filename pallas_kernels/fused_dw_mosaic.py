@@ -710,11 +710,12 @@ class _Epilogue:
       g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
       w_ref = self.w_ring.at[self.wg_idx, slot]
       s_refs = [ring.at[self.wg_idx, slot] for ring in self.slot_rings]
-      with _region("epi_math"):
+      with _region("epi_load"):
         # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
         # accumulator's, so the rule's arithmetic needs no relayout.
         w32 = w_ref[...].astype(jnp.float32)
         s32 = tuple(ref[...].astype(jnp.float32) for ref in s_refs)
+      with _region("epi_math"):
         u, new_slots = self.rule(g, w32, s32, scalar_leaves)
       if self.out_depth:
         # Separate store buffers: the one the store of sub-tile
