@@ -209,6 +209,8 @@ def markdown(result: dict) -> str:
            f"params/states {cfg['param_dtype']}. optax_ulp: optax from an init moved by one ulp "
            "(the control)." + (f" Every run continues from {cfg['pretrain_steps']} steps of optax "
            "pre-training (another data order)." if cfg["pretrain_steps"] else " From scratch."),
+           *([f"Gaps recomputed from the stored curves by `{result['report']['command']}` "
+              f"({result['report']['date']})."] if "report" in result else []),
            "",
            "| run | final train loss (mean of 10) | final eval loss | ms/step | tokens/s | "
            "peak GiB | XLA step GiB |", "|---|---|---|---|---|---|---|"]
@@ -224,13 +226,45 @@ def markdown(result: dict) -> str:
       lines.append(f"| {pair} | {len(g['steps'])} | {g['mean_abs_gap']:.2e} | "
                    f"{g['mean_abs_gap_2nd_half']:.2e} | {g['max_abs_gap']:.2e} | "
                    f"{g['mean_gap']:.2e} | {g['mean_abs_eval_gap']:.2e} |")
+    windows = {pair: g.get("windows") for pair, g in result["gaps"].items()}
+    first = next(iter(windows.values()))
+    if first:
+      lines += ["", "Mean |train loss gap| by steps (when the runs part):", "",
+                "| pair | " + " | ".join(f"{w['from_step']}-{w['to_step']}" for w in first) + " |",
+                "|---|" + "---|" * len(first)]
+      for pair, ws in windows.items():
+        lines.append(f"| {pair} | " + " | ".join(f"{w['mean_abs_gap']:.2e}" for w in ws) + " |")
     lines += ["", f"Paper: mean |gap| {PAPER_MEAN_GAP} nat (FORGE vs fused AdamW, continued "
               "pre-training). A forge-optax gap no larger than optax_ulp-optax is rounding "
               "amplified by the training dynamics, not a difference in the update."]
   return "\n".join(lines) + "\n"
 
 
+def report_from(folder: pathlib.Path) -> dict:
+  """Recomputes the gaps of a finished ``convergence.json`` from its stored curves (e.g. after
+  the gap table gained a column) and rewrites it and ``convergence.md``; no training."""
+  path = folder / "convergence.json"
+  result = json.loads(path.read_text())
+  runs = {n: {k: np.asarray(v) for k, v in c.items()} for n, c in result["curves"].items()}
+  for pair in result["gaps"]:
+    a, b = pair.split("-")
+    result["gaps"][pair] = {k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                            for k, v in plots.loss_gap(runs[a], runs[b]).items()}
+  result["report"] = {"command": f"python -m experiments.convergence --report-from {folder}",
+                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  path.write_text(json.dumps(result, indent=1))
+  md = markdown(result)
+  (folder / "convergence.md").write_text(md)
+  print(md)
+  return result
+
+
 def main(argv=None) -> dict:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["--report-from"]:
+    if len(argv) != 2:
+      raise SystemExit("usage: python -m experiments.convergence --report-from RESULTS_DIR")
+    return report_from(pathlib.Path(argv[1]))
   args = parse_args(argv)
   command = "python -m experiments.convergence " + " ".join(sys.argv[1:] if argv is None else argv)
   # No jax backend in this process unless it trains here: on a GPU it would

@@ -25,6 +25,25 @@ def curves(records: Sequence[dict]) -> dict[str, np.ndarray]:
           "eval_step": esteps, "eval_loss": np.array([evals[s] for s in esteps])}
 
 
+# Step windows of the gap table: where the runs still agree to rounding,
+# and where training has amplified it (each window twice the last).
+GAP_WINDOW_EDGES = (0, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+def gap_windows(steps: np.ndarray, gap: np.ndarray, edges=GAP_WINDOW_EDGES) -> list[dict]:
+  """Mean |gap| per window ``[lo, hi)`` of step indices (0-based, in order), up to the last step."""
+  out = []
+  n = len(gap)
+  for lo, hi in zip(edges, list(edges[1:]) + [None]):
+    if lo >= n:
+      break
+    hi = n if hi is None else min(hi, n)
+    part = np.abs(gap[lo:hi])
+    out.append({"from_step": int(steps[lo]), "to_step": int(steps[hi - 1]),
+                "mean_abs_gap": float(np.mean(part))})
+  return out
+
+
 def loss_gap(a: dict, b: dict) -> dict:
   """Per-step ``a - b`` of two runs' train losses on their common steps, and its summary."""
   common, ia, ib = np.intersect1d(a["step"], b["step"], return_indices=True)
@@ -39,6 +58,7 @@ def loss_gap(a: dict, b: dict) -> dict:
       "max_abs_gap": float(np.max(np.abs(gap))) if gap.size else float("nan"),
       "mean_gap": float(np.mean(gap)) if gap.size else float("nan"),
       "mean_abs_eval_gap": float(np.mean(np.abs(egap))) if egap.size else float("nan"),
+      "windows": gap_windows(common, gap),
   }
 
 

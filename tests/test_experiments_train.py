@@ -176,6 +176,21 @@ def test_convergence_smoke_writes_curves_gaps_control_and_plot(tmp_path, cache, 
   assert saved["data"]["corpus_sha256"]
   if result.get("plot"):
     assert (out / "convergence.png").stat().st_size > 1000
+  assert gap["windows"][0]["mean_abs_gap"] == pytest.approx(gap["mean_abs_gap"])  # < 50 steps: one window
   capsys.readouterr()
   convergence.main(["--smoke", "--out", str(out), "--data-cache", cache])  # finished runs are reused
   assert capsys.readouterr().out.count("reusing the finished run") == len(convergence.RUNS) + 1
+  # The gap tables can be rebuilt from the stored curves alone (no training).
+  (out / "convergence.md").unlink()
+  rebuilt = convergence.main(["--report-from", str(out)])
+  assert rebuilt["gaps"]["forge-optax"]["mean_abs_gap"] == pytest.approx(gap["mean_abs_gap"])
+  assert "--report-from" in (out / "convergence.md").read_text()
+
+
+def test_gap_windows():
+  from experiments import plots  # pylint: disable=g-import-not-at-top
+  steps = np.arange(1, 121)
+  gap = -np.arange(120, dtype=float)  # |gap| = index
+  got = plots.gap_windows(steps, gap)
+  assert [(w["from_step"], w["to_step"]) for w in got] == [(1, 50), (51, 100), (101, 120)]
+  assert [w["mean_abs_gap"] for w in got] == [24.5, 74.5, 109.5]
