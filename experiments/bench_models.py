@@ -3,6 +3,9 @@
 Each row is one fresh process (peak memory is per process) training a preset
 of ``models`` with random weights on random tokens:
 
+* the same next-token loss (``--loss``: ``lean``, :func:`models.cross_entropy`,
+  the default; ``optax``, optax's cross-entropy on float32 logits, as every
+  run before 2026-11-30);
 * same model, batch, precision (``--dtype``: params, compute and optimizer
   states in that dtype, except ``forge_int8``'s int8 states), attention kernel
   and activation checkpointing (every block recomputed from its input:
@@ -107,11 +110,20 @@ def forge_backend(base: str) -> tuple[str, str]:
   return base, "auto"
 
 
-def _loss(apply_fn, variables, tokens):
+LOSSES = ("lean", "optax")
+
+
+def _loss(apply_fn, variables, tokens, kind: str = "lean"):
+  """Next-token cross-entropy in float32: ``models.cross_entropy`` ("lean", no
+  float32 copy of the logits) or optax's on upcast logits (the spelling of
+  every run before 2026-11-30, whose float32 logits XLA materializes)."""
   import jax.numpy as jnp
+  import models
   import optax
-  logits = apply_fn(variables, tokens[:, :-1]).astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  logits = apply_fn(variables, tokens[:, :-1])
+  if kind == "lean":
+    return models.cross_entropy(logits, tokens[:, 1:])
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
 
 def _forge_optimizer(base: str):
@@ -152,7 +164,7 @@ def optax_baseline(base: str, loss_fn):
 
 
 def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
-           attention: str, steps: int) -> dict:
+           attention: str, steps: int, loss: str = "lean") -> dict:
   import jax
 
   from experiments import runlog
@@ -167,7 +179,7 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
                           forge_backend=backend,
                           param_dtype=dtype, dtype=dtype, attention=attention)
   row = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens, "dtype": dtype,
-         "scan": scan, "attention": attention, "remat": REMAT,
+         "scan": scan, "attention": attention, "remat": REMAT, "loss_fn": loss,
          "forge_backend": backend if linear == "forge" else None, "params_b": cfg.num_params / 1e9,
          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   opt = _forge_optimizer(base)
@@ -179,7 +191,7 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   # The process peak so far: init's (random normal draws in float32, state
   # construction). If it equals the final peak, init set it, not the step.
   row["init_peak_gib"] = _peak_gib(jax)
-  loss_fn = functools.partial(_loss, model.apply)
+  loss_fn = functools.partial(_loss, model.apply, kind=loss)
   if opt is not None:
     state = forge_jax.TrainState.create(model.apply, variables, opt)
     compiled = forge_jax.train_step.lower(state, data, loss_fn).compile()
@@ -231,7 +243,8 @@ class Runner:
       timeout = max(1, min(timeout, int(left)))
     cmd = [sys.executable, "-m", "experiments.bench_models", "--worker", impl,
            "--models", model_name, "--tokens", str(tokens), "--batch", str(batch),
-           "--dtype", args.dtype, "--attention", args.attention, "--steps", str(args.steps)]
+           "--dtype", args.dtype, "--attention", args.attention, "--steps", str(args.steps),
+           "--loss", args.loss]
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     t0 = time.monotonic()
     try:
@@ -299,7 +312,9 @@ def _settings(meta) -> list[str]:
       f"Date: {meta['date']}; device {meta['device']}; jax {meta['jax']}.  ",
       f"Settings: dtype {meta['dtype']} (params, compute and optimizer states; int8 states "
       f"for forge_int8), attention {meta['attention']}, remat {meta['remat']} (every block "
-      f"recomputed from its input in the backward pass), {meta['steps']} timed steps after "
+      f"recomputed from its input in the backward pass), loss {meta.get('loss', 'optax')} "
+      f"({'models.cross_entropy' if meta.get('loss') == 'lean' else 'optax CE on float32 logits'}), "
+      f"{meta['steps']} timed steps after "
       f"compiling and one warm-up step; random weights and tokens; one process per row.  ",
       f"Time budget: {'none' if budget is None else f'{budget:g} s'}; elapsed "
       f"{meta.get('elapsed_s', 0):.0f} s; worker timeout {meta['timeout_s']} s.",
@@ -474,7 +489,7 @@ def _meta(args, argv) -> dict:
   return {"command": "python -m experiments.bench_models " + " ".join(argv),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": "unknown", "jax": importlib.metadata.version("jax"), "dtype": args.dtype,
-          "attention": args.attention, "remat": REMAT, "steps": args.steps,
+          "attention": args.attention, "remat": REMAT, "loss": args.loss, "steps": args.steps,
           "timeout_s": args.timeout, "time_budget_s": args.time_budget,
           "max_batch": args.max_batch}
 
@@ -541,6 +556,8 @@ def main(argv=None):
   parser.add_argument("--unrolled", action="store_true",
                       help=f"append {UNROLLED} to every implementation")
   parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--loss", default="lean", choices=LOSSES,
+                      help="lean: models.cross_entropy; optax: optax's CE on float32 logits (earlier runs)")
   parser.add_argument("--timeout", type=int, default=300, help="seconds per worker")
   parser.add_argument("--time-budget", type=float, default=None,
                       help="seconds for the whole run; rows that would not fit are skipped")
@@ -552,7 +569,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.worker:
     row = worker(args.models, args.worker, int(args.batch), int(args.tokens), args.dtype,
-                 args.attention, args.steps)
+                 args.attention, args.steps, args.loss)
     print("ROW " + json.dumps(row), flush=True)
     return
   impls = [i + UNROLLED if args.unrolled and not i.endswith(UNROLLED) else i

@@ -58,7 +58,8 @@ def stack_buffers(hlo: str, shapes) -> dict:
   return dict(counts.most_common())
 
 
-def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo_dir=None) -> dict:
+def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo_dir=None,
+            loss: str = "lean") -> dict:
   base, scan = bench_models.parse_impl(impl)
   base, backend = bench_models.forge_backend(base)
   linear = "forge" if base.startswith("forge") else "flax"
@@ -70,8 +71,8 @@ def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo
   key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32)
   init = jax.jit(model.init).lower(key, jax.ShapeDtypeStruct((batch, tokens), jax.numpy.int32)).compile()
   variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.numpy.zeros((batch, tokens), "int32"))
-  loss_fn = functools.partial(bench_models._loss, model.apply)
-  row = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens, "dtype": dtype,
+  loss_fn = functools.partial(bench_models._loss, model.apply, kind=loss)
+  row = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens, "dtype": dtype, "loss_fn": loss,
          "init": _sizes(init.memory_analysis()), "params_gib": _nbytes(variables["params"])}
   if opt is not None:
     state = jax.eval_shape(lambda v: forge_jax.TrainState.create(model.apply, v, opt), variables)
@@ -91,7 +92,7 @@ def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo
   if hlo_dir is not None:
     text = step.as_text()
     os.makedirs(hlo_dir, exist_ok=True)
-    with open(os.path.join(hlo_dir, f"{model_name}_{impl}.hlo.txt"), "w") as f:
+    with open(os.path.join(hlo_dir, f"{model_name}_{impl}_{loss}.hlo.txt"), "w") as f:
       f.write(text)
     shapes = {tuple(x.shape) for x in jax.tree.leaves(variables["params"]) if x.ndim == 3}
     row["stack_buffers"] = stack_buffers(text, shapes)
@@ -107,13 +108,18 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--out", default=os.environ.get("OUT", "runs"))
   parser.add_argument("--hlo", action="store_true", help="write each step's HLO and count stack-sized buffers")
+  parser.add_argument("--loss", default="lean", help="comma list of bench_models.LOSSES: each impl with each")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   rows = []
-  for impl in args.impls.split(","):
+  losses = args.loss.split(",")
+  for kind in losses:
+    if kind not in bench_models.LOSSES:
+      parser.error(f"--loss {kind!r}: choose from {', '.join(bench_models.LOSSES)}")
+  for impl, kind in [(i, k) for i in args.impls.split(",") for k in losses]:
     try:
       rows.append(analyse(args.model, impl, args.batch, args.tokens, args.dtype,
-                          os.path.join(args.out, "hlo") if args.hlo else None))
+                          os.path.join(args.out, "hlo") if args.hlo else None, kind))
     except Exception as e:  # recorded, not fatal: the other impls still run
       rows.append({"model": args.model, "impl": impl, "error": f"{type(e).__name__}: {e}"[:500]})
     print(json.dumps(rows[-1]), flush=True)

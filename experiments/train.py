@@ -233,8 +233,8 @@ class OptaxState(struct.PyTreeNode):
 
 
 def _loss(apply_fn: Callable, variables, tokens_BxL1) -> jax.Array:
-  logits = apply_fn(variables, tokens_BxL1[:, :-1]).astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxL1[:, 1:]).mean()
+  # float32 cross-entropy without a float32 copy of the logits (models.cross_entropy).
+  return models.cross_entropy(apply_fn(variables, tokens_BxL1[:, :-1]), tokens_BxL1[:, 1:])
 
 
 def _optax_step(apply_fn, tx, state: OptaxState, batch):

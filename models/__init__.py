@@ -9,6 +9,8 @@ Public API:
   :class:`DecoderStack` (the layer loop, scanned or unrolled) of
   :class:`DecoderBlock`; :func:`param_labels` says which parameters FORGE
   updates in the backward and which are left to optax.
+* :func:`cross_entropy`: the next-token loss in float32 without a float32
+  copy of the logits (same value and gradient as optax's, up to rounding).
 * Checkpoints: :func:`load_checkpoint`, :func:`save_checkpoint` and the
   lower-level converters in :mod:`models.hf_io`.
 
@@ -24,6 +26,7 @@ from models._config import ModelConfig
 from models._config import RopeScaling
 from models._config import get_config
 from models._layers import dense
+from models._loss import cross_entropy
 from models._model import CausalLM
 from models._model import DecoderBlock
 from models._model import DecoderStack
@@ -45,6 +48,7 @@ __all__ = [
     "RopeScaling",
     "config_from_hf",
     "config_to_hf",
+    "cross_entropy",
     "dense",
     "get_config",
     "load_checkpoint",

@@ -442,3 +442,56 @@ def test_forge_scanned_training_saves_the_same_residuals_as_optax():
   hidden = f"bfloat16[{cfg.num_layers},{batch},{tokens},{cfg.hidden_size}]"
   assert hidden in outputs["optax"]
   assert outputs["forge"] == outputs["optax"]
+
+
+# ----------------------------------------------------------------------------
+# The loss.
+# ----------------------------------------------------------------------------
+
+
+def _optax_nll(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cross_entropy_equals_optax_value_and_gradient(dtype):
+  logits = (3 * jax.random.normal(jax.random.PRNGKey(0), (3, 17, 500))).astype(dtype)
+  labels = jax.random.randint(jax.random.PRNGKey(1), (3, 17), 0, 500)
+  want, want_g = jax.value_and_grad(_optax_nll)(logits, labels)
+  got, got_g = jax.value_and_grad(models.cross_entropy)(logits, labels)
+  assert got.dtype == jnp.float32 and got_g.dtype == dtype
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+  # float32 gradients agree to rounding; bf16 ones to one bf16 ulp, rarely.
+  tol = 2e-8 if dtype == jnp.float32 else 2.0**-8 * float(jnp.max(jnp.abs(want_g.astype(jnp.float32))))
+  np.testing.assert_allclose(np.asarray(got_g, np.float32), np.asarray(want_g, np.float32), atol=tol)
+  # The label's own logit gets (p - 1) / n: check one element.
+  p = jax.nn.softmax(logits[1, 2].astype(jnp.float32))
+  np.testing.assert_allclose(float(got_g[1, 2, labels[1, 2]]), float((p[labels[1, 2]] - 1) / labels.size),
+                             rtol=2.0**-7 if dtype == jnp.bfloat16 else 1e-5)
+
+
+def test_cross_entropy_keeps_no_float32_copy_of_the_logits():
+  """The reason it exists: compiled loss+grad of bf16 logits through an LM head needs at
+  least one bf16-logits-sized buffer less than optax's spelling (a float32 copy is two)."""
+  b, t, d, v = 4, 128, 64, 8192
+  x = jnp.ones((b, t, d), jnp.bfloat16)
+  w = jnp.zeros((d, v), jnp.bfloat16)
+  y = jnp.zeros((b, t), jnp.int32)
+
+  def temp(loss):
+    f = jax.jit(jax.value_and_grad(lambda w: loss(x @ w, y)))
+    return f.lower(w).compile().memory_analysis().temp_size_in_bytes
+
+  logits_bytes = b * t * v * 2
+  lean, optax_way = temp(models.cross_entropy), temp(_optax_nll)
+  assert lean <= optax_way - 0.9 * logits_bytes, (lean, optax_way, logits_bytes)
+
+
+def test_cross_entropy_errors():
+  logits = jnp.zeros((2, 3, 10))
+  with pytest.raises(ValueError, match=r"labels of shape \(2, 4\).*expected \(2, 3\)"):
+    models.cross_entropy(logits, jnp.zeros((2, 4), jnp.int32))
+  with pytest.raises(TypeError, match="integer class ids"):
+    models.cross_entropy(logits, jnp.zeros((2, 3)))
+  with pytest.raises(TypeError, match="float array"):
+    models.cross_entropy(jnp.zeros((2, 3, 10), jnp.int32), jnp.zeros((2, 3), jnp.int32))

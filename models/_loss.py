@@ -1,0 +1,86 @@
+"""Next-token cross-entropy that keeps no float32 copy of the logits.
+
+``optax.softmax_cross_entropy_with_integer_labels(logits.astype(f32), labels)``
+is the usual spelling. Its float32 logits feed several reductions and the
+backward, so XLA materializes them: at 32 x 1024 tokens and a 128k
+vocabulary that is 16 GiB next to the 8 GiB of bf16 logits (the H200 memory
+analysis of Llama-3.1-8B, experiments/results/h200/memory_analysis_b32/,
+holds ``f32[32,1024,128256]`` buffers in both the optax and the FORGE step).
+
+:func:`cross_entropy` computes the same loss in float32 from the logits in
+their own dtype, through a ``custom_vjp`` that saves only the logits (which
+the LM head's backward needs anyway) and the per-token log-sum-exp, and whose
+backward writes ``softmax - onehot`` straight in the logits' dtype. Value and
+gradient equal optax's up to float32 rounding (tested).
+
+FORGE cannot use a loss chunked over tokens instead: each chunk would call
+the LM head's fused backward, i.e. apply one optimizer step per chunk.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+
+
+def _log_sum_exp(logits: jax.Array) -> jax.Array:
+  """float32 ``logsumexp`` over the last axis, from logits in any float dtype."""
+  x = logits.astype(_F32)
+  peak = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+  return peak[..., 0] + jnp.log(jnp.sum(jnp.exp(x - peak), axis=-1))
+
+
+def _picked(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  return jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0].astype(_F32)
+
+
+@jax.custom_vjp
+def _mean_nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  return jnp.mean(_log_sum_exp(logits) - _picked(logits, labels))
+
+
+def _mean_nll_fwd(logits, labels):
+  lse = _log_sum_exp(logits)
+  return jnp.mean(lse - _picked(logits, labels)), (logits, labels, lse)
+
+
+def _mean_nll_bwd(res, g):
+  logits, labels, lse = res
+  scale = g / labels.size
+  prob = jnp.exp(logits.astype(_F32) - lse[..., None])
+  vocab = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
+  grad = jnp.where(vocab == labels[..., None], prob - 1.0, prob) * scale
+  return grad.astype(logits.dtype), None
+
+
+_mean_nll.defvjp(_mean_nll_fwd, _mean_nll_bwd)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean next-token negative log-likelihood, computed in float32.
+
+  Args:
+    logits: ``[..., V]`` in any float dtype (bf16 from a bf16 model); not
+      upcast as a whole.
+    labels: integer class ids of shape ``logits.shape[:-1]``, in ``[0, V)``
+      (out-of-range ids are not checked inside ``jit``).
+
+  Returns:
+    A float32 scalar: ``mean(logsumexp(logits) - logits[label])``, as
+    ``optax.softmax_cross_entropy_with_integer_labels(logits.astype(f32),
+    labels).mean()``; its gradient comes back in the logits' dtype.
+  """
+  logits = jnp.asarray(logits)
+  labels = jnp.asarray(labels)
+  if not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise TypeError(f"cross_entropy: logits must be a float array, got {logits.dtype}")
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"cross_entropy: labels must be integer class ids, got {labels.dtype}")
+  if tuple(labels.shape) != tuple(logits.shape[:-1]):
+    raise ValueError(
+        f"cross_entropy: labels of shape {tuple(labels.shape)} do not match logits "
+        f"{tuple(logits.shape)} (expected {tuple(logits.shape[:-1])}, one id per position)"
+    )
+  return _mean_nll(logits, labels.astype(jnp.int32))
