@@ -1,5 +1,6 @@
 """The repository's own promises: CI runs the README's test command."""
 
+import os
 import pathlib
 import re
 
@@ -43,3 +44,12 @@ def test_results_md_table_is_generated_from_the_committed_json():
   run_dates = {name: run["meta"]["date"] for name, run in results_tables.load_runs()}
   early = [r for r in rows if run_dates[r["source"]] < results_tables.AUTO_MOSAIC]
   assert early and not any(r["impl"] in ("forge", "forge_unrolled") for r in early)
+
+
+def test_h200_session_script_parses_and_refuses_unknown_parts(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  script = ROOT / "experiments" / "h200_session.sh"
+  assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+  run = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path)})
+  assert run.returncode == 2 and "unknown part bogus" in run.stderr

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The next H200 campaign, one device call per part (each under the 10-minute limit):
+#
+#   bash experiments/h200_session.sh kernel     # ~7.5 min: Mosaic sweep + timing (fp32, every T), bf16 timing
+#   bash experiments/h200_session.sh profile    # ~1.5 min: the in-kernel profile (epi_load split out)
+#   bash experiments/h200_session.sh models     # ~6 min: whole 8B models (new defaults, lean loss), memory analysis
+#   bash experiments/h200_session.sh unrolled   # <10 min: unrolled whole-model rows (qwen3-0.6b; long compiles)
+#
+# Run from the repository root on the device machine. Results go to $OUT as one
+# tarball per part (the device tool returns at most 8 files, 2 folders deep):
+# unpack it into experiments/results/h200/ and commit it with this script.
+# Every step has its own time limit, so a hang costs that step, not the call.
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+part="${1:?usage: h200_session.sh kernel|models|unrolled}"
+out="${OUT:?OUT must name the folder that comes back}"
+work="/tmp/h200_$part"
+rm -rf "$work" && mkdir -p "$work"
+
+step() {  # step NAME SECONDS COMMAND...: runs it with a limit, logs to $work/NAME.log
+  local name="$1" limit="$2"
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  timeout "$limit" "$@" >"$work/$name.log" 2>&1
+  echo "   rc $? ($name)"
+  tail -n 3 "$work/$name.log"
+}
+
+case "$part" in
+  kernel)
+    step mosaic 340 python -m experiments.check_mosaic_gpu --out "$work/mosaic" --sections sweep timing
+    step mosaic_bf16 225 python -m experiments.check_mosaic_gpu --out "$work/mosaic_bf16" --sections timing \
+      --state-dtype bfloat16
+    ;;
+  profile)
+    step profile 150 python -m experiments.profile_mosaic --out "$work/profile"
+    ;;
+  models)
+    step models 330 python -m experiments.bench_models --out "$work/models" \
+      --models llama-3.1-8b,qwen3-8b --impls optax,optax_clip,forge --timeout 150
+    step memana 200 python -m experiments.memory_analysis --out "$work/memana" --model llama-3.1-8b \
+      --impls optax_clip,forge --batch 32 --loss lean,optax
+    ;;
+  unrolled)
+    step unrolled 570 python -m experiments.bench_models --out "$work/unrolled" --models qwen3-0.6b \
+      --impls optax_unrolled,forge_unrolled,optax,forge --timeout 280
+    ;;
+  *)
+    echo "unknown part $part" >&2
+    exit 2
+    ;;
+esac
+
+# Per-section JSON is repeated inside a finished check_mosaic_gpu.json: drop it there only.
+for merged in $(find "$work" -name check_mosaic_gpu.json); do
+  rm -f "$(dirname "$merged")"/{audit,correctness,sweep,timing}.json
+done
+tar czf "$out/h200_$part.tgz" -C /tmp "h200_$part"
+ls -la "$out"
