@@ -119,10 +119,22 @@ def _rules() -> dict[str, Any]:
   }
 
 
-def _sweep_configs(fm) -> list[Any]:
+def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
   """The tilings the sweep times (invalid ones for a problem are skipped)."""
   pp = functools.partial(fm.MosaicTileConfig, schedule="pingpong", l2_prefetch_steps=0,
                          mma_in_flight=True, epi_l2_lookahead=4)
+  if state_dtype != "float32":
+    # bf16 weights and states (the whole-model runs' setting) have never been
+    # swept: half the epilogue bytes leave shared memory for a 5th stage,
+    # 64x64 sub-tiles (128-byte rows) or a 3-slot ring.
+    return [
+        pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),  # the default for bf16 AdamW
+        pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0),
+        pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0),
+        pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, epi_slots=3),
+        pp(max_concurrent_steps=4, epi_n=32),
+        pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, approx_math=True),
+    ]
   # Fourth H200 session (2026-11-29): 4 stages + 64x32 sub-tiles (224 KiB for
   # fp32 AdamW) was fastest at T = 4096, 1024 and 64 (results/h200/
   # mosaic_defaults/), and fastest without the L2 lookahead (mosaic_sweep4/:
@@ -518,8 +530,9 @@ def _err_text(row: dict) -> str:
   return " ".join(parts)
 
 
-def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
+def section_sweep(sec: _Section, smoke: bool, interpret: bool, state_dtype: str = "float32") -> None:
   import dataclasses as dc  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
   from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
 
@@ -529,7 +542,8 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
   ranked = {f"{t}x{k}x{n}" for t, k, n in problems}
   if not smoke:
     problems.append(EPILOGUE_PROBE)
-  configs = _sweep_configs(fm)
+  configs = _sweep_configs(fm, state_dtype)
+  sec.payload["state_dtype"] = state_dtype
   # Mosaic GPU's own limit, not the defaults' margin: a config over the real
   # limit fails to lower and is recorded as an error row.
   fm._SMEM_BUDGET_BYTES = fm._MOSAIC_SMEM_LIMIT
@@ -545,7 +559,7 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool) -> None:
   # leaves whole configs unmeasured rather than a problem with no configs.
   setups = []
   for (t, k, n) in problems:
-    x, dy, w0 = bench.make_inputs(t, k, n)
+    x, dy, w0 = bench.make_inputs(t, k, n, state_dtype=jnp.dtype(state_dtype))
     p = bench.make_problem(x, dy, w0, "adamw", interpret)
     setups.append((p, bench.reference_step(p)))
   ms_by_config: dict[int, list[float]] = {}
@@ -680,7 +694,7 @@ def run_section(name: str, folder: pathlib.Path, smoke: bool, config: Optional[d
   elif name == "correctness":
     section_correctness(sec, smoke, interpret, quick)
   elif name == "sweep" and kernel:
-    section_sweep(sec, smoke, interpret)
+    section_sweep(sec, smoke, interpret, state_dtype)
   elif name == "sweep":
     sec.skip("the kernel did not return from its first run (hang?): no sweep")
   elif name == "timing":
@@ -767,7 +781,8 @@ def _markdown(info: dict, runs: list[dict], parts: dict[str, Optional[dict]]) ->
                    f"{r.get('config', '-')} | {r['status']} | {r.get('first_call_s', '-')} | {_err_text(r)[:200]} |")
   sweep = parts.get("sweep")
   if sweep and sweep.get("rows"):
-    out += ["", "## Tiling sweep (AdamW, fp32 w/slots)", "",
+    sweep_dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(sweep.get("state_dtype", "float32"), "?")
+    out += ["", f"## Tiling sweep (AdamW, {sweep_dtype} w/slots)", "",
             "| problem | config | status | ms | TF/s |", "|---|---|---|---|---|"]
     for r in sweep["rows"]:
       text = _cfg_text(r.get("config", {}))
@@ -834,7 +849,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--config-json", default=None,
                       help="MosaicTileConfig fields for the timing section (default: default_config per shape)")
   parser.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
-                      help="weight and optimizer-state dtype of the timing section (both sides)")
+                      help="weight and optimizer-state dtype of the timing (both sides) and sweep sections")
   parser.add_argument("--tokens", type=int, nargs="+", default=None,
                       help=f"T values of the timing section (default: {' '.join(map(str, TOKENS))})")
   args = parser.parse_args(argv)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The next H200 campaign, one device call per part (each under the 10-minute limit):
 #
-#   bash experiments/h200_session.sh kernel     # ~7.5 min: Mosaic sweep + timing (fp32, every T), bf16 timing
-#   bash experiments/h200_session.sh profile    # ~1.5 min: the in-kernel profile (epi_load split out)
+#   bash experiments/h200_session.sh kernel     # ~6.5 min: Mosaic sweep + timing (fp32, every T), bf16 sweep
+#   bash experiments/h200_session.sh kernel2    # ~4.5 min: bf16 timing (default per shape), the in-kernel profile
 #   bash experiments/h200_session.sh models     # ~6 min: whole 8B models (new defaults, lean loss), memory analysis
 #   bash experiments/h200_session.sh unrolled   # <10 min: unrolled whole-model rows (qwen3-0.6b; long compiles)
 #
@@ -12,7 +12,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh kernel|models|unrolled}"
+part="${1:?usage: h200_session.sh kernel|kernel2|models|unrolled}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -29,10 +29,12 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a limit, logs to $work/NA
 case "$part" in
   kernel)
     step mosaic 340 python -m experiments.check_mosaic_gpu --out "$work/mosaic" --sections sweep timing
-    step mosaic_bf16 225 python -m experiments.check_mosaic_gpu --out "$work/mosaic_bf16" --sections timing \
+    step sweep_bf16 215 python -m experiments.check_mosaic_gpu --out "$work/sweep_bf16" --sections sweep \
       --state-dtype bfloat16
     ;;
-  profile)
+  kernel2)
+    step timing_bf16 225 python -m experiments.check_mosaic_gpu --out "$work/timing_bf16" --sections timing \
+      --state-dtype bfloat16
     step profile 150 python -m experiments.profile_mosaic --out "$work/profile"
     ;;
   models)

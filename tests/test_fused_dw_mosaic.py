@@ -503,3 +503,29 @@ def test_profile_trace_summary(tmp_path):
   assert s["regions"]["fdw_mainloop"] == {"count": 2, "total_us": 14.0, "mean_us": 7.0}
   assert s["regions"]["fdw_epi_wait"]["total_us"] == 4.0
   assert s["regions"]["fdw_epilogue"]["total_us"] == 10.0
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_check_script_sweep_configs_lower_for_cuda(state_dtype):
+  """Every tiling experiments/check_mosaic_gpu's next sweep times builds for sm_90 at Mosaic
+  GPU's own shared-memory limit (the sweep's), so H200 time is not spent on lowering errors."""
+  from experiments import check_mosaic_gpu as check  # pylint: disable=g-import-not-at-top
+
+  rule = _all_rules()["adamw"].rule
+  dt = jnp.dtype(state_dtype)
+  x = jax.ShapeDtypeStruct((1024, 4096), BF16)
+  dy = jax.ShapeDtypeStruct((1024, 4096), BF16)
+  w = jax.ShapeDtypeStruct((4096, 4096), dt)
+  slots = (w, w)
+  saved = fm._SMEM_BUDGET_BYTES
+  fm._SMEM_BUDGET_BYTES = fm._MOSAIC_SMEM_LIMIT
+  try:
+    for cfg in check._sweep_configs(fm, state_dtype):
+      cfg = dataclasses.replace(cfg, num_sms=132)
+      assert fm.supports(x, dy, w, slots, cfg)[0], check._cfg_text(cfg)
+      kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update, config=cfg))
+      text = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0))).lower(
+          lowering_platforms=("cuda",)).as_text()
+      assert "mosaic_gpu" in text, check._cfg_text(cfg)
+  finally:
+    fm._SMEM_BUDGET_BYTES = saved
