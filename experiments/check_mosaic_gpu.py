@@ -146,7 +146,7 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, approx_math=True),
       pp(max_concurrent_steps=4, epi_n=16),  # the former long-T default
       pp(max_concurrent_steps=4, epi_n=16, epi_l2_lookahead=0),
-      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0, epi_slots=3),
+      pp(max_concurrent_steps=4, epi_n=16, epi_l2_lookahead=0, epi_slots=3),  # more loads in flight
       pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0),
   ]
 
