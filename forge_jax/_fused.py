@@ -72,9 +72,10 @@ def _resolve_backend(backend: str, quantized_slots: bool = False) -> str:
       return "xla"
     # Float states: the Mosaic kernel wherever it can run (a Hopper GPU, its
     # shapes and dtypes; _mosaic_problem says), else the Triton kernel. Whole
-    # Llama-3.1-8B step, pure bf16, 1x1024 tokens, side by side on the H200:
-    # 144.8 ms against 169.0 ms with the Triton kernel, and 146.6 / 152.7 ms
-    # for optax / optax clip+adamw (experiments/results/h200/bench_models_mosaic.md).
+    # Llama-3.1-8B step, pure bf16, 1x1024 tokens, on the H200: 144.8 ms against
+    # 169.0 ms with the Triton kernel side by side (bench_models_mosaic.md), and
+    # 144.0 against 147.4 / 152.6 ms for optax / optax clip+adamw in a later run
+    # (bench_models_mosaic_defaults.md; both under experiments/results/h200/).
     return _AUTO_MOSAIC
   if backend in ("pallas", "mosaic") and platform != "gpu":
     raise ValueError(
