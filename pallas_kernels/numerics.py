@@ -254,7 +254,9 @@ class QuantMap:
     if self.kind == "linear":
       # Nearest: + 1/2 then floor. Stochastic: + a uniform [0, 1) then floor.
       offset = (bits >> np.uint32(8)).astype(_F32) * 2.0**-24 if stochastic else 0.5
-      q = jnp.floor(mag * float(self.max_code) + offset).astype(_I32)
+      # The conversion truncates, which is floor here (the operand is >= 0), and
+      # lowers where floor does not (Mosaic GPU, warpgroup semantics).
+      q = (mag * float(self.max_code) + offset).astype(_I32)
       q = jnp.minimum(q, self.max_code)
     else:
       m = self.mantissa_bits

@@ -529,3 +529,71 @@ def test_check_script_sweep_configs_lower_for_cuda(state_dtype):
       assert "mosaic_gpu" in text, check._cfg_text(cfg)
   finally:
     fm._SMEM_BUDGET_BYTES = saved
+
+
+# ----------------------------------------------------------------------------
+# Building blocks for int8 states in the Mosaic epilogue (not yet in the kernel).
+# ----------------------------------------------------------------------------
+
+
+def _int8_codec_kernel(qmap, mode, m=64, n=64):
+  """decode -> an EMA with a gradient -> per-row (64-value block) absmax -> encode, on one
+  64x64 tile in the accumulator's WGMMA layout: the epilogue an int8 slot would need."""
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  import jax.experimental.pallas as pl  # pylint: disable=g-import-not-at-top
+
+  def transforms(dtype):
+    if mode == "interpret":
+      return ()  # the 0.10.2 interpreter's pallas_call takes untiled blocks
+    swizzle = plgpu.find_swizzle(n * jnp.dtype(dtype).itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+  def wgmma(v):
+    return v if mode == "interpret" else plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+
+  def body(codes_ref, scale_ref, g_ref, codes_out, scale_out):
+    x = qmap.decode(codes_ref[...].astype(jnp.int32)) * lax.broadcast_in_dim(scale_ref[...], (m, n), [0])
+    x = 0.9 * wgmma(x) + 0.1 * wgmma(g_ref[...])
+    absmax = jnp.max(jnp.abs(x), axis=1)
+    inv = jnp.where(absmax > 0.0, 1.0 / absmax, 0.0)
+    codes_out[...] = qmap.encode(x * lax.broadcast_in_dim(inv, (m, n), [0])).astype(jnp.int8)
+    scale_out[...] = absmax
+
+  extra = {}
+  if mode == "interpret":
+    extra["interpret"] = fm._interpret_params(True)
+  return pl.pallas_call(
+      body,
+      out_shape=[jax.ShapeDtypeStruct((m, n), jnp.int8), jax.ShapeDtypeStruct((m,), F32)],
+      in_specs=[plgpu.BlockSpec(transforms=transforms(jnp.int8)), plgpu.BlockSpec(),
+                plgpu.BlockSpec(transforms=transforms(F32))],
+      out_specs=[plgpu.BlockSpec(transforms=transforms(jnp.int8)), plgpu.BlockSpec()],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **extra,
+  )
+
+
+# A one-tile pallas_call is the shortest harness (plgpu.kernel would need the TMA plumbing).
+@pytest.mark.filterwarnings("ignore:Using ``pl.pallas_call`` for Mosaic GPU kernels is deprecated")
+@pytest.mark.parametrize("qmap", [nm.QuantMap("linear", signed=True),
+                                  nm.QuantMap("float", signed=False, mantissa_bits=4)],
+                         ids=["linear_signed", "float_unsigned"])
+def test_int8_codec_math_lowers_and_matches_under_the_interpreter(qmap):
+  """The int8 maps' decode/encode (numerics.QuantMap, shared by every backend) in Mosaic GPU's
+  warpgroup lowering: row reductions over a 64-value block, broadcasts back, int8 shared
+  memory in the WGMMA layout. (Found: Mosaic GPU has no floor; the linear map's encode now
+  truncates a non-negative value instead, which is the same.) Lowers for sm_90, and the
+  interpreter's codes equal the reference codec's."""
+  codec = nm.BlockQuantized(qmap, 64)
+  rng = np.random.default_rng(0)
+  mu = jnp.asarray(rng.normal(size=(64, 64)) * 1e-2, F32)
+  mu = mu if qmap.signed else jnp.abs(mu)
+  g = jnp.asarray(rng.normal(size=(64, 64)) * 1e-2, F32)
+  codes, scale = codec.encode(mu)
+  lowered = jax.jit(_int8_codec_kernel(qmap, "lower")).trace(codes, scale[:, 0], g).lower(
+      lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+  got_codes, got_scale = jax.jit(_int8_codec_kernel(qmap, "interpret"))(codes, scale[:, 0], g)
+  want_codes, want_scale = codec.encode(0.9 * codec.decode((codes, scale)) + 0.1 * g)
+  np.testing.assert_array_equal(np.asarray(got_codes), np.asarray(want_codes))
+  np.testing.assert_allclose(np.asarray(got_scale), np.asarray(want_scale[:, 0]), rtol=2e-7)
