@@ -224,7 +224,7 @@ def _all_rules():
     + [(name, dt, "cooperative") for name in ("adamw", "rmsprop_centered_momentum") for dt in (F32, BF16)]
     + [(name, dt, "pingpong_tuned") for name in ("adamw", "sgd") for dt in (F32, BF16)]
     + [("adamw", dt, "out_slots") for dt in (F32, BF16)]
-    + [(name, F32, "approx") for name in ("adamw", "rmsprop_centered_momentum")],
+    + [(name, F32, "approx") for name in ("adamw", "nadamw", "radam", "rmsprop_centered_momentum", "adagrad")],
 )
 def test_lowers_for_cuda(name, state_dtype, schedule):
   rule = _all_rules()[name].rule
@@ -303,12 +303,14 @@ def test_approx_math_rewrites_scalar_divisions_and_matches_reference():
   exact, approx = divisions(False), divisions(True)
   assert exact.count(()) == 2 and exact.count((64, 16)) == 1, exact  # mu / bc1, nu / bc2, mu_hat / denom
   assert approx.count((64, 16)) == 1 and approx.count(()) == 2, approx  # now 1 / bc1, 1 / bc2 only
-  x, dy, w, slots = _inputs(7, 128, 128, 256, rule)
   cfg = dataclasses.replace(SMALL, approx_math=True)
-  (new_w, new_slots, _), (ref_w, ref_slots, _) = _run_both(x, dy, w, slots, rule, config=cfg)
-  _assert_close(new_w, ref_w, "w")
-  for a, e in zip(new_slots, ref_slots):
-    _assert_close(a, e, "slot")
+  for name in ("adamw", "nadamw"):  # nadamw: more scalar divisors (mu / bc1_next, g / bc1)
+    rule = _rules()[name] if name in _rules() else _all_rules()[name].rule
+    x, dy, w, slots = _inputs(7, 128, 128, 256, rule)
+    (new_w, new_slots, _), (ref_w, ref_slots, _) = _run_both(x, dy, w, slots, rule, config=cfg)
+    _assert_close(new_w, ref_w, f"{name} w")
+    for a, e in zip(new_slots, ref_slots):
+      _assert_close(a, e, f"{name} slot")
 
 
 @pytest.mark.parametrize("schedule", ["default", "cooperative"])
