@@ -67,7 +67,8 @@ def _resolve_backend(backend: str, quantized_slots: bool = False) -> str:
     # update costs 1.05-1.1x its float32 time (experiments/results/h200/lowp/), and a
     # whole Llama-3.1-8B step took 429 ms with "pallas" vs 206 ms with "xla"
     # (bench_models_int8_batch.md, bench_models_large.md). The Mosaic kernel
-    # has no int8 epilogue.
+    # takes int8 states with backend="mosaic" (tested on CPU: interpreter and
+    # sm_90 lowering); "auto" keeps them on "xla" until it has run on a GPU.
     if platform != "gpu" or quantized_slots:
       return "xla"
     # Float states: the Mosaic kernel wherever it can run (a Hopper GPU, its
@@ -111,9 +112,15 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None
         f"the Mosaic GPU interpreter cannot run the {type(codec).__name__} write-back "
         "(stochastic rounding; it runs on a GPU)", None,
     )
-  for i, s in enumerate(slots):
-    if getattr(s, "dtype", None) is None:
-      return f"optimizer slot {i} is {type(s).__name__} (quantized); the Mosaic kernel stores floats", None
+  # int8 states: the kernel takes them (codes + per-row scales through its
+  # ring); their stochastically rounded maps cannot run under the interpreter.
+  sr_slots = [i for i, s in enumerate(slots)
+              if getattr(getattr(s, "codec", None), "needs_bits", False)]
+  if interpret and sr_slots:
+    return (
+        f"the Mosaic GPU interpreter cannot run the stochastically rounded int8 map of "
+        f"optimizer slot {sr_slots[0]} (it runs on a GPU)", None,
+    )
   cfg = config
   if cfg is None:
     cfg = fm.default_config(x, dy, w, slots, compute_grad_sq_norm=compute_grad_sq_norm)

@@ -210,16 +210,31 @@ def _ring_depth(cfg: MosaicTileConfig) -> int:
   return min(cfg.epi_slots, sub_tiles)
 
 
-def _smem_bytes(cfg: MosaicTileConfig, in_dtype, w_dtype, slot_dtypes, with_norm: bool) -> int:
-  """Shared memory the kernel allocates for ``cfg`` (pipeline + epilogue ring)."""
+def _smem_bytes(cfg: MosaicTileConfig, in_dtype, w_dtype, slot_dtypes, with_norm: bool,
+                num_quantized: int = 0) -> int:
+  """Shared memory the kernel allocates for ``cfg`` (pipeline + epilogue ring).
+
+  ``slot_dtypes`` are the stored dtypes (int8 for a quantized slot's codes);
+  each of the ``num_quantized`` int8 slots adds its per-row scales to the ring.
+  """
   ib = jnp.dtype(in_dtype).itemsize
   stage = cfg.tile_t * (cfg.tile_m + _block_n(cfg)) * ib
   per_sub = cfg.epi_m * cfg.epi_n * sum(jnp.dtype(d).itemsize for d in (w_dtype, *slot_dtypes))
+  per_sub += num_quantized * cfg.epi_m * 4
   total = cfg.max_concurrent_steps * stage + _NUM_COMPUTE_WGS * _ring_depth(cfg) * per_sub
   total += _NUM_COMPUTE_WGS * _out_depth(cfg) * per_sub
   if with_norm:
     total += _NUM_COMPUTE_WGS * cfg.tile_m * 4
   return total
+
+
+def _quantized(slot) -> bool:
+  return isinstance(slot, numerics.QuantizedArray)
+
+
+def _stored_dtype(slot):
+  """What the kernel streams for a slot: its dtype, or int8 codes for a quantized one."""
+  return slot.codes.dtype if _quantized(slot) else slot.dtype
 
 
 def _swizzle_ok(cols: int, dtype) -> bool:
@@ -328,9 +343,27 @@ def supports(
   for i, s in enumerate(slots):
     if tuple(s.shape) != tuple(w.shape):
       return False, f"slot {i} has shape {s.shape}, expected w's {w.shape}"
+    if _quantized(s):
+      block = s.codec.block
+      if jnp.dtype(s.codes.dtype) != jnp.dtype(jnp.int8):
+        return False, f"slot {i} is quantized with {s.codes.dtype} codes; the kernel takes int8"
+      if tuple(s.scale.shape) != tuple(w.shape[:-1]) + (n // block,) or n % block:
+        return False, (f"slot {i}'s scale has shape {s.scale.shape}, expected "
+                       f"{tuple(w.shape[:-1]) + (n // block,)} (N={n} in blocks of {block})")
+      if cfg.epi_n != block:
+        return False, (f"slot {i} is int8 in blocks of {block} columns: epi_n={cfg.epi_n} must "
+                       f"equal the block (one block per sub-tile row)")
+      if cfg.epi_out_slots:
+        return False, "int8 slots need epi_out_slots=0 (results go back through the ring)"
+      if cfg.schedule != "pingpong":
+        # Under the Mosaic GPU interpreter the cooperative schedule with int8
+        # slots never returns (jax 0.10.2; not investigated); ping-pong is the
+        # default and is checked.
+        return False, f"int8 slots need schedule='pingpong', got {cfg.schedule!r}"
+      continue
     if jnp.dtype(s.dtype) not in _STATE_DTYPES:
       return False, f"slot {i} dtype {s.dtype} must be float32, bfloat16 or float16"
-  for name, dt in [("w", w.dtype)] + [(f"slot {i}", s.dtype) for i, s in enumerate(slots)]:
+  for name, dt in [("w", w.dtype)] + [(f"slot {i}", _stored_dtype(s)) for i, s in enumerate(slots)]:
     if not _swizzle_ok(cfg.epi_n, dt):
       return False, f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"
   if t % cfg.tile_t:
@@ -341,7 +374,8 @@ def supports(
   if n % block_n:
     what = "2 * tile_n" if cfg.schedule == "cooperative" else "tile_n"
     return False, f"N={n} must be a multiple of {what} = {block_n}"
-  smem = _smem_bytes(cfg, in_dt, w.dtype, [s.dtype for s in slots], compute_grad_sq_norm)
+  smem = _smem_bytes(cfg, in_dt, w.dtype, [_stored_dtype(s) for s in slots], compute_grad_sq_norm,
+                     sum(map(_quantized, slots)))
   if smem > _SMEM_BUDGET_BYTES:
     return False, (
         f"config needs {smem} bytes of shared memory (budget {_SMEM_BUDGET_BYTES}); "
@@ -529,6 +563,18 @@ class _Plan:
   with_norm: bool
   interpreting: bool  # under the CPU interpreter (see mma_body)
   stochastic: bool = False  # stochastic rounding of the weight (key in layer_gmem[1])
+  # Per slot: None (a float array) or the int8 map of a quantized slot (codes
+  # + per-row scales of epi_n-column blocks, the scales transposed to [N/blk, L*K]).
+  slot_qmaps: tuple = ()
+
+  @property
+  def qmaps(self) -> tuple:
+    """One entry per slot: None (float) or its int8 map."""
+    return self.slot_qmaps or (None,) * self.num_slots
+
+  @property
+  def needs_bits(self) -> bool:
+    return self.stochastic or any(q is not None and q.rounding == "stochastic" for q in self.qmaps)
 
   @property
   def m_iters(self) -> int:
@@ -646,13 +692,29 @@ class _Epilogue:
     r, c = self.plan.sub_tiles[j]
     return (pl.ds(row0 + r, self.plan.cfg.epi_m), pl.ds(col0 + c, self.plan.cfg.epi_n))
 
+  def _scale_window(self, j: int, row0, col0):
+    """A quantized slot's scales of sub-tile ``j`` in the transposed [N/blk, L*K] view."""
+    r, c = self.plan.sub_tiles[j]
+    cfg = self.plan.cfg
+    return (lax.div(col0 + c, jnp.int32(cfg.epi_n)), pl.ds(row0 + r, cfg.epi_m))
+
   def _fetch(self, j: int, row0, col0) -> None:
     slot = j % self.depth
     win = self._window(j, row0, col0)
     barrier = self.ring_ready.at[self.wg_idx * self.depth + slot]
     plgpu.copy_gmem_to_smem(self.w_gmem.at[win], self.w_ring.at[self.wg_idx, slot], barrier)
     for src, ring in zip(self.slot_gmems, self.slot_rings):
-      plgpu.copy_gmem_to_smem(src.at[win], ring.at[self.wg_idx, slot], barrier)
+      if isinstance(ring, tuple):  # int8 codes + their scales
+        plgpu.copy_gmem_to_smem(src[0].at[win], ring[0].at[self.wg_idx, slot], barrier)
+        plgpu.copy_gmem_to_smem(src[1].at[self._scale_window(j, row0, col0)],
+                                ring[1].at[self.wg_idx, slot], barrier)
+      else:
+        plgpu.copy_gmem_to_smem(src.at[win], ring.at[self.wg_idx, slot], barrier)
+
+  @property
+  def _l2_sources(self):
+    """The W and slot arrays the L2 prefetches cover (a quantized slot's codes)."""
+    return (self.w_gmem, *(g[0] if isinstance(g, tuple) else g for g in self.slot_gmems))
 
   def begin(self, row0, col0) -> None:
     if not self.out_depth:
@@ -664,7 +726,7 @@ class _Epilogue:
   def prefetch_l2(self, row0, col0) -> None:
     cfg = self.plan.cfg
     tile = (pl.ds(row0, cfg.tile_m), pl.ds(col0, cfg.tile_n))
-    for src in (self.w_gmem, *self.slot_gmems):
+    for src in self._l2_sources:
       plgpu.async_prefetch(src.at[tile])
 
   def _prefetch_sub_l2(self, j: int, row0, col0) -> None:
@@ -672,12 +734,12 @@ class _Epilogue:
     if self.plan.interpreting or j >= len(self.plan.sub_tiles):
       return  # the interpreter has no L2 (and no rule for the prefetch)
     win = self._window(j, row0, col0)
-    for src in (self.w_gmem, *self.slot_gmems):
+    for src in self._l2_sources:
       plgpu.async_prefetch(src.at[win])
 
-  def _stochastic_round(self, value, row0, col0, dtype):
-    """``value`` (a WGMMA-layout sub-tile at ``row0, col0`` of the [L*K, N] view)
-    rounded to ``dtype`` with each element's hashed bits."""
+  def _element_bits(self, row0, col0):
+    """Each element's hashed bits (uint32, WGMMA layout) for the sub-tile at ``row0, col0``
+    of the [L*K, N] view: ``element_bits(key, row * N + col)``, the row within its layer."""
     cfg, plan = self.plan.cfg, self.plan
     shape = (cfg.epi_m, cfg.epi_n)
     # The accumulator's layout (the interpreter has no rule for layout casts).
@@ -690,8 +752,30 @@ class _Epilogue:
     # bitcast_convert_type: warpgroup semantics lowers that to a vector
     # ("Scalars must be represented by non-vector types", jax 0.10.2-0.11.2).
     key = self.layer_gmem[1].astype(jnp.uint32)
-    bits = numerics.element_bits(key, numerics.element_index(rows, cols, plan.n))
-    return numerics.stochastic_round(value, bits, dtype)
+    return numerics.element_bits(key, numerics.element_index(rows, cols, plan.n))
+
+  def _read_slot(self, ref, qmap):
+    """A slot's sub-tile in float32 (decoded from codes and per-row scales if int8)."""
+    if qmap is None:
+      return ref[...].astype(jnp.float32)
+    codes_ref, scale_ref = ref
+    cfg = self.plan.cfg
+    scale = lax.broadcast_in_dim(scale_ref[...], (cfg.epi_m, cfg.epi_n), [0])
+    return qmap.decode(codes_ref[...].astype(jnp.int32)) * scale
+
+  def _write_slot(self, ref, qmap, value, bits) -> None:
+    """Stores a slot's new float32 sub-tile: cast, or int8 codes + per-row scales."""
+    if qmap is None:
+      ref[...] = store_cast(value, ref.dtype)
+      return
+    codes_ref, scale_ref = ref
+    cfg = self.plan.cfg
+    # As numerics.BlockQuantized.encode: one block per row (epi_n == block).
+    absmax = jnp.max(jnp.abs(value), axis=1)
+    inv = jnp.where(absmax > 0.0, 1.0 / absmax, 0.0)
+    rel = value * lax.broadcast_in_dim(inv, (cfg.epi_m, cfg.epi_n), [0])
+    codes_ref[...] = qmap.encode(rel, bits).astype(codes_ref.dtype)
+    scale_ref[...] = absmax
 
   def finish(self, acc, row0, col0, norm_block, norm_row0) -> None:
     plan, cfg = self.plan, self.plan.cfg
@@ -709,12 +793,13 @@ class _Epilogue:
         plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
       g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
       w_ref = self.w_ring.at[self.wg_idx, slot]
-      s_refs = [ring.at[self.wg_idx, slot] for ring in self.slot_rings]
+      s_refs = [tuple(part.at[self.wg_idx, slot] for part in ring) if isinstance(ring, tuple)
+                else ring.at[self.wg_idx, slot] for ring in self.slot_rings]
       with _region("epi_load"):
         # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
         # accumulator's, so the rule's arithmetic needs no relayout.
         w32 = w_ref[...].astype(jnp.float32)
-        s32 = tuple(ref[...].astype(jnp.float32) for ref in s_refs)
+        s32 = tuple(self._read_slot(ref, q) for ref, q in zip(s_refs, plan.qmaps))
       with _region("epi_math"):
         u, new_slots = self.rule(g, w32, s32, scalar_leaves)
       if self.out_depth:
@@ -727,12 +812,14 @@ class _Epilogue:
         w_ref = self.out_rings[0].at[self.wg_idx, out]
         s_refs = [ring.at[self.wg_idx, out] for ring in self.out_rings[1:]]
       with _region("epi_write"):
+        bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
         if plan.stochastic:
-          w_ref[...] = self._stochastic_round(w32 + u, row0 + r, col0 + c, w_ref.dtype)
+          w_ref[...] = numerics.stochastic_round(w32 + u, bits, w_ref.dtype)
         else:
           w_ref[...] = store_cast(w32 + u, w_ref.dtype)
-        for ref, new in zip(s_refs, new_slots):
-          ref[...] = store_cast(new, ref.dtype)
+        for i, (ref, new, q) in enumerate(zip(s_refs, new_slots, plan.qmaps)):
+          sr = q is not None and q.rounding == "stochastic"
+          self._write_slot(ref, q, new, numerics.value_bits(bits, 1 + i) if sr else None)
         if plan.with_norm:
           part = jnp.sum(g * g, axis=1)
           row_sums[r] = part if r not in row_sums else row_sums[r] + part
@@ -741,7 +828,12 @@ class _Epilogue:
         win = self._window(j, row0, col0)
         plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[win], commit_group=False)
         for ref, dst in zip(s_refs, self.slot_gmems):
-          plgpu.copy_smem_to_gmem(ref, dst.at[win], commit_group=False)
+          if isinstance(dst, tuple):  # int8 codes + their scales
+            plgpu.copy_smem_to_gmem(ref[0], dst[0].at[win], commit_group=False)
+            plgpu.copy_smem_to_gmem(ref[1], dst[1].at[self._scale_window(j, row0, col0)],
+                                    commit_group=False)
+          else:
+            plgpu.copy_smem_to_gmem(ref, dst.at[win], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
         if ahead:
           self._prefetch_sub_l2(j + self.depth + ahead, row0, col0)
@@ -777,10 +869,15 @@ def _fused_kernel(
   epilogue_allocs = dict(
       w_ring=plgpu.SMEM(epi_shape, w_dtype, transforms=_mma_transforms(cfg.epi_n, w_dtype)),
       slot_rings=[
-          plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d)) for d in slot_dtypes
+          plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d)) if q is None
+          else (plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d)),
+                plgpu.SMEM(epi_shape[:2] + (cfg.epi_m,), jnp.float32))  # codes, scales
+          for d, q in zip(slot_dtypes, plan.qmaps)
       ],
+      # One arrival per TMA copy into a ring slot: W, each slot, each int8 slot's scales.
       ring_ready=plgpu.Barrier(
-          num_arrivals=1 + plan.num_slots, num_barriers=_NUM_COMPUTE_WGS * _ring_depth(cfg)
+          num_arrivals=1 + plan.num_slots + sum(q is not None for q in plan.qmaps),
+          num_barriers=_NUM_COMPUTE_WGS * _ring_depth(cfg),
       ),
       norm_smem=(
           plgpu.SMEM((_NUM_COMPUTE_WGS, cfg.tile_m), jnp.float32) if plan.with_norm else None
@@ -1083,9 +1180,19 @@ _OTHER_CANDIDATES = (
 )
 # T at or below this counts as short (the epilogue, not the main loop, bounds).
 _SHORT_T = 2048
+# int8 slots: one 64-column block per sub-tile row (epi_n = the block). Not
+# yet timed on a GPU: the main loop's 4 stages first, as for float states.
+_INT8_CANDIDATES = (
+    _PINGPONG(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0, **_TUNED),
+    _PINGPONG(max_concurrent_steps=3, epi_n=64, epi_l2_lookahead=0, **_TUNED),
+    _PINGPONG(max_concurrent_steps=2, epi_n=64, epi_l2_lookahead=0, **_TUNED),
+    _PINGPONG(tile_m=64, max_concurrent_steps=3, epi_n=64, epi_l2_lookahead=0, **_TUNED),
+)
 
 
-def _default_candidates(t: int) -> tuple[MosaicTileConfig, ...]:
+def _default_candidates(t: int, quantized_block: Optional[int] = None) -> tuple[MosaicTileConfig, ...]:
+  if quantized_block is not None:
+    return tuple(dataclasses.replace(c, epi_n=quantized_block) for c in _INT8_CANDIDATES)
   first = _SHORT_T_CANDIDATES if t <= _SHORT_T else _LONG_T_CANDIDATES
   second = _LONG_T_CANDIDATES if t <= _SHORT_T else _SHORT_T_CANDIDATES
   return tuple(dict.fromkeys(first + second + _OTHER_CANDIDATES))  # in order, once each
@@ -1103,7 +1210,8 @@ def default_config(
   accepts, e.g. ``N=100 must be a multiple of tile_n = 64``), when none fits.
   """
   t = x.shape[0] if len(x.shape) == 2 else 0
-  candidates = _default_candidates(t)
+  blocks = {s.codec.block for s in slots if _quantized(s)}
+  candidates = _default_candidates(t, min(blocks) if blocks else None)
   for cand in candidates:
     cand = dataclasses.replace(cand, num_sms=num_sms)
     if supports(x, dy, w, slots, cand, compute_grad_sq_norm=compute_grad_sq_norm)[0]:
@@ -1157,7 +1265,10 @@ def fused_dw_update_mosaic(
     dy: [T, N] output cotangent, same dtype as ``x``.
     w: [K, N] weight, or [L, K, N] stacked weights with ``layer`` given;
       float32, bfloat16 or float16.
-    slots: optimizer-state arrays shaped like ``w`` (each its own dtype).
+    slots: optimizer-state arrays shaped like ``w`` (each its own float dtype),
+      or :class:`~pallas_kernels.numerics.QuantizedArray` int8 states (blocks
+      of ``config.epi_n`` values along N, ping-pong schedule; their scales
+      pass through the kernel transposed, a scale-sized copy each way).
     scalars: pytree of float32 0-d arrays passed to ``update_fn``.
     update_fn: the elementwise rule ``(g, w, slots, scalars) -> (u, new_slots)``.
     layer: int32 scalar index into the leading axis of stacked ``w``/slots.
@@ -1204,7 +1315,9 @@ def fused_dw_update_mosaic(
   if codec.needs_bits and not isinstance(codec, numerics.StochasticRound):
     raise ValueError(f"weight_codec={codec!r}: the Mosaic kernel takes Cast or StochasticRound")
   stochastic = isinstance(codec, numerics.StochasticRound)
-  if stochastic and _interpret_params(interpret) is not None:
+  slot_qmaps = tuple(s.codec.qmap if _quantized(s) else None for s in slots)
+  slot_sr = any(q is not None and q.rounding == "stochastic" for q in slot_qmaps)
+  if (stochastic or slot_sr) and _interpret_params(interpret) is not None:
     # Seen with jax 0.10.2: the interpreter never returns (no error) from a
     # kernel whose epilogue has an iota or a float32 -> uint32 bitcast.
     raise NotImplementedError(
@@ -1217,7 +1330,7 @@ def fused_dw_update_mosaic(
     numerics.stochastic_round(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.uint32), w.dtype)  # dtype check
   # The hash key of (seed, step, layer), computed once here; the kernel reads
   # it next to the layer and hashes it with each element's index.
-  seed_i32, step_i32 = _rounding_ints((codec,), seed, step)
+  seed_i32, step_i32 = _rounding_ints((codec, *(s.codec for s in slots if _quantized(s))), seed, step)
   key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
   layer_vec = jnp.stack([layer_i32, jax.lax.bitcast_convert_type(key, jnp.int32)])
 
@@ -1231,6 +1344,7 @@ def fused_dw_update_mosaic(
       ),
       num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
       interpreting=_interpret_params(interpret) is not None, stochastic=stochastic,
+      slot_qmaps=slot_qmaps,
   )
   rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars,
                      cfg.lowering_semantics, cfg.approx_math)
@@ -1250,7 +1364,7 @@ def fused_dw_update_mosaic(
     core_map_kwargs["interpret"] = params
   kernel = functools.partial(
       _fused_kernel, plan=plan, rule=rule, scalars_treedef=treedef,
-      w_dtype=w.dtype, slot_dtypes=tuple(s.dtype for s in slots),
+      w_dtype=w.dtype, slot_dtypes=tuple(_stored_dtype(s) for s in slots),
   )
 
   def stateful(refs):
@@ -1269,11 +1383,25 @@ def fused_dw_update_mosaic(
     def _():
       kernel(x_ref, dy_ref, sc_ref, layer_ref, w_ref, tuple(slot_refs), norm_ref)
 
+  def kernel_view(s):
+    if not _quantized(s):
+      return flat(s)
+    # Scales transposed, [N/blk, L*K]: a sub-tile's 64 row scales are then one
+    # contiguous TMA box (a [64, 1] column is 4 bytes wide; TMA needs 16).
+    return (flat(s.codes), s.scale.reshape(num_layers * k, n // s.codec.block).T)
+
+  def from_kernel_view(new, old):
+    if not _quantized(old):
+      return new.reshape(old.shape)
+    codes, scale_t = new
+    return numerics.QuantizedArray(codes.reshape(old.codes.shape), scale_t.T.reshape(old.scale.shape),
+                                   old.codec)
+
   outs = pl.run_state(stateful)(
-      (x, dy, sc_vec, layer_vec, flat(w), tuple(flat(s) for s in slots), norm_init)
+      (x, dy, sc_vec, layer_vec, flat(w), tuple(kernel_view(s) for s in slots), norm_init)
   )
   _, _, _, _, new_w, new_slots, norm_parts = outs
   new_w = new_w.reshape(w.shape)
-  new_slots = tuple(s.reshape(old.shape) for s, old in zip(new_slots, slots))
+  new_slots = tuple(from_kernel_view(s, old) for s, old in zip(new_slots, slots))
   norm = jnp.sum(norm_parts) if compute_grad_sq_norm else None
   return new_w, new_slots, norm

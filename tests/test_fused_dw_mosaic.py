@@ -599,3 +599,99 @@ def test_int8_codec_math_lowers_and_matches_under_the_interpreter(qmap):
   want_codes, want_scale = codec.encode(0.9 * codec.decode((codes, scale)) + 0.1 * g)
   np.testing.assert_array_equal(np.asarray(got_codes), np.asarray(want_codes))
   np.testing.assert_allclose(np.asarray(got_scale), np.asarray(want_scale[:, 0]), rtol=2e-7)
+
+
+# ----------------------------------------------------------------------------
+# int8 states in the kernel.
+# ----------------------------------------------------------------------------
+
+
+def _int8_precision(stochastic: bool):
+  p = forge_jax.Precision(state_dtype="int8")
+  if stochastic:
+    return p
+  nearest = lambda q: nm.QuantMap(q.kind, q.signed, q.mantissa_bits, "nearest")
+  return forge_jax.Precision(state_dtype="int8", signed_map=nearest(p.signed_map),
+                             unsigned_map=nearest(p.unsigned_map))
+
+
+def _int8_slots(rule, slots, stochastic=False):
+  precision = _int8_precision(stochastic)
+  return tuple(precision.codec(name).quantize(s.astype(F32)) for name, s in zip(rule.slot_names, slots))
+
+
+INT8 = fm.MosaicTileConfig(schedule="pingpong", tile_m=64, tile_n=128, max_concurrent_steps=2, epi_n=64,
+                           num_sms=1)
+
+
+def _assert_int8_close(got, want, what):
+  diff = np.abs(np.asarray(got.codes, np.int32) - np.asarray(want.codes, np.int32))
+  assert diff.max() <= 1 and np.mean(diff > 0) <= 1e-3, (what, diff.max(), np.mean(diff > 0))
+  np.testing.assert_allclose(np.asarray(got.scale), np.asarray(want.scale), rtol=1e-5, err_msg=what)
+  assert got.codes.dtype == jnp.int8 and got.scale.shape == want.scale.shape
+
+
+@pytest.mark.parametrize("name, w_dtype, layers", [("adamw", F32, None), ("lion", BF16, 3)])
+def test_int8_slots_match_reference(name, w_dtype, layers):
+  """Codes + per-row scales through the ring (2 slots, 2 sub-tiles per tile, 4 tiles on one
+  block: the ring wraps within and across tiles), decoded, updated and re-encoded in the
+  epilogue: the reference codec's codes (round-to-nearest maps; SR needs the GPU)."""
+  rule = _rules()[name]
+  x, dy, w, slots = _inputs(8, 128, 128, 256, rule, w_dtype=w_dtype, layers=layers)
+  slots = _int8_slots(rule, slots)
+  layer = None if layers is None else jnp.int32(1)
+  (new_w, new_slots, _), (ref_w, ref_slots, _) = _run_both(x, dy, w, slots, rule, layer=layer, config=INT8)
+  _assert_close(new_w, ref_w, "w")
+  for i, (a, e) in enumerate(zip(new_slots, ref_slots)):
+    assert isinstance(a, nm.QuantizedArray) and a.codec == slots[i].codec
+    _assert_int8_close(a, e, rule.slot_names[i])
+  if layers is not None:  # the other layers untouched, bit for bit
+    for other in (0, 2):
+      np.testing.assert_array_equal(np.asarray(new_w[other], F32), np.asarray(w[other], F32))
+      for a, s in zip(new_slots, slots):
+        np.testing.assert_array_equal(np.asarray(a.codes[other]), np.asarray(s.codes[other]))
+        np.testing.assert_array_equal(np.asarray(a.scale[other]), np.asarray(s.scale[other]))
+
+
+@pytest.mark.parametrize("w_dtype, stacked", [(F32, False), (BF16, True)])
+def test_int8_slots_with_stochastic_rounding_lower_for_cuda(w_dtype, stacked):
+  """forge_jax's default int8 maps (the second moment rounds stochastically), with a
+  stochastically rounded bf16 weight, stacked, with the grad norm: the default config lowers
+  for sm_90 (the interpreter cannot run stochastic rounding)."""
+  rule = _all_rules()["adamw"].rule
+  precision = forge_jax.Precision(state_dtype="int8")
+  lead = (3,) if stacked else ()
+  x = jax.ShapeDtypeStruct((1024, 4096), BF16)
+  dy = jax.ShapeDtypeStruct((1024, 4096), BF16)
+  w = jax.ShapeDtypeStruct(lead + (4096, 4096), w_dtype)
+  slots = tuple(nm.QuantizedArray(jax.ShapeDtypeStruct(lead + (4096, 4096), jnp.int8),
+                                  jax.ShapeDtypeStruct(lead + (4096, 64), F32), precision.codec(name))
+                for name in rule.slot_names)
+  cfg = fm.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
+  assert (cfg.schedule, cfg.epi_n) == ("pingpong", 64)
+  kw = dict(weight_codec=nm.StochasticRound()) if w_dtype == BF16 else {}
+  kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update, config=cfg,
+                                     compute_grad_sq_norm=True, **kw))
+  args = dict(seed=jnp.uint32(1), step=jnp.int32(2), layer=jnp.int32(1) if stacked else None)
+  text = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0)), **args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def test_int8_slots_refusals():
+  rule = _rules()["adamw"]
+  x, dy, w, slots = _inputs(9, 64, 64, 128, rule)
+  q = _int8_slots(rule, slots)
+  ok, why = fm.supports(x, dy, w, q, dataclasses.replace(INT8, epi_n=32))
+  assert not ok and "epi_n=32 must equal the block" in why
+  ok, why = fm.supports(x, dy, w, q, dataclasses.replace(INT8, schedule="cooperative"))
+  assert not ok and "schedule='pingpong'" in why
+  bad = (nm.QuantizedArray(q[0].codes, q[0].scale[:, :1], q[0].codec), q[1])
+  ok, why = fm.supports(x, dy, w, bad, INT8)
+  assert not ok and "scale has shape" in why
+  with pytest.raises(NotImplementedError, match="interpreter"):  # SR maps need the GPU
+    fm.fused_dw_update_mosaic(x, dy, w, _int8_slots(rule, slots, stochastic=True), rule.scalars(jnp.int32(1)),
+                              rule.update, config=INT8, interpret=True, seed=jnp.uint32(0), step=jnp.int32(1))
+  with pytest.raises(ValueError, match="seed="):  # SR maps need the seed and step
+    fm.fused_dw_update_mosaic(x, dy, w, _int8_slots(rule, slots, stochastic=True), rule.scalars(jnp.int32(1)),
+                              rule.update, config=INT8)

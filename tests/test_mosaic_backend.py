@@ -22,6 +22,7 @@ import forge_jax
 from forge_jax import _fused
 from pallas_kernels import fused_dw as fd
 from pallas_kernels import fused_dw_mosaic as fm
+from pallas_kernels import numerics as pallas_numerics
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -75,6 +76,34 @@ def test_mosaic_interpret_matches_xla():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
   assert int(got_state.count) == int(want_state.count) == 1
   np.testing.assert_allclose(float(got_sq), float(want_sq), rtol=2e-5)
+
+
+def test_mosaic_interpret_with_int8_states_matches_xla():
+  """int8 states (round-to-nearest maps) through the Mosaic kernel under its interpreter,
+  from the public entry: the same codes and scales as the "xla" backend."""
+  x, dy, w, _, _ = _problem(64, 64, 128)
+  base = forge_jax.Precision(state_dtype="int8", min_quantized_size=0)
+  nearest = lambda q: pallas_numerics.QuantMap(q.kind, q.signed, q.mantissa_bits, "nearest")
+  opt = forge_jax.adamw(1e-2, weight_decay=0.1, precision=forge_jax.Precision(
+      state_dtype="int8", min_quantized_size=0, signed_map=nearest(base.signed_map),
+      unsigned_map=nearest(base.unsigned_map)))
+  state = opt.init(w)
+  for _ in range(2):  # a second step: non-zero int8 moments in, decoded in the epilogue
+    state = jax.jit(functools.partial(forge_jax.fused_linear_update, optimizer=opt, backend="xla"))(
+        x, dy, w, state)[1]
+  run = lambda backend: jax.jit(functools.partial(
+      forge_jax.fused_linear_update, optimizer=opt, backend=backend))(x, dy, w, state)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    got_w, got_state = run("mosaic_interpret")
+  assert not _fallback_warnings(record)  # the kernel ran
+  want_w, want_state = run("xla")
+  np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=2e-5, atol=2e-6)
+  for a, b in zip(got_state[1:], want_state[1:]):
+    assert isinstance(a, pallas_numerics.QuantizedArray)
+    diff = np.abs(np.asarray(a.codes, np.int32) - np.asarray(b.codes, np.int32))
+    assert diff.max() <= 1 and np.mean(diff > 0) <= 1e-3
+    np.testing.assert_allclose(np.asarray(a.scale), np.asarray(b.scale), rtol=1e-5)
 
 
 def test_mosaic_interpret_falls_back_once_per_reason():
@@ -163,8 +192,8 @@ def test_mosaic_falls_back_on_a_non_hopper_gpu(fake_gpu, monkeypatch):
 
 
 def test_mosaic_problem_codecs_and_configs():
-  """Stochastic rounding runs in the epilogue (checked on the H200); quantized slots go
-  elsewhere; a Triton config is an error."""
+  """Stochastic rounding runs in the epilogue (checked on the H200), int8 states too (the
+  interpreter runs their round-to-nearest maps only); a Triton config is an error."""
   x = jax.ShapeDtypeStruct((64, 128), BF16)
   dy = jax.ShapeDtypeStruct((64, 256), BF16)
   w = jax.ShapeDtypeStruct((128, 256), F32)
@@ -172,8 +201,11 @@ def test_mosaic_problem_codecs_and_configs():
   class StochasticRound:  # what the codec protocol exposes
     needs_bits = True
 
-  class Quantized:  # int8 codes + scales: no dtype of its own
-    shape = (128, 256)
+  def quantized(rounding):  # int8 codes + per-block scales
+    qmap = pallas_numerics.QuantMap("float", signed=False, mantissa_bits=4, rounding=rounding)
+    return pallas_numerics.QuantizedArray(jax.ShapeDtypeStruct((128, 256), jnp.int8),
+                                          jax.ShapeDtypeStruct((128, 4), F32),
+                                          pallas_numerics.BlockQuantized(qmap, 64))
 
   assert _fused._mosaic_problem(x, dy, w, (w, w), None, False)[0] is None
   reason, _ = _fused._mosaic_problem(x, dy, w, (w,), None, False, {"weight_codec": StochasticRound()})
@@ -181,8 +213,11 @@ def test_mosaic_problem_codecs_and_configs():
   reason, _ = _fused._mosaic_problem(x, dy, w, (w,), None, False, {"weight_codec": StochasticRound()},
                                      interpret=True)
   assert "interpreter" in reason and "stochastic" in reason
-  reason, _ = _fused._mosaic_problem(x, dy, w, (w, Quantized()), None, False)
-  assert "slot 1" in reason and "quantized" in reason
+  reason, cfg = _fused._mosaic_problem(x, dy, w, (w, quantized("stochastic")), None, False)
+  assert reason is None and cfg.epi_n == 64  # int8 states: one block per sub-tile row
+  reason, _ = _fused._mosaic_problem(x, dy, w, (w, quantized("stochastic")), None, False, interpret=True)
+  assert "interpreter" in reason and "slot 1" in reason
+  assert _fused._mosaic_problem(x, dy, w, (w, quantized("nearest")), None, False, interpret=True)[0] is None
   with pytest.raises(ValueError, match="MosaicTileConfig"):
     _fused._mosaic_problem(x, dy, w, (w,), fd.TileConfig(), False)
 
