@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The next H200 campaign, one device call per part (each under the 10-minute limit):
 #
+#   bash experiments/h200_session.sh quick      # ~2 min: check_mosaic_gpu --quick (int8 states first: never run on a GPU)
 #   bash experiments/h200_session.sh kernel     # ~6.5 min: Mosaic sweep + timing (fp32, every T), bf16 sweep
 #   bash experiments/h200_session.sh kernel2    # ~4.5 min: bf16 timing (default per shape), the in-kernel profile
 #   bash experiments/h200_session.sh models     # ~6 min: whole 8B models (new defaults, lean loss), memory analysis
@@ -12,7 +13,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh kernel|kernel2|models|unrolled}"
+part="${1:?usage: h200_session.sh quick|kernel|kernel2|models|unrolled}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -27,6 +28,9 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a limit, logs to $work/NA
 }
 
 case "$part" in
+  quick)
+    step quick 170 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
+    ;;
   kernel)
     step mosaic 340 python -m experiments.check_mosaic_gpu --out "$work/mosaic" --sections sweep timing
     step sweep_bf16 215 python -m experiments.check_mosaic_gpu --out "$work/sweep_bf16" --sections sweep \
@@ -38,9 +42,9 @@ case "$part" in
     step profile 150 python -m experiments.profile_mosaic --out "$work/profile"
     ;;
   models)
-    step models 330 python -m experiments.bench_models --out "$work/models" \
-      --models llama-3.1-8b,qwen3-8b --impls optax,optax_clip,forge --timeout 150
-    step memana 200 python -m experiments.memory_analysis --out "$work/memana" --model llama-3.1-8b \
+    step models 380 python -m experiments.bench_models --out "$work/models" \
+      --models llama-3.1-8b,qwen3-8b --impls optax,optax_clip,forge,forge_int8_mosaic --timeout 150
+    step memana 190 python -m experiments.memory_analysis --out "$work/memana" --model llama-3.1-8b \
       --impls optax_clip,forge --batch 32 --loss lean,optax
     ;;
   unrolled)
