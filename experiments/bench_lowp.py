@@ -17,6 +17,10 @@ the weight and state donated:
 * ``pallas``: the Triton-lowered fused kernel (codecs in its epilogue);
 * ``xla``: the XLA backend with the same codecs (one float32 dot, then the
   decode/update/encode as XLA fuses it): the unfused reference;
+* ``mosaic`` (opt-in, ``--impls ... mosaic``): the Mosaic GPU kernel
+  (``backend="mosaic"``; under its interpreter on a CPU). A configuration it
+  cannot take is recorded as ``unsupported`` with the reason, never timed as
+  the fallback it would run;
 * ``pallas_view`` (int8 configs): the kernel fed the float8 view of the int8
   codes, as ``forge_jax.train_step`` hands them to a FORGE layer (measures the
   cost of the bitcasts around the kernel, if XLA makes them copies);
@@ -70,6 +74,21 @@ SLOT_TOL = 2e-2  # ... of the decoded slots (int8: rare one-code flips)
 
 def _optimizer(precision):
   return forge_jax.adamw(LR, weight_decay=WD, precision=precision)
+
+
+def mosaic_problem(x, dy, w0, config: str, interpret: bool) -> Optional[str]:
+  """Why the Mosaic kernel cannot run this configuration (its own checks), or None."""
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import numerics  # pylint: disable=g-import-not-at-top
+
+  w_dtype, precision = CONFIGS[config]
+  opt = _optimizer(precision)
+  w = jax.ShapeDtypeStruct(w0.shape, w_dtype)
+  state = jax.eval_shape(opt.init, w)
+  slots = tuple(getattr(state, name) for name in opt.rule.slot_names)
+  sr = precision.stochastic and jnp.dtype(w_dtype) != jnp.dtype(F32)
+  rounding = {"weight_codec": numerics.StochasticRound()} if sr else None
+  return _fused._mosaic_problem(x, dy, w, slots, None, False, rounding, interpret=interpret)[0]
 
 
 def fused_runner(x, dy, w0, config: str, backend: str, *, view: bool = False, tile=None):
@@ -173,6 +192,14 @@ def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=
       todo.append(("pallas", fused_runner(x, dy, w0, config, kernel, tile=tile)))
     if "pallas_view" in impls and precision.state_dtype == "int8":
       todo.append(("pallas_view", fused_runner(x, dy, w0, config, kernel, view=True, tile=tile)))
+    if "mosaic" in impls:
+      why = mosaic_problem(x, dy, w0, config, interpret)
+      if why is None:
+        todo.append(("mosaic", fused_runner(x, dy, w0, config, "mosaic_interpret" if interpret else "mosaic")))
+      else:
+        rows.append({"impl": "mosaic", "config": config, "shape": shape, "status": "unsupported",
+                     "bytes_per_param": bpp, "error": why})
+        _timing.log(f"  {shape:>18} {config:<18} {'mosaic':<11} unsupported: {why}")
     for impl, runner in todo:
       row = ref_row if impl == "xla" else measure(impl, runner, shape, flops, timing, reference, w0)
       row.pop("_result", None)
@@ -241,8 +268,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help=f"T values (default {bench_fused_dw.TOKENS})")
   parser.add_argument("--shapes", type=bench_fused_dw._parse_kn, nargs="+", default=None, help="KxN shapes")
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-  impls_all = ["xla", "pallas", "pallas_view", *BASELINES]
-  parser.add_argument("--impls", nargs="+", default=impls_all, choices=impls_all)
+  impls_default = ["xla", "pallas", "pallas_view", *BASELINES]
+  parser.add_argument("--impls", nargs="+", default=impls_default, choices=impls_default + ["mosaic"],
+                      help="mosaic: the Mosaic GPU kernel too (opt-in)")
   parser.add_argument("--tile", type=bench_fused_dw._parse_tile, default=None,
                       help="pallas tile 'block_k,block_n,block_t,num_warps,num_stages' (default: tuned table)")
   parser.add_argument("--iters", type=int, default=30)
@@ -263,7 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                   timing=timing, tile=args.tile),
       {"impl": "-", "config": "-", "bytes_per_param": float("nan")},
   )
-  impls = [i for i in ("xla", "pallas", "pallas_view") if i in args.impls]
+  impls = [i for i in ("xla", "pallas", "pallas_view", "mosaic") if i in args.impls]
   if any(b in args.impls for b in BASELINES):
     impls = impls or ["pallas"]
   _timing.write_table(folder / "bench_lowp.md", markdown(info, rows, impls), folder / "bench_lowp.json")
