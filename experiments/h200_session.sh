@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The next H200 campaign, one device call per part (each under the 10-minute limit):
 #
-#   bash experiments/h200_session.sh quick      # ~2 min: check_mosaic_gpu --quick (int8 states first: never run on a GPU)
+#   bash experiments/h200_session.sh quick      # ~6 min: check_mosaic_gpu --quick (int8 states first: never run
+#                                               #   on a GPU), low-precision per-layer timing with the Mosaic kernel
 #   bash experiments/h200_session.sh kernel     # ~6.5 min: Mosaic sweep + timing (fp32, every T), bf16 sweep
 #   bash experiments/h200_session.sh kernel2    # ~4.5 min: bf16 timing (default per shape), the in-kernel profile
 #   bash experiments/h200_session.sh models     # ~6 min: whole 8B models (new defaults, lean loss), memory analysis
@@ -30,6 +31,9 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a limit, logs to $work/NA
 case "$part" in
   quick)
     step quick 170 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
+    step lowp 320 python -m experiments.bench_lowp --out "$work/lowp" --tokens 1024 4096 \
+      --shapes 4096x4096 4096x14336 --configs fp32 bf16_rtn_bf16 bf16_sr_bf16 fp32_int8 bf16_sr_int8 \
+      --impls xla pallas mosaic optax_fp32 optax_bf16
     ;;
   kernel)
     step mosaic 340 python -m experiments.check_mosaic_gpu --out "$work/mosaic" --sections sweep timing
