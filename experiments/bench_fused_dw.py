@@ -135,9 +135,9 @@ def make_inputs(t: int, k: int, n: int, seed: int = 0,
   return x, dy, w0
 
 
-def tolerances(w0) -> tuple[float, float]:
-  """(update, slots) tolerances of the check for a weight like ``w0``."""
-  return (UPDATE_TOL, SLOT_TOL) if jnp.dtype(w0.dtype).itemsize >= 4 else (UPDATE_TOL_16, SLOT_TOL_16)
+def tolerances(state_dtype) -> tuple[float, float]:
+  """(update, slots) tolerances of the check for a weight and states of ``state_dtype``."""
+  return (UPDATE_TOL, SLOT_TOL) if jnp.dtype(state_dtype).itemsize >= 4 else (UPDATE_TOL_16, SLOT_TOL_16)
 
 
 def make_problem(x, dy, w0, optimizer: str, interpret: bool) -> Problem:
@@ -281,7 +281,7 @@ def measure(impl: str, builder: Builder, p: Problem, reference, timing: dict) ->
       w, slots = runner.result(carry)
       errs = _errors(w, tuple(slots), p.w0, reference[0], tuple(reference[1]))
       row.update({k: float(v) for k, v in errs.items()})
-      update_tol, slot_tol = tolerances(p.w0)
+      update_tol, slot_tol = tolerances(p.w0.dtype)
       if not (row["err_update"] <= update_tol and row["err_slots"] <= slot_tol):
         # Still timed, but flagged everywhere it is reported.
         row["status"] = "check_failed"
@@ -420,10 +420,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     IMPLEMENTATIONS["pallas"] = fused_builder(functools.partial(fused_dw.fused_dw_update, config=args.tile))
   folder = _timing.out_dir(args.out)
   info = _timing.run_info("experiments.bench_fused_dw", argv)
+  update_tol, slot_tol = tolerances(args.state_dtype)
   info.update(interpret=interpret, timing=timing, peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
               optimizers={k: v[2] for k, v in OPTIMIZERS.items()}, state_dtype=args.state_dtype,
-              update_tol=UPDATE_TOL if args.state_dtype == "float32" else UPDATE_TOL_16,
-              slot_tol=SLOT_TOL if args.state_dtype == "float32" else SLOT_TOL_16,
+              update_tol=update_tol, slot_tol=slot_tol,
               pallas_tile=dataclasses.asdict(args.tile) if args.tile else "default_tile_config")
   _timing.log(f"bench_fused_dw on {info['device']} (jax {info['jax']}), interpret={interpret}")
 

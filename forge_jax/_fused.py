@@ -9,9 +9,10 @@ optimizer's elementwise rule to each tile as soon as it is complete:
 * ``"interpret"``: the same kernel in Pallas interpret mode (CPU tests);
 * ``"mosaic"``: the warp-specialized Hopper kernel lowered through Mosaic GPU
   (:mod:`pallas_kernels.fused_dw_mosaic`; sm_90 only). Calls it cannot take
-  (shapes off its tiling, float32 ``x``, int8 slots, a non-Hopper GPU) run on
+  (shapes off its tiling, float32 ``x``, a non-Hopper GPU) run on
   ``"pallas"`` instead, with one :class:`BackendFallbackWarning` per distinct
-  reason;
+  reason. It takes int8 optimizer states too (``"auto"`` does not send them
+  there yet: see :func:`_resolve_backend`);
 * ``"mosaic_interpret"``: that kernel under the Mosaic GPU interpreter (CPU
   tests; falls back to ``"xla"``);
 * ``"xla"``: the reference: one float32 dot plus the same rule, fused by XLA
@@ -103,24 +104,11 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None
         f"config={config!r} is not a MosaicTileConfig: backend='mosaic' takes "
         "pallas_kernels.fused_dw_mosaic.MosaicTileConfig or None."
     )
-  # Stochastic rounding of the weight runs in the epilogue (checked on the
-  # H200: experiments/results/h200/mosaic_quick_sr_fixed/, the sr* cases),
-  # but jax 0.10.2's Mosaic GPU interpreter hangs on its iota and bitcast.
-  codec = (rounding or {}).get("weight_codec")
-  if interpret and getattr(codec, "needs_bits", False):
-    return (
-        f"the Mosaic GPU interpreter cannot run the {type(codec).__name__} write-back "
-        "(stochastic rounding; it runs on a GPU)", None,
-    )
-  # int8 states: the kernel takes them (codes + per-row scales through its
-  # ring); their stochastically rounded maps cannot run under the interpreter.
-  sr_slots = [i for i, s in enumerate(slots)
-              if getattr(getattr(s, "codec", None), "needs_bits", False)]
-  if interpret and sr_slots:
-    return (
-        f"the Mosaic GPU interpreter cannot run the stochastically rounded int8 map of "
-        f"optimizer slot {sr_slots[0]} (it runs on a GPU)", None,
-    )
+  # Stochastic rounding (of the weight: checked on the H200,
+  # experiments/results/h200/mosaic_quick_sr_fixed/; of int8 slots) runs in the
+  # epilogue, but not under jax 0.10.2's Mosaic GPU interpreter.
+  if interpret and (why := fm.interpreter_problem((rounding or {}).get("weight_codec"), slots)):
+    return why, None
   cfg = config
   if cfg is None:
     cfg = fm.default_config(x, dy, w, slots, compute_grad_sq_norm=compute_grad_sq_norm)

@@ -563,18 +563,19 @@ class _Plan:
   with_norm: bool
   interpreting: bool  # under the CPU interpreter (see mma_body)
   stochastic: bool = False  # stochastic rounding of the weight (key in layer_gmem[1])
-  # Per slot: None (a float array) or the int8 map of a quantized slot (codes
-  # + per-row scales of epi_n-column blocks, the scales transposed to [N/blk, L*K]).
-  slot_qmaps: tuple = ()
+  # Per slot: None (a float array) or the numerics.BlockQuantized codec of an
+  # int8 slot (codes + per-row scales of epi_n-column blocks, the scales
+  # transposed to [N/blk, L*K]).
+  slot_codecs: tuple = ()
 
   @property
-  def qmaps(self) -> tuple:
-    """One entry per slot: None (float) or its int8 map."""
-    return self.slot_qmaps or (None,) * self.num_slots
+  def codecs(self) -> tuple:
+    """One entry per slot: None (float) or its int8 codec."""
+    return self.slot_codecs or (None,) * self.num_slots
 
   @property
   def needs_bits(self) -> bool:
-    return self.stochastic or any(q is not None and q.rounding == "stochastic" for q in self.qmaps)
+    return self.stochastic or any(c is not None and c.needs_bits for c in self.codecs)
 
   @property
   def m_iters(self) -> int:
@@ -754,28 +755,22 @@ class _Epilogue:
     key = self.layer_gmem[1].astype(jnp.uint32)
     return numerics.element_bits(key, numerics.element_index(rows, cols, plan.n))
 
-  def _read_slot(self, ref, qmap):
+  def _read_slot(self, ref, codec):
     """A slot's sub-tile in float32 (decoded from codes and per-row scales if int8)."""
-    if qmap is None:
+    if codec is None:
       return ref[...].astype(jnp.float32)
     codes_ref, scale_ref = ref
-    cfg = self.plan.cfg
-    scale = lax.broadcast_in_dim(scale_ref[...], (cfg.epi_m, cfg.epi_n), [0])
-    return qmap.decode(codes_ref[...].astype(jnp.int32)) * scale
+    return codec.decode_block_rows(codes_ref[...], scale_ref[...])  # epi_n == block
 
-  def _write_slot(self, ref, qmap, value, bits) -> None:
+  def _write_slot(self, ref, codec, value, bits) -> None:
     """Stores a slot's new float32 sub-tile: cast, or int8 codes + per-row scales."""
-    if qmap is None:
+    if codec is None:
       ref[...] = store_cast(value, ref.dtype)
       return
     codes_ref, scale_ref = ref
-    cfg = self.plan.cfg
-    # As numerics.BlockQuantized.encode: one block per row (epi_n == block).
-    absmax = jnp.max(jnp.abs(value), axis=1)
-    inv = jnp.where(absmax > 0.0, 1.0 / absmax, 0.0)
-    rel = value * lax.broadcast_in_dim(inv, (cfg.epi_m, cfg.epi_n), [0])
-    codes_ref[...] = qmap.encode(rel, bits).astype(codes_ref.dtype)
-    scale_ref[...] = absmax
+    codes, scale = codec.encode_block_rows(value, bits)  # epi_n == block
+    codes_ref[...] = codes.astype(codes_ref.dtype)
+    scale_ref[...] = scale
 
   def finish(self, acc, row0, col0, norm_block, norm_row0) -> None:
     plan, cfg = self.plan, self.plan.cfg
@@ -799,7 +794,7 @@ class _Epilogue:
         # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
         # accumulator's, so the rule's arithmetic needs no relayout.
         w32 = w_ref[...].astype(jnp.float32)
-        s32 = tuple(self._read_slot(ref, q) for ref, q in zip(s_refs, plan.qmaps))
+        s32 = tuple(self._read_slot(ref, c) for ref, c in zip(s_refs, plan.codecs))
       with _region("epi_math"):
         u, new_slots = self.rule(g, w32, s32, scalar_leaves)
       if self.out_depth:
@@ -817,9 +812,9 @@ class _Epilogue:
           w_ref[...] = numerics.stochastic_round(w32 + u, bits, w_ref.dtype)
         else:
           w_ref[...] = store_cast(w32 + u, w_ref.dtype)
-        for i, (ref, new, q) in enumerate(zip(s_refs, new_slots, plan.qmaps)):
-          sr = q is not None and q.rounding == "stochastic"
-          self._write_slot(ref, q, new, numerics.value_bits(bits, 1 + i) if sr else None)
+        for i, (ref, new, c) in enumerate(zip(s_refs, new_slots, plan.codecs)):
+          sr = c is not None and c.needs_bits
+          self._write_slot(ref, c, new, numerics.value_bits(bits, 1 + i) if sr else None)
         if plan.with_norm:
           part = jnp.sum(g * g, axis=1)
           row_sums[r] = part if r not in row_sums else row_sums[r] + part
@@ -872,11 +867,11 @@ def _fused_kernel(
           plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d)) if q is None
           else (plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d)),
                 plgpu.SMEM(epi_shape[:2] + (cfg.epi_m,), jnp.float32))  # codes, scales
-          for d, q in zip(slot_dtypes, plan.qmaps)
+          for d, q in zip(slot_dtypes, plan.codecs)
       ],
       # One arrival per TMA copy into a ring slot: W, each slot, each int8 slot's scales.
       ring_ready=plgpu.Barrier(
-          num_arrivals=1 + plan.num_slots + sum(q is not None for q in plan.qmaps),
+          num_arrivals=1 + plan.num_slots + sum(c is not None for c in plan.codecs),
           num_barriers=_NUM_COMPUTE_WGS * _ring_depth(cfg),
       ),
       norm_smem=(
@@ -1219,6 +1214,20 @@ def default_config(
   return dataclasses.replace(candidates[-1], num_sms=num_sms)
 
 
+def interpreter_problem(weight_codec: Optional[numerics.Codec], slots: Sequence[Any]) -> Optional[str]:
+  """Why the Mosaic GPU interpreter cannot run this call, or None: stochastic rounding (of
+  the weight, or an int8 slot's map). Seen with jax 0.10.2: the interpreter never returns
+  (no error) from an epilogue with the hash's iota or float32 -> uint32 bitcasts."""
+  if getattr(weight_codec, "needs_bits", False):
+    return (f"the Mosaic GPU interpreter cannot run the {type(weight_codec).__name__} write-back "
+            "of the weight (stochastic rounding hangs it)")
+  for i, s in enumerate(slots):
+    if _quantized(s) and s.codec.needs_bits:
+      return (f"the Mosaic GPU interpreter cannot run the stochastically rounded int8 map of "
+              f"optimizer slot {i} (stochastic rounding hangs it)")
+  return None
+
+
 def _interpret_params(interpret: Any):
   """``InterpretGPUParams`` for ``interpret=True`` (public in jax 0.11.2, private before)."""
   if interpret is False or interpret is None:
@@ -1315,16 +1324,11 @@ def fused_dw_update_mosaic(
   if codec.needs_bits and not isinstance(codec, numerics.StochasticRound):
     raise ValueError(f"weight_codec={codec!r}: the Mosaic kernel takes Cast or StochasticRound")
   stochastic = isinstance(codec, numerics.StochasticRound)
-  slot_qmaps = tuple(s.codec.qmap if _quantized(s) else None for s in slots)
-  slot_sr = any(q is not None and q.rounding == "stochastic" for q in slot_qmaps)
-  if (stochastic or slot_sr) and _interpret_params(interpret) is not None:
-    # Seen with jax 0.10.2: the interpreter never returns (no error) from a
-    # kernel whose epilogue has an iota or a float32 -> uint32 bitcast.
+  slot_codecs = tuple(s.codec if _quantized(s) else None for s in slots)
+  if _interpret_params(interpret) is not None and (why := interpreter_problem(codec, slots)):
     raise NotImplementedError(
-        "stochastic rounding in the Mosaic GPU kernel cannot run under the Mosaic GPU "
-        "interpreter (it hangs on the epilogue's iota and uint32 bitcasts); it is checked "
-        "by lowering for cuda and on the GPU (experiments.check_mosaic_gpu). Use "
-        "backend='interpret' or 'xla' on a CPU."
+        f"{why}; it is checked by lowering for cuda and on the GPU (experiments.check_mosaic_gpu). "
+        "Use backend='interpret' or 'xla' on a CPU."
     )
   if stochastic:
     numerics.stochastic_round(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.uint32), w.dtype)  # dtype check
@@ -1344,7 +1348,7 @@ def fused_dw_update_mosaic(
       ),
       num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
       interpreting=_interpret_params(interpret) is not None, stochastic=stochastic,
-      slot_qmaps=slot_qmaps,
+      slot_codecs=slot_codecs,
   )
   rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars,
                      cfg.lowering_semantics, cfg.approx_math)

@@ -403,6 +403,12 @@ class BlockQuantized(Codec):
     b = jnp.broadcast_to(per_block[..., None], per_block.shape + (self.block,))
     return b.reshape(per_block.shape[:-1] + (n,))
 
+  def _codes(self, x: Array, absmax: Array, spread, bits: Optional[Array]) -> Array:
+    """int32 codes of ``x`` relative to its blocks' ``absmax``; ``spread`` maps a
+    per-block array onto ``x``'s shape."""
+    inv = jnp.where(absmax > 0.0, 1.0 / absmax, 0.0)
+    return self.qmap.encode(x * spread(inv), bits)
+
   def decode(self, parts):
     codes, scale = parts
     n = codes.shape[-1]
@@ -412,9 +418,26 @@ class BlockQuantized(Codec):
     del dtypes
     x = x.astype(_F32)
     absmax = jnp.max(jnp.abs(self._blocks(x)), axis=-1)
-    inv = jnp.where(absmax > 0.0, 1.0 / absmax, 0.0)
-    codes = self.qmap.encode(x * self._expand(inv, x.shape[-1]), bits)
+    codes = self._codes(x, absmax, lambda v: self._expand(v, x.shape[-1]), bits)
     return codes.astype(CODE_DTYPE), absmax.astype(SCALE_DTYPE)
+
+  # The same codec for a tile whose rows are exactly one block each (a [M, block]
+  # float32 tile, one scale per row), as the Mosaic GPU epilogue holds it: no
+  # reshape, and the per-row values reach the elements by broadcast_in_dim, which
+  # Mosaic GPU's warpgroup lowering supports.
+
+  def _rows(self, per_row: Array, shape) -> Array:
+    return lax.broadcast_in_dim(per_row, tuple(shape), tuple(range(len(shape) - 1)))
+
+  def decode_block_rows(self, codes: Array, scale: Array) -> Array:
+    """float32 values of ``codes`` [..., block] with one ``scale`` per row [...]."""
+    return self.qmap.decode(codes.astype(_I32)) * self._rows(scale.astype(_F32), codes.shape)
+
+  def encode_block_rows(self, x: Array, bits: Optional[Array] = None) -> tuple[Array, Array]:
+    """``(int32 codes, float32 per-row absmax)`` of ``x`` [..., block]: ``encode`` with one
+    block per row."""
+    absmax = jnp.max(jnp.abs(x), axis=-1)
+    return self._codes(x, absmax, lambda v: self._rows(v, x.shape), bits), absmax
 
   def quantize(self, x: Array, bits: Optional[Array] = None) -> "QuantizedArray":
     """The :class:`QuantizedArray` of a whole float array."""

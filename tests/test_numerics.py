@@ -190,6 +190,25 @@ def test_quantizing_zeros_and_a_constant_is_exact():
     np.testing.assert_allclose(codec.quantize(jnp.full((3, 128), 0.1)).dequantize(), 0.1, rtol=1e-6)
 
 
+@pytest.mark.parametrize("qmap", [nm.QuantMap("linear", signed=True),
+                                  nm.QuantMap("float", signed=False, mantissa_bits=4, rounding="stochastic")],
+                         ids=["linear_signed", "float_unsigned_sr"])
+def test_block_rows_form_equals_the_codec(qmap):
+  """encode_block_rows / decode_block_rows (a tile whose rows are single blocks, as the Mosaic
+  epilogue holds it) give the codec's own codes, scales and values, bit for bit."""
+  codec = nm.BlockQuantized(qmap, 64)
+  x = jax.random.normal(jax.random.PRNGKey(3), (8, 3, 64)) * 1e-2
+  x = x if qmap.signed else jnp.abs(x)
+  x = x.at[1, 2].set(0.0)  # an all-zero block: scale 0, codes 0
+  bits = jax.random.bits(jax.random.PRNGKey(4), x.shape, jnp.uint32)
+  want_codes, want_scale = codec.encode(x.reshape(8, 192), bits=bits.reshape(8, 192))
+  codes, scale = codec.encode_block_rows(x, bits)
+  np.testing.assert_array_equal(np.asarray(codes, np.int8).reshape(8, 192), np.asarray(want_codes))
+  np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))
+  np.testing.assert_array_equal(np.asarray(codec.decode_block_rows(codes.astype(jnp.int8), scale)).reshape(8, 192),
+                                np.asarray(codec.decode((want_codes, want_scale))))
+
+
 def test_quantize_errors_name_the_block():
   with pytest.raises(ValueError, match=r"last axis must be a multiple of the quantization block=64"):
     nm.BlockQuantized(LINEAR, 64).quantize(jnp.ones((4, 100)))
