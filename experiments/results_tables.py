@@ -36,7 +36,8 @@ INT8_INIT_FIX = "2026-11-29T18:42"
 AUTO_MOSAIC = "2026-11-29T21:29"
 MODEL_ORDER = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-14b")
 IMPL_ORDER = ("optax", "optax_unrolled", "optax_clip", "forge", "forge_mosaic", "forge_triton", "forge_unrolled",
-              "forge_triton_unrolled", "forge_xla", "forge_int8", "forge_int8_xla")
+              "forge_triton_unrolled", "forge_xla", "forge_int8", "forge_int8_xla",
+              "forge_int8_mosaic")
 
 
 def load_runs(folder: pathlib.Path = RESULTS_DIR) -> list[tuple[str, dict]]:

@@ -11,22 +11,23 @@ optimizer's elementwise rule to each tile as soon as it is complete:
   (:mod:`pallas_kernels.fused_dw_mosaic`; sm_90 only). Calls it cannot take
   (shapes off its tiling, float32 ``x``, a non-Hopper GPU) run on
   ``"pallas"`` instead, with one :class:`BackendFallbackWarning` per distinct
-  reason. It takes int8 optimizer states too (``"auto"`` does not send them
-  there yet: see :func:`_resolve_backend`);
+  reason. It takes int8 optimizer states and stochastically rounded weights
+  too (``"auto"`` does not send them there: slower than ``"xla"`` on the
+  H200, see :func:`_resolve_backend`);
 * ``"mosaic_interpret"``: that kernel under the Mosaic GPU interpreter (CPU
   tests; falls back to ``"xla"``);
 * ``"xla"``: the reference: one float32 dot plus the same rule, fused by XLA
   as it sees fit (the default on CPU, and the baseline in benchmarks);
 * ``"auto"``: on a Hopper GPU the Mosaic kernel, and the Triton kernel for
   what it cannot take (silently: nobody asked for Mosaic); the Triton kernel
-  on other GPUs; ``"xla"`` for int8 optimizer states on any GPU and for
-  everything off GPUs (see :func:`_resolve_backend`).
+  on other GPUs; ``"xla"`` for int8 optimizer states and stochastically
+  rounded weights on any GPU (measured faster there) and for everything off
+  GPUs (see :func:`_resolve_backend`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Optional
 import warnings
 
@@ -58,26 +59,30 @@ def _platform() -> str:
   return jax.default_backend()
 
 
-def _resolve_backend(backend: str, quantized_slots: bool = False) -> str:
+def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_weights: bool = False) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} is not one of {BACKENDS}.")
   platform = _platform()
   if backend == "auto":
-    # int8 slots: the Triton kernel with int8 states runs 1.3-4x slower than
-    # with float32 ones on the H200 (4x at T=1024), while XLA's dot + fused
-    # update costs 1.05-1.1x its float32 time (experiments/results/h200/lowp/), and a
-    # whole Llama-3.1-8B step took 429 ms with "pallas" vs 206 ms with "xla"
-    # (bench_models_int8_batch.md, bench_models_large.md). The Mosaic kernel
-    # takes int8 states with backend="mosaic" (tested on CPU: interpreter and
-    # sm_90 lowering); "auto" keeps them on "xla" until it has run on a GPU.
-    if platform != "gpu" or quantized_slots:
+    # "auto" takes a kernel where it measured faster than XLA's dot + fused
+    # update on the H200, per layer (AdamW, bf16 x/dy, T=1024 and 4096,
+    # K x N = 4096x4096 and 4096x14336; experiments/results/h200/lowp_mosaic/):
+    # - int8 slots: XLA 0.20/0.60 ms at T=1024 against 0.44-0.47/1.50-1.61 ms
+    #   for the Mosaic kernel and 0.79-2.80 ms for the Triton one. Whole
+    #   Llama-3.1-8B step: 211 ms with "xla" (bench_models_int8_fixed.md), 271 ms
+    #   with "mosaic" (bench_models_epila0.md), 429 ms with "pallas".
+    # - stochastically rounded bfloat16 weights: XLA 0.128/0.399 ms at T=1024
+    #   against 0.206/0.655 (Mosaic) and 0.179/0.556 (Triton); at T=4096 XLA
+    #   0.256/0.889, Mosaic 0.281/0.899. The price is XLA's transient float32
+    #   gradient (about 2.7 GiB more peak at 8B: forge_xla rows, bench_models_large.md).
+    if platform != "gpu" or quantized_slots or stochastic_weights:
       return "xla"
-    # Float states: the Mosaic kernel wherever it can run (a Hopper GPU, its
+    # Otherwise the Mosaic kernel wherever it can run (a Hopper GPU, its
     # shapes and dtypes; _mosaic_problem says), else the Triton kernel. Whole
     # Llama-3.1-8B step, pure bf16, 1x1024 tokens, on the H200: 144.8 ms against
     # 169.0 ms with the Triton kernel side by side (bench_models_mosaic.md), and
-    # 144.0 against 147.4 / 152.6 ms for optax / optax clip+adamw in a later run
-    # (bench_models_mosaic_defaults.md; both under experiments/results/h200/).
+    # 139.4 against 144.3 / 149.6 ms for optax / optax clip+adamw in a later run
+    # (bench_models_epila0.md; both under experiments/results/h200/).
     return _AUTO_MOSAIC
   if backend in ("pallas", "mosaic") and platform != "gpu":
     raise ValueError(
@@ -114,6 +119,19 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None
     cfg = fm.default_config(x, dy, w, slots, compute_grad_sq_norm=compute_grad_sq_norm)
   ok, reason = fm.supports(x, dy, w, slots, cfg, compute_grad_sq_norm=compute_grad_sq_norm)
   return (None, cfg) if ok else (reason, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RuleUpdate:
+  """``rule.update`` with ``decay`` bound: hashable and equal by value (unlike a
+  ``functools.partial``), so that the kernels' trace cache serves every layer
+  of a model with one trace per shape (see ``fused_dw_mosaic._launch_cached``)."""
+
+  rule: Any
+  decay: bool
+
+  def __call__(self, g, w, slots, s):
+    return self.rule.update(g, w, slots, s, decay=self.decay)
 
 
 def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
@@ -248,8 +266,8 @@ def fused_linear_update(
       ``"mosaic"`` or ``"mosaic_interpret"`` (see the module docstring;
       ``"auto"`` picks the Mosaic kernel on Hopper GPUs, the Triton kernel
       on other GPUs and for what the Mosaic kernel cannot take, and
-      ``"xla"`` for int8 states, where XLA's dot + fused update is faster
-      than the Triton kernel, and off GPUs).
+      ``"xla"`` for int8 states and stochastically rounded weights, where
+      XLA's dot + fused update measured faster than both kernels, and off GPUs).
     layer: int32 scalar index into stacked ``w`` and slots. The returned
       ``count`` is then left unchanged: advance it once per step, after the
       last layer.
@@ -288,7 +306,7 @@ def fused_linear_update(
   scalars = rule.scalars(count)
   if after is not None:
     scalars = _order_after(scalars, after)
-  update_fn = functools.partial(rule.update, decay=decay)
+  update_fn = _RuleUpdate(rule, decay)
   precision = opt.precision
   weight_codec = _lowp.weight_codec(precision, w.dtype)
   # Used only by codecs that round stochastically (the weight's, or a slot's).
@@ -296,7 +314,8 @@ def fused_linear_update(
   # int8 codes may arrive as their float view (see forge_jax.train_step).
   slots = tuple(_lowp.from_float_view(s) for s in state[1:])
   new_w, new_slots, sq = _run_backend(
-      _resolve_backend(backend, any(isinstance(q, numerics.QuantizedArray) for q in slots)),
+      _resolve_backend(backend, any(isinstance(q, numerics.QuantizedArray) for q in slots),
+                       stochastic_weights=weight_codec.needs_bits),
       x2, dy2, w, slots, scalars, update_fn,
       layer=layer, config=config, compute_grad_sq_norm=return_grad_sq_norm, rounding=rounding,
   )

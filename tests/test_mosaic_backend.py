@@ -268,3 +268,17 @@ def test_auto_on_hopper_is_the_mosaic_kernel_with_a_silent_triton_fallback(fake_
   forge_jax.fused_linear_update(x, dy, w, opt8.init(w), opt8, backend="auto")
   assert fake_gpu == []
 
+
+def test_auto_on_hopper_sends_stochastically_rounded_weights_to_xla(fake_gpu):
+  """Stochastic rounding of bfloat16 weights measured slower in both kernels than XLA's dot +
+  update on the H200 (experiments/results/h200/lowp_mosaic/): "auto" takes "xla" for it, and
+  still the Mosaic kernel for the same weight rounded to nearest."""
+  x, dy, w, _, _ = _problem(64, 128, 256, w_dtype=BF16)
+  for rounding, want_kernels in (("stochastic", []), ("nearest", ["mosaic"])):
+    opt = forge_jax.adamw(1e-3, precision=forge_jax.Precision(weight_rounding=rounding))
+    fake_gpu.clear()
+    got, _ = forge_jax.fused_linear_update(x, dy, w, opt.init(w), opt, backend="auto")
+    assert [c[0] for c in fake_gpu] == want_kernels, rounding
+    want, _ = forge_jax.fused_linear_update(x, dy, w, opt.init(w), opt, backend="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
