@@ -20,6 +20,12 @@ the sweep's epilogue probe (one token step: the time is the epilogue's).
     PYTHONPATH=$PWD python -m experiments.profile_mosaic --out $OUT/profile
     PYTHONPATH=$PWD python -m experiments.profile_mosaic --problems 1024x4096x4096 \\
         --config-json '{"schedule": "pingpong", "max_concurrent_steps": 3, "epi_n": 32}'
+    PYTHONPATH=$PWD python -m experiments.profile_mosaic --problems 1024x4096x4096 \\
+        --storage bf16_rtn_bf16 bf16_sr_bf16 fp32_int8    # low-precision epilogues
+
+``--storage`` names ``experiments.bench_lowp.CONFIGS`` (weight dtype and
+``forge_jax.Precision``); the call goes through ``fused_linear_update`` with
+``backend="mosaic"``, as in a model.
 
 Writes ``profile_mosaic.json`` and ``profile_mosaic.md`` plus one gzipped raw
 trace per problem under ``traces/`` (``--no-traces``: none). The device tool
@@ -32,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import gzip
 import json
 import pathlib
@@ -83,18 +88,21 @@ def summarize_trace(trace: dict) -> dict[str, Any]:
           "span_us": max(spans) if spans else 0.0}
 
 
-def _problem(spec: str):
+def _problem(spec: str, storage: str = "fp32"):
+  """``(x, dy, w, state, optimizer)``: AdamW (lr 1e-3, weight decay 0.1) with the weight dtype and
+  ``forge_jax.Precision`` of ``experiments.bench_lowp.CONFIGS[storage]``."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import forge_jax  # pylint: disable=g-import-not-at-top
+  from experiments import bench_lowp  # pylint: disable=g-import-not-at-top
 
   t, k, n = (int(v) for v in spec.split("x"))
-  rule = forge_jax.adamw(1e-3, weight_decay=0.1).rule
+  w_dtype, precision = bench_lowp.CONFIGS[storage]
+  opt = bench_lowp._optimizer(precision)
   kx, kd, kw = jax.random.split(jax.random.PRNGKey(0), 3)
   x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, (t, n), jnp.float32).astype(jnp.bfloat16)
-  w = 0.02 * jax.random.normal(kw, (k, n), jnp.float32)
-  return x, dy, w, tuple(rule.init_slots(w)), rule
+  w = (0.02 * jax.random.normal(kw, (k, n), jnp.float32)).astype(w_dtype)
+  return x, dy, w, opt.init(w), opt
 
 
 def profiled_default_config(x, dy, w, slots):
@@ -113,34 +121,40 @@ def profiled_default_config(x, dy, w, slots):
     fm._SMEM_BUDGET_BYTES = saved
 
 
-def profile_problem(spec: str, config: Optional[dict], trace_dir: pathlib.Path) -> dict[str, Any]:
+def profile_problem(spec: str, config: Optional[dict], trace_dir: pathlib.Path,
+                    storage: str = "fp32") -> dict[str, Any]:
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import forge_jax  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
+  from experiments import bench_lowp  # pylint: disable=g-import-not-at-top
   from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
 
-  x, dy, w, slots, rule = _problem(spec)
+  x, dy, w, state, opt = _problem(spec, storage)
+  slots = tuple(state[1:])
   cfg = fm.MosaicTileConfig(**config) if config else profiled_default_config(x, dy, w, slots)
   ok, why = fm.supports(x, dy, w, slots, cfg)
-  row: dict[str, Any] = {"problem": spec, "optimizer": "adamw", "dtypes": "float32 w/slots",
+  row: dict[str, Any] = {"problem": spec, "optimizer": "adamw", "dtypes": storage,
                          "config": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}}
+  if ok and (codec_problem := bench_lowp.mosaic_problem(x, dy, w, storage, interpret=False)):
+    ok, why = False, codec_problem
   if not ok:
     return dict(row, status="unsupported", error=why)
-  scalars = rule.scalars(jnp.int32(0))
 
   def build():
-    return jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update, config=cfg),
-                   donate_argnums=(2, 3))
+    # fused_linear_update, so the optimizer's precision (stochastic rounding, int8 states)
+    # reaches the kernel as it does in a model; backend="mosaic" warns if it falls back.
+    return jax.jit(lambda w, st: forge_jax.fused_linear_update(x, dy, w, st, opt, "mosaic", config=cfg),
+                   donate_argnums=(0, 1))
 
   plain = build()
-  timing, _ = _timing.time_steps(lambda c: plain(x, dy, c[0], c[1], scalars)[:2],
-                                 (jnp.copy(w), tuple(jnp.copy(s) for s in slots)))
+  copy = lambda: jax.tree.map(lambda a: a.copy(), (w, state))
+  timing, _ = _timing.time_steps(lambda c: plain(*c), copy())
   row["ms_unprofiled"] = timing.median_ms
   trace_dir.mkdir(parents=True, exist_ok=True)
   fm._PROFILE = (PROFILE_SPACE, str(trace_dir))
   try:
-    profiled = build()  # a new jit: the compiler params differ
-    out = profiled(x, dy, jnp.copy(w), tuple(jnp.copy(s) for s in slots), scalars)
+    profiled = build()  # a new trace: the compiler params differ (fused_dw_mosaic._trace_env)
+    out = profiled(*copy())
     jax.block_until_ready(out)
     jax.effects_barrier()  # the trace is written by a debug callback
   finally:
@@ -175,7 +189,7 @@ def markdown(info: dict, rows: Sequence[dict]) -> str:
          "busy time (nested: `epilogue` includes the `epi_*` regions). Profiling adds a few cycles per "
          "range; `ms unprofiled` is the same call timed without it.", ""]
   for r in rows:
-    out.append(f"## {r['problem']} (AdamW, {r['dtypes']})")
+    out.append(f"## {r['problem']} (AdamW, storage {r['dtypes']})")
     out.append("")
     if r["status"] != "ok":
       out += [f"{r['status']}: {r.get('error', '')}", ""]
@@ -194,7 +208,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
-  parser.add_argument("--problems", default=",".join(PROBLEMS), help="TxKxN list, AdamW fp32")
+  parser.add_argument("--problems", default=",".join(PROBLEMS), help="TxKxN list (AdamW)")
+  parser.add_argument("--storage", default=["fp32"], nargs="+",
+                      help="weight/state storage, experiments.bench_lowp's CONFIGS names "
+                           "(fp32, bf16_rtn_bf16, bf16_sr_bf16, fp32_int8, ...)")
   parser.add_argument("--config-json", default=None, help="MosaicTileConfig fields (default: default_config)")
   parser.add_argument("--no-traces", action="store_true", help="delete the raw traces afterwards")
   args = parser.parse_args(argv)
@@ -206,14 +223,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   folder = _timing.out_dir(args.out)
   info = _timing.run_info("experiments.profile_mosaic", argv)
   config = json.loads(args.config_json) if args.config_json else None
+  from experiments import bench_lowp  # pylint: disable=g-import-not-at-top
+
+  for storage in args.storage:
+    if storage not in bench_lowp.CONFIGS:
+      parser.error(f"--storage {storage!r} is not one of {', '.join(bench_lowp.CONFIGS)}")
   rows = []
-  for spec in args.problems.split(","):
+  for storage, spec in ((s, p) for s in args.storage for p in args.problems.split(",")):
+    sub = spec if storage == "fp32" else f"{storage}_{spec}"
     try:
-      row = profile_problem(spec, config, folder / "traces" / spec)
+      row = profile_problem(spec, config, folder / "traces" / sub, storage)
     except Exception as e:  # pylint: disable=broad-except  (recorded, next problem)
-      row = {"problem": spec, "status": "error", "error": _timing.short_error(e)}
+      row = {"problem": spec, "dtypes": storage, "status": "error", "error": _timing.short_error(e)}
     rows.append(row)
-    _timing.log(f"  {spec}: {row['status']} "
+    _timing.log(f"  {storage} {spec}: {row['status']} "
                 + " ".join(f"{n}={v['per_tile_us']:.1f}us" for n, v in row.get("regions", {}).items()))
     _timing.write_json(folder / "profile_mosaic.json", {"info": info, "rows": rows})
   (folder / "profile_mosaic.md").write_text(markdown(info, rows))

@@ -30,6 +30,7 @@ import functools
 import gzip
 import itertools
 import json
+import warnings
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -689,3 +690,33 @@ def test_calls_with_the_same_shapes_lower_once(monkeypatch):
 
   assert kernels(forge_jax.adamw(1e-3)) == 2  # 3 calls at one shape + 1 at another
   assert kernels(forge_jax.adamw(jnp.float32(1e-3))) == 4
+
+
+@pytest.mark.parametrize("storage", ["bf16_sr_bf16", "fp32_int8"])
+def test_profiled_low_precision_epilogues_lower_for_cuda(monkeypatch, tmp_path, storage):
+  """experiments.profile_mosaic --storage: the optimizer's precision reaches the profiled
+  kernel through fused_linear_update (SR weight write-back, int8 states), and the module
+  builds for sm_90 with the profiler's ranges (only the trace dump needs a CUDA backend)."""
+  from experiments import bench_lowp, profile_mosaic  # pylint: disable=g-import-not-at-top
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  monkeypatch.setattr(fm, "_device_problem", lambda: None)
+  x, dy, w, state, opt = profile_mosaic._problem("64x256x512", storage)
+  slots = tuple(state[1:])
+  assert any(isinstance(s, nm.QuantizedArray) for s in slots) == storage.endswith("int8")
+  assert bench_lowp.mosaic_problem(x, dy, w, storage, interpret=False) is None
+  cfg = dataclasses.replace(profile_mosaic.profiled_default_config(x, dy, w, slots), num_sms=132)
+  monkeypatch.setattr(fm, "_PROFILE", (profile_mosaic.PROFILE_SPACE, str(tmp_path)))
+  built = []
+  real = fm.plgpu.CompilerParams
+  monkeypatch.setattr(fm.plgpu, "CompilerParams", lambda **kw: built.append(kw) or real(**kw))
+  step = jax.jit(lambda w, st: forge_jax.fused_linear_update(x, dy, w, st, opt, "mosaic", config=cfg))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", _fused.BackendFallbackWarning)  # the Mosaic kernel, no fallback
+    traced = step.trace(w, state)
+  try:
+    traced.lower(lowering_platforms=("cuda",))
+  except ValueError as e:  # the dump callback, as in test_profiled_kernel_lowers_for_cuda
+    assert "platform for the specified backend" in str(e)
+  assert built and built[0]["profile_space"] == profile_mosaic.PROFILE_SPACE
