@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# The next H200 campaign, one device call per part (each under the 10-minute limit):
+# The next H200 campaign, one device call per part (each under the 10-minute limit).
+# Session 5 (2026-11-30) ran quick/models/unrolled/kernel/kernel2 as they were then; the parts
+# below are the next ones (see pallas_kernels/MOSAIC_NOTES.md, "Fifth H200 session"):
 #
-#   bash experiments/h200_session.sh quick      # ~6 min: check_mosaic_gpu --quick (int8 states first: never run
-#                                               #   on a GPU), low-precision per-layer timing with the Mosaic kernel
-#   bash experiments/h200_session.sh kernel     # ~6.5 min: Mosaic sweep + timing (fp32, every T), bf16 sweep
-#   bash experiments/h200_session.sh kernel2    # ~4.5 min: bf16 timing (default per shape), the in-kernel profile
-#   bash experiments/h200_session.sh models     # ~6 min: whole 8B models (new defaults, lean loss), memory analysis
-#   bash experiments/h200_session.sh unrolled   # <10 min: unrolled whole-model rows (qwen3-0.6b; long compiles)
+#   bash experiments/h200_session.sh quick      # ~6 min: check_mosaic_gpu --quick (the bf16 defaults
+#                                               #   changed: 64x64 sub-tiles / 5 stages), then bf16 timing
+#                                               #   of the new defaults against XLA GEMM + optax
+#   bash experiments/h200_session.sh models     # ~6.5 min: 8B models with the new bf16 defaults,
+#                                               #   and qwen3-14b FORGE
+#   bash experiments/h200_session.sh unrolled   # <10 min: unrolled rows (the Mosaic kernel now lowers
+#                                               #   once per shape; forge_unrolled timed out before)
+#   bash experiments/h200_session.sh kernel2    # ~3 min: profiles of the fp32, bf16, SR and int8
+#                                               #   epilogues (why SR and int8 are slow)
+#   bash experiments/h200_session.sh kernel     # ~6.5 min: fp32 sweep + timing at every T, bf16 sweep
 #
 # Run from the repository root on the device machine. Results go to $OUT as one
 # tarball per part (the device tool returns at most 8 files, 2 folders deep):
@@ -14,7 +20,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh quick|kernel|kernel2|models|unrolled}"
+part="${1:?usage: h200_session.sh quick|models|unrolled|kernel2|kernel}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -31,9 +37,8 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a limit, logs to $work/NA
 case "$part" in
   quick)
     step quick 170 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
-    step lowp 320 python -m experiments.bench_lowp --out "$work/lowp" --tokens 1024 4096 \
-      --shapes 4096x4096 4096x14336 --configs fp32 bf16_rtn_bf16 bf16_sr_bf16 fp32_int8 bf16_sr_int8 \
-      --impls xla pallas mosaic optax_fp32 optax_bf16
+    step timing_bf16 225 python -m experiments.check_mosaic_gpu --out "$work/timing_bf16" --sections timing \
+      --state-dtype bfloat16
     ;;
   kernel)
     step mosaic 340 python -m experiments.check_mosaic_gpu --out "$work/mosaic" --sections sweep timing
@@ -41,19 +46,18 @@ case "$part" in
       --state-dtype bfloat16
     ;;
   kernel2)
-    step timing_bf16 225 python -m experiments.check_mosaic_gpu --out "$work/timing_bf16" --sections timing \
-      --state-dtype bfloat16
-    step profile 150 python -m experiments.profile_mosaic --out "$work/profile"
+    step profile 170 python -m experiments.profile_mosaic --out "$work/profile" \
+      --problems 64x4096x4096,1024x4096x4096 --storage fp32 bf16_rtn_bf16 bf16_sr_bf16 fp32_int8
     ;;
   models)
-    step models 380 python -m experiments.bench_models --out "$work/models" \
-      --models llama-3.1-8b,qwen3-8b --impls optax,optax_clip,forge,forge_int8_mosaic --timeout 150
-    step memana 190 python -m experiments.memory_analysis --out "$work/memana" --model llama-3.1-8b \
-      --impls optax_clip,forge --batch 32 --loss lean,optax
+    step models 300 python -m experiments.bench_models --out "$work/models" \
+      --models llama-3.1-8b,qwen3-8b --impls optax,optax_clip,forge --timeout 150
+    step models14 250 python -m experiments.bench_models --out "$work/models14" \
+      --models qwen3-14b --impls forge --timeout 200
     ;;
   unrolled)
     step unrolled 570 python -m experiments.bench_models --out "$work/unrolled" --models qwen3-0.6b \
-      --impls optax_unrolled,forge_unrolled,optax,forge --timeout 280
+      --impls forge_unrolled,forge,optax_unrolled,optax --timeout 280
     ;;
   *)
     echo "unknown part $part" >&2
