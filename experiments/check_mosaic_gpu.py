@@ -129,30 +129,32 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
   pp = functools.partial(fm.MosaicTileConfig, schedule="pingpong", l2_prefetch_steps=0,
                          mma_in_flight=True, epi_l2_lookahead=4)
   if state_dtype != "float32":
-    # bf16 weights and states (the whole-model runs' setting) have never been
-    # swept: half the epilogue bytes leave shared memory for a 5th stage,
-    # 64x64 sub-tiles (128-byte rows) or a 3-slot ring.
+    # bf16 weights and states (the whole-model runs' setting). First sweep
+    # (2026-11-30, results/h200/mosaic_bf16_sweep/): 5 stages fastest at
+    # T=4096 (0.228 ms), 64x64 sub-tiles at T=1024 and 64 (0.112 / 0.083);
+    # those are the bf16 defaults now. Next: the same with the epilogue's
+    # reads software-pipelined (epi_read_ahead), and both at once.
     return [
-        pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),  # the default for bf16 AdamW
-        pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0),
-        pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0),
-        pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, epi_slots=3),
-        pp(max_concurrent_steps=4, epi_n=32),
-        pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, approx_math=True),
+        pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0),  # the short-T default
+        pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0),  # the long-T default
+        pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0, epi_read_ahead=True),
+        pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
+        pp(max_concurrent_steps=3, epi_n=64, epi_l2_lookahead=0, epi_read_ahead=True),
+        pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),  # the fp32 default
     ]
-  # Fourth H200 session (2026-11-29): 4 stages + 64x32 sub-tiles (224 KiB for
-  # fp32 AdamW) was fastest at T = 4096, 1024 and 64 (results/h200/
-  # mosaic_defaults/), and fastest without the L2 lookahead (mosaic_sweep4/:
-  # 0.276 / 0.162 / 0.140 ms, vs 0.288 / 0.172 / 0.158 with it); that is the
-  # default now. approx_math took T=1024 to 0.153 ms (inexact, off). Next:
-  # the default against the narrow sub-tiles and a deeper epilogue ring.
+  # Fifth H200 session (2026-11-30, results/h200/mosaic_timing_all_t/): the
+  # default (4 stages + 64x32 sub-tiles, no lookahead) again fastest but for
+  # approx_math (0.156 vs 0.161 ms at T=1024, inexact); 64x16 sub-tiles 30-40%
+  # slower at short T. The profile (mosaic_profile_epi_load/) puts 17 of the
+  # epilogue's 40 us per tile in the arithmetic's region, likely stalls on
+  # the shared-memory reads. Next: those reads software-pipelined.
   return [
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),  # the default for fp32 AdamW
-      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, approx_math=True),
-      pp(max_concurrent_steps=4, epi_n=16),  # the former long-T default
-      pp(max_concurrent_steps=4, epi_n=16, epi_l2_lookahead=0),
-      pp(max_concurrent_steps=4, epi_n=16, epi_l2_lookahead=0, epi_slots=3),  # more loads in flight
-      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0),
+      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
+      pp(max_concurrent_steps=4, epi_n=16, epi_l2_lookahead=0, epi_read_ahead=True),  # fewer registers
+      pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
+      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True, approx_math=True),
+      pp(max_concurrent_steps=4, epi_n=16),  # the 64x16 default (with the lookahead)
   ]
 
 
@@ -392,22 +394,40 @@ def section_audit(sec: _Section, smoke: bool, interpret: bool) -> None:
 
 
 # --quick, in this order (the budget may cut the tail): what has not yet run on
-# a GPU first (stochastic rounding, the knobs the default leaves off, the
-# stacked bf16 layer with norm, the cooperative schedule), then the rows that
-# passed on the H200 before: every rule with bf16 w/slots, radam, the sqrt
-# rules in fp32, mixed fp32 w / bf16 slots. (case, rule, w dtype name, slot
+# a GPU first (the bf16 defaults of 2026-11-30: 64x64 sub-tiles at short T, 5
+# stages at long T; the epilogue's read-ahead), then the rows that passed on
+# the H200 before: int8 states, stochastic rounding, the knobs the default
+# leaves off, the cooperative schedule, every rule with bf16 w/slots, radam, the
+# sqrt rules in fp32, mixed fp32 w / bf16 slots. (case, rule, w dtype name, slot
 # dtype name, stacked, MosaicTileConfig fields or None for the default);
 # shape RULE_SHAPE or STACKED_SHAPE.
 _COOP_BF16 = {"schedule": "cooperative", "max_concurrent_steps": 3, "epi_n": 32}
 _COOP_F32 = {"schedule": "cooperative", "max_concurrent_steps": 3, "epi_n": 16}
 _TUNED_F32 = {"schedule": "pingpong", "max_concurrent_steps": 4, "epi_n": 16, "l2_prefetch_steps": 0,
               "mma_in_flight": True, "epi_l2_lookahead": 4}
-_TUNED_BF16 = dict(_TUNED_F32, epi_n=32)  # bf16 rows of 64 bytes, as the default
+_TUNED_BF16 = dict(_TUNED_F32, epi_n=32)  # bf16 rows of 64 bytes
 _OUT_F32 = dict(_TUNED_F32, max_concurrent_steps=3, epi_out_slots=2)  # separate store buffers
 _OUT_BF16 = dict(_OUT_F32, epi_n=32)
+_WIDE_BF16 = dict(_TUNED_F32, epi_n=64, epi_l2_lookahead=0)  # 64x64 sub-tiles (bf16 short-T default)
+_RA_F32 = dict(_TUNED_F32, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True)  # fp32 default + read-ahead
+_RA_WIDE = dict(_WIDE_BF16, epi_read_ahead=True)
+_RA_INT8 = dict(_RA_WIDE, max_concurrent_steps=3)  # epi_n = the block; fp32 w: 3 stages fit
 QUICK_CASES = (
-    # Not yet run on a GPU: int8 states (codes + per-row scales through the ring),
-    # with nearest and with forge_jax's default (stochastic) maps.
+    # Not yet run on a GPU: the new bf16 defaults (stacked_norm: T=2048, 64x64
+    # sub-tiles; rule: T=4096, 5 stages), 64x64 at T=4096, SR with them, and
+    # the epilogue's read-ahead (fp32, bf16, int8; stacked with the norm is
+    # tested under the interpreter only: the smoke run's stacked K=64 is below
+    # this tiling).
+    ("stacked_norm", "adamw", "bfloat16", "bfloat16", True, None),
+    ("rule", "adamw", "bfloat16", "bfloat16", False, None),
+    ("wide", "adamw", "bfloat16", "bfloat16", False, _WIDE_BF16),
+    ("sr_stacked", "adamw", "bfloat16", "bfloat16", True, None),
+    ("read_ahead", "adamw", "float32", "float32", False, _RA_F32),
+    ("read_ahead", "adamw", "bfloat16", "bfloat16", False, _RA_WIDE),
+    ("read_ahead", "lion", "bfloat16", "bfloat16", False, _RA_WIDE),
+    ("read_ahead", "adamw", "float32", "int8", False, _RA_INT8),
+    # Passed on the H200 (results/h200/mosaic_int8_quick, 2026-11-30): int8
+    # states, with nearest and with forge_jax's default (stochastic) maps.
     ("int8", "adamw", "float32", "int8", False, None),
     ("int8", "adamw", "float32", "int8_sr", False, None),
     ("int8", "adamw", "bfloat16", "int8_sr", True, None),
@@ -418,19 +438,16 @@ QUICK_CASES = (
     # the tuned knobs, the stacked layer with norm, the cooperative schedule.
     ("sr", "adamw", "bfloat16", "bfloat16", False, None),
     ("sr", "adamw", "bfloat16", "float32", False, None),
-    ("sr_stacked", "adamw", "bfloat16", "bfloat16", True, None),
     ("sr_schedule", "adamw", "bfloat16", "bfloat16", False, _COOP_BF16),
     ("sr_out", "adamw", "bfloat16", "bfloat16", False, _OUT_BF16),
     ("out", "adamw", "float32", "float32", False, _OUT_F32),
     ("tuned", "adamw", "float32", "float32", False, _TUNED_F32),
     ("tuned", "adamw", "bfloat16", "bfloat16", False, _TUNED_BF16),
-    ("stacked_norm", "adamw", "bfloat16", "bfloat16", True, None),
     ("schedule", "adamw", "bfloat16", "bfloat16", False, _COOP_BF16),
     ("schedule", "adamw", "float32", "float32", False, _COOP_F32),
     # Passed on the H200 on 2026-11-29 (results/h200/mosaic_quick): re-checked
     # as the budget allows.
     ("rule", "sgd", "bfloat16", "bfloat16", False, None),
-    ("rule", "adamw", "bfloat16", "bfloat16", False, None),
     ("rule", "radam", "float32", "float32", False, None),
     ("rule", "radam", "bfloat16", "bfloat16", False, None),
     ("rule", "rmsprop_centered_momentum", "bfloat16", "bfloat16", False, None),
@@ -664,6 +681,8 @@ def _cfg_text(cfg) -> str:
     text += f" {str(get('lowering_semantics')).lower()}"
   if get("approx_math", False):
     text += " approx"
+  if get("epi_read_ahead", False):
+    text += " ra"
   return text
 
 

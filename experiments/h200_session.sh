@@ -4,15 +4,16 @@
 # below are the next ones (see pallas_kernels/MOSAIC_NOTES.md, "Fifth H200 session"):
 #
 #   bash experiments/h200_session.sh quick      # ~6 min: check_mosaic_gpu --quick (the bf16 defaults
-#                                               #   changed: 64x64 sub-tiles / 5 stages), then bf16 timing
-#                                               #   of the new defaults against XLA GEMM + optax
+#                                               #   changed: 64x64 sub-tiles / 5 stages; epi_read_ahead),
+#                                               #   then bf16 timing of the new defaults against XLA
+#   bash experiments/h200_session.sh kernel     # ~6.5 min: fp32 sweep (epi_read_ahead) + timing at every
+#                                               #   T, bf16 sweep (the new defaults with and without it)
 #   bash experiments/h200_session.sh models     # ~6.5 min: 8B models with the new bf16 defaults,
 #                                               #   and qwen3-14b FORGE
 #   bash experiments/h200_session.sh unrolled   # <10 min: unrolled rows (the Mosaic kernel now lowers
 #                                               #   once per shape; forge_unrolled timed out before)
 #   bash experiments/h200_session.sh kernel2    # ~3 min: profiles of the fp32, bf16, SR and int8
 #                                               #   epilogues (why SR and int8 are slow)
-#   bash experiments/h200_session.sh kernel     # ~6.5 min: fp32 sweep + timing at every T, bf16 sweep
 #
 # Run from the repository root on the device machine. Results go to $OUT as one
 # tarball per part (the device tool returns at most 8 files, 2 folders deep):
@@ -20,7 +21,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh quick|models|unrolled|kernel2|kernel}"
+part="${1:?usage: h200_session.sh quick|kernel|models|unrolled|kernel2}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"

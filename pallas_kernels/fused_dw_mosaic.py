@@ -165,6 +165,12 @@ class MosaicTileConfig:
       by its reciprocal (within 2 ulp). Off by default: the update then
       differs from the exact rule by a few ulp per element. A knob to measure
       how much of the epilogue the rule's arithmetic costs.
+    epi_read_ahead: software-pipeline the epilogue's shared-memory reads:
+      wait for sub-tile ``j + 1``'s ring slot and read its ``W``/states into
+      registers before sub-tile ``j``'s arithmetic, so the reads' latency
+      overlaps that arithmetic instead of stalling it (the profile puts most
+      of the epilogue in the arithmetic's region). Costs one more sub-tile of
+      registers (``W`` and states, as stored) per thread. Same results.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -185,6 +191,7 @@ class MosaicTileConfig:
   epi_out_slots: int = 0
   lowering_semantics: str = "Warpgroup"
   approx_math: bool = False
+  epi_read_ahead: bool = False
   num_sms: Optional[int] = None
 
 
@@ -275,6 +282,9 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
     return f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"
   if cfg.epi_out_slots < 0:
     return f"epi_out_slots={cfg.epi_out_slots} must be >= 0"
+  if cfg.epi_read_ahead and cfg.epi_slots < 2:
+    return (f"epi_read_ahead=True needs epi_slots >= 2 (got {cfg.epi_slots}): the next sub-tile "
+            "is read from another ring slot while this one's is still in use")
   if cfg.lowering_semantics not in ("Warpgroup", "Lane"):
     return f"lowering_semantics={cfg.lowering_semantics!r} must be 'Warpgroup' or 'Lane'"
   return None
@@ -755,12 +765,13 @@ class _Epilogue:
     key = self.layer_gmem[1].astype(jnp.uint32)
     return numerics.element_bits(key, numerics.element_index(rows, cols, plan.n))
 
-  def _read_slot(self, ref, codec):
-    """A slot's sub-tile in float32 (decoded from codes and per-row scales if int8)."""
+  def _decode_slot(self, raw, codec):
+    """A slot's sub-tile, as read from its ring slot, in float32 (decoded from codes and
+    per-row scales if int8)."""
     if codec is None:
-      return ref[...].astype(jnp.float32)
-    codes_ref, scale_ref = ref
-    return codec.decode_block_rows(codes_ref[...], scale_ref[...])  # epi_n == block
+      return raw.astype(jnp.float32)
+    codes, scale = raw
+    return codec.decode_block_rows(codes, scale)  # epi_n == block
 
   def _write_slot(self, ref, codec, value, bits) -> None:
     """Stores a slot's new float32 sub-tile: cast, or int8 codes + per-row scales."""
@@ -782,19 +793,34 @@ class _Epilogue:
     ahead = cfg.epi_l2_lookahead
     for j in range(self.depth, self.depth + ahead):
       self._prefetch_sub_l2(j, row0, col0)
-    for j, (r, c) in enumerate(plan.sub_tiles):
+
+    def read(j):
+      """Waits for sub-tile j's ring slot; its W and states as stored (read, not yet decoded)."""
       slot = j % self.depth
       with _region("epi_wait"):
         plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
-      g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
       w_ref = self.w_ring.at[self.wg_idx, slot]
       s_refs = [tuple(part.at[self.wg_idx, slot] for part in ring) if isinstance(ring, tuple)
                 else ring.at[self.wg_idx, slot] for ring in self.slot_rings]
       with _region("epi_load"):
         # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
         # accumulator's, so the rule's arithmetic needs no relayout.
-        w32 = w_ref[...].astype(jnp.float32)
-        s32 = tuple(self._read_slot(ref, c) for ref, c in zip(s_refs, plan.codecs))
+        raw = (w_ref[...], tuple(tuple(p[...] for p in ref) if isinstance(ref, tuple) else ref[...]
+                                 for ref in s_refs))
+      return w_ref, s_refs, raw
+
+    ahead_read = read(0) if cfg.epi_read_ahead else None
+    for j, (r, c) in enumerate(plan.sub_tiles):
+      if cfg.epi_read_ahead:
+        w_ref, s_refs, (w_raw, s_raw) = ahead_read
+        if j + 1 < len(plan.sub_tiles):
+          ahead_read = read(j + 1)  # its latency overlaps this sub-tile's arithmetic
+      else:
+        w_ref, s_refs, (w_raw, s_raw) = read(j)
+      g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
+      with _region("epi_decode"):
+        w32 = w_raw.astype(jnp.float32)
+        s32 = tuple(self._decode_slot(raw, codec) for raw, codec in zip(s_raw, plan.codecs))
       with _region("epi_math"):
         u, new_slots = self.rule(g, w32, s32, scalar_leaves)
       if self.out_depth:

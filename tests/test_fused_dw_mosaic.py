@@ -720,3 +720,37 @@ def test_profiled_low_precision_epilogues_lower_for_cuda(monkeypatch, tmp_path, 
   except ValueError as e:  # the dump callback, as in test_profiled_kernel_lowers_for_cuda
     assert "platform for the specified backend" in str(e)
   assert built and built[0]["profile_space"] == profile_mosaic.PROFILE_SPACE
+
+
+@pytest.mark.parametrize("case", ["fp32_coop", "fp32_pingpong", "bf16_stacked_norm", "int8"])
+def test_epilogue_read_ahead_matches_reference(case):
+  """epi_read_ahead (the next sub-tile's W/states read before this one's arithmetic): the
+  same results, with the ring wrapping within and across tiles, under the interpreter."""
+  rule = _rules()["adamw"]
+  layer, norm, cfg = None, False, dataclasses.replace(SMALL, epi_read_ahead=True)
+  if case == "fp32_pingpong":
+    cfg = dataclasses.replace(cfg, schedule="pingpong", mma_in_flight=True)
+  if case == "bf16_stacked_norm":
+    x, dy, w, slots = _inputs(12, 128, 128, 256, rule, w_dtype=BF16, slot_dtype=BF16, layers=3)
+    layer, norm = jnp.int32(2), True
+  else:
+    x, dy, w, slots = _inputs(12, 128, 128, 256, rule)
+  if case == "int8":
+    slots, cfg = _int8_slots(rule, slots), dataclasses.replace(INT8, epi_read_ahead=True)
+  (new_w, new_slots, g2), (ref_w, ref_slots, ref_g2) = _run_both(
+      x, dy, w, slots, rule, layer=layer, norm=norm, config=cfg)
+  _assert_close(new_w, ref_w, "w")
+  for i, (a, e) in enumerate(zip(new_slots, ref_slots)):
+    if case == "int8":
+      _assert_int8_close(a, e, rule.slot_names[i])
+    else:
+      _assert_close(a, e, rule.slot_names[i])
+  if norm:
+    np.testing.assert_allclose(float(g2), float(ref_g2), rtol=1e-4)
+
+
+def test_epilogue_read_ahead_needs_two_ring_slots():
+  x, dy, w = _sds((128, 128), BF16), _sds((128, 256), BF16), _sds((128, 256), F32)
+  ok, reason = fm.supports(x, dy, w, [w, w], dataclasses.replace(SMALL, epi_slots=1, epi_read_ahead=True))
+  assert not ok and "epi_read_ahead" in reason and "epi_slots" in reason
+  assert fm.supports(x, dy, w, [w, w], dataclasses.replace(SMALL, epi_read_ahead=True))[0]
