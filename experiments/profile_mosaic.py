@@ -6,6 +6,8 @@ epilogue, per sub-tile, ``epi_wait`` (the ring slot's TMA load),
 ``epi_load`` (issuing the shared-memory reads of W and the states; a read's
 latency may show in ``epi_math``, where its value is first used; the first
 H200 profile, results/h200/mosaic_profile/, had both in ``epi_math``),
+``epi_decode`` (the values read converted to float32, int8 codes decoded;
+with ``epi_read_ahead`` the reads are of the next sub-tile),
 ``epi_math`` (the rule's arithmetic), ``epi_write`` (results back
 to shared memory), ``epi_store`` (fence + TMA stores + L2 lookahead),
 ``epi_store_read`` (waiting until the store has read the slot) and
@@ -49,9 +51,10 @@ PROBLEMS = ("64x4096x4096", "1024x4096x4096", "4096x4096x4096")
 # Ranges per warpgroup the profiler can hold. It keeps them in shared memory
 # (16 bytes a range, for each of the block's 3 warpgroups) next to the
 # kernel's own ~176-221 KiB, under the 227 KiB limit: 512 ranges take 24 KiB.
-# Enough for 2 (main loop, epilogue) + 6 per sub-tile on each of the ~4
-# tiles a warpgroup gets at 4096^2 (128x128 tiles, 132 SMs): 392 with 64x16
-# sub-tiles, 200 with 64x32. Too small a space fails the trace dump loudly.
+# Enough for 2 (main loop, epilogue) + 8 per sub-tile on each of the ~4
+# tiles a warpgroup gets at 4096^2 (128x128 tiles, 132 SMs): 520 with 64x16
+# sub-tiles (just over: profile those at T=64 only), 264 with 64x32. Too
+# small a space fails the trace dump loudly.
 PROFILE_SPACE = 512
 
 
