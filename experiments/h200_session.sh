@@ -12,8 +12,9 @@
 #                                               #   and qwen3-14b FORGE
 #   bash experiments/h200_session.sh unrolled   # <10 min: unrolled rows (the Mosaic kernel now lowers
 #                                               #   once per shape; forge_unrolled timed out before)
-#   bash experiments/h200_session.sh kernel2    # ~3 min: profiles of the fp32, bf16, SR and int8
-#                                               #   epilogues (why SR and int8 are slow)
+#   bash experiments/h200_session.sh kernel2    # ~6 min: ptxas registers/spills and profiles of the
+#                                               #   fp32, bf16, SR and int8 epilogues (why SR and int8
+#                                               #   are slow; spills or read stalls in the arithmetic)
 #
 # Run from the repository root on the device machine. Results go to $OUT as one
 # tarball per part (the device tool returns at most 8 files, 2 folders deep):
@@ -47,6 +48,8 @@ case "$part" in
       --state-dtype bfloat16
     ;;
   kernel2)
+    step ptxas 240 python -m experiments.ptxas_report --out "$work/ptxas" --read-ahead \
+      --storage fp32 bf16_rtn_bf16 bf16_sr_bf16 fp32_int8
     step profile 170 python -m experiments.profile_mosaic --out "$work/profile" \
       --problems 64x4096x4096,1024x4096x4096 --storage fp32 bf16_rtn_bf16 bf16_sr_bf16 fp32_int8
     ;;

@@ -754,3 +754,31 @@ def test_epilogue_read_ahead_needs_two_ring_slots():
   ok, reason = fm.supports(x, dy, w, [w, w], dataclasses.replace(SMALL, epi_slots=1, epi_read_ahead=True))
   assert not ok and "epi_read_ahead" in reason and "epi_slots" in reason
   assert fm.supports(x, dy, w, [w, w], dataclasses.replace(SMALL, epi_read_ahead=True))[0]
+
+
+def test_ptxas_report_parses_ptxas_and_lists_its_cases(monkeypatch):
+  """experiments.ptxas_report (GPU): its parser on ptxas -v output, and its cases on CPU (the
+  default tiling per storage, and the same with epi_read_ahead)."""
+  from experiments import ptxas_report  # pylint: disable=g-import-not-at-top
+
+  text = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for mosaic_gpu_kernel
+    16 bytes stack frame, 24 bytes spill stores, 40 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 400 bytes cmem[0]
+"""
+  got = ptxas_report.parse_ptxas("unrelated line\n" + text)
+  assert (got["registers"], got["stack_frame_bytes"], got["spill_store_bytes"], got["spill_load_bytes"],
+          got["functions"]) == (168, 16, 24, 40, 1)
+  assert all("ptxas" in ln or "stack frame" in ln for ln in got["lines"])
+  assert ptxas_report.parse_ptxas("no report")["registers"] is None
+  monkeypatch.setattr(fm, "_device_problem", lambda: None)
+  rows = ptxas_report.cases(["fp32", "bf16_rtn_bf16", "fp32_int8"], 1024, read_ahead=True)
+  assert [(r["storage"], r["config"]["epi_n"], r["config"]["epi_read_ahead"]) for r in rows] == [
+      ("fp32", 32, False), ("fp32", 32, True), ("bf16_rtn_bf16", 64, False), ("bf16_rtn_bf16", 64, True),
+      ("fp32_int8", 64, False), ("fp32_int8", 64, True)]
+  info = {"command": "c", "date": "d", "device": "cpu", "jax": jax.__version__}
+  md = ptxas_report.markdown(info, [dict(rows[0], status="ok", **got), dict(rows[1], status="timeout",
+                                                                             error="no result")])
+  assert "| fp32 | 1024 | ping 128x128x64 st4 epi64x32/2 n8 l2pf0 mma1 | ok | 168 | 16 | 24 | 40 |" in md
+  assert "ra | timeout: no result | - | - | - | - |" in md
