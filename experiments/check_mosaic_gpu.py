@@ -141,6 +141,9 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
         pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
         pp(max_concurrent_steps=3, epi_n=64, epi_l2_lookahead=0, epi_read_ahead=True),
         pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),  # the fp32 default
+        # 64-row tiles: half the accumulator's registers (64 of 232) left to the
+        # epilogue, in case it spills (experiments.ptxas_report says).
+        pp(tile_m=64, max_concurrent_steps=6, epi_n=32, epi_l2_lookahead=0),
     ]
   # Fifth H200 session (2026-11-30, results/h200/mosaic_timing_all_t/): the
   # default (4 stages + 64x32 sub-tiles, no lookahead) again fastest but for
@@ -155,6 +158,7 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
       pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True, approx_math=True),
       pp(max_concurrent_steps=4, epi_n=16),  # the 64x16 default (with the lookahead)
+      pp(tile_m=64, max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0),  # half the accumulator
   ]
 
 
