@@ -691,7 +691,8 @@ def _cfg_text(cfg) -> str:
 
 
 def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional[dict], kernel: bool,
-                   state_dtype: str = "float32", tokens: Optional[Sequence[int]] = None) -> None:
+                   state_dtype: str = "float32", tokens: Optional[Sequence[int]] = None,
+                   shapes: Optional[Sequence[tuple[int, int]]] = None) -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
   from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
@@ -717,7 +718,7 @@ def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional
   timing = dict(warmup=1, iters=2, repeats=1) if smoke else dict(warmup=3, iters=30, repeats=3)
   sec.payload["timing"] = timing
   tokens = (64,) if smoke else tuple(tokens or TOKENS)
-  shapes = ((64, 128),) if smoke else SHAPES_KN
+  shapes = tuple(shapes) if shapes else ((64, 128),) if smoke else SHAPES_KN
   optimizers = ["adamw"] if smoke else list(bench.OPTIMIZERS)
   if not kernel:
     impls.remove("mosaic")
@@ -746,7 +747,8 @@ def _budgets(smoke: bool, quick: bool) -> dict:
 
 def run_section(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict], kernel: bool,
                 quick: bool = False, state_dtype: str = "float32",
-                tokens: Optional[Sequence[int]] = None) -> int:
+                tokens: Optional[Sequence[int]] = None,
+                shapes: Optional[Sequence[tuple[int, int]]] = None) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
 
@@ -767,7 +769,7 @@ def run_section(name: str, folder: pathlib.Path, smoke: bool, config: Optional[d
   elif name == "sweep":
     sec.skip("the kernel did not return from its first run (hang?): no sweep")
   elif name == "timing":
-    section_timing(sec, smoke, interpret, config, kernel, state_dtype, tokens)
+    section_timing(sec, smoke, interpret, config, kernel, state_dtype, tokens, shapes)
   sec.payload["done"] = True
   sec.save()
   return 0
@@ -787,7 +789,8 @@ def _read(path: pathlib.Path) -> Optional[dict]:
 
 def _spawn(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict], kernel: bool,
            quick: bool = False, state_dtype: str = "float32",
-           tokens: Optional[Sequence[int]] = None) -> dict:
+           tokens: Optional[Sequence[int]] = None,
+           shapes: Optional[Sequence[tuple[int, int]]] = None) -> dict:
   limit = _budgets(smoke, quick)[name][1]
   cmd = [sys.executable, "-m", "experiments.check_mosaic_gpu", "--section", name, "--out", str(folder)]
   if smoke:
@@ -802,6 +805,8 @@ def _spawn(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict],
     cmd += ["--state-dtype", state_dtype]
   if tokens:
     cmd += ["--tokens", *map(str, tokens)]
+  if shapes:
+    cmd += ["--shapes", *(f"{k}x{n}" for k, n in shapes)]
   start = time.perf_counter()
   try:
     proc = subprocess.run(cmd, timeout=limit, capture_output=True, text=True)
@@ -921,14 +926,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="weight and optimizer-state dtype of the timing (both sides) and sweep sections")
   parser.add_argument("--tokens", type=int, nargs="+", default=None,
                       help=f"T values of the timing section (default: {' '.join(map(str, TOKENS))})")
+  parser.add_argument("--shapes", nargs="+", default=None, metavar="KxN",
+                      help="K x N weight shapes of the timing section (default: the four 8B shapes "
+                           f"{' '.join(f'{k}x{n}' for k, n in SHAPES_KN)})")
   args = parser.parse_args(argv)
+  shapes = None
+  if args.shapes:
+    try:
+      shapes = [tuple(int(v) for v in spec.split("x")) for spec in args.shapes]
+      if any(len(kn) != 2 or min(kn) <= 0 for kn in shapes):
+        raise ValueError
+    except ValueError:
+      parser.error(f"--shapes takes KxN pairs of positive ints, e.g. 1024x3072; got {args.shapes}")
   from experiments import _timing  # pylint: disable=g-import-not-at-top  (no jax backend touched)
 
   folder = _timing.out_dir(args.out)
   config = json.loads(args.config_json) if args.config_json else None
   if args.section:  # a child
     return run_section(args.section, folder, args.smoke, config, not args.no_kernel, args.quick,
-                       args.state_dtype, args.tokens)
+                       args.state_dtype, args.tokens, shapes)
   if args.sections is None:
     args.sections = ["correctness"] if args.quick else list(SECTIONS)
   if args.quick and args.sections != ["correctness"]:
@@ -940,7 +956,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   for name in args.sections:
     _timing.log(f"== {name} ==")
     runs.append(_spawn(name, folder, args.smoke, config if name == "timing" else None, kernel, args.quick,
-                       args.state_dtype, args.tokens))
+                       args.state_dtype, args.tokens, shapes))
     if name == "correctness":
       # A kernel that never came back from its first call (a hang) would eat
       # every later section's time limit: leave it out of sweep and timing.

@@ -5,7 +5,8 @@
 #
 #   bash experiments/h200_session.sh quick      # ~6 min: check_mosaic_gpu --quick (the bf16 defaults
 #                                               #   changed: 64x64 sub-tiles / 5 stages; epi_read_ahead),
-#                                               #   then bf16 timing of the new defaults against XLA
+#                                               #   then bf16 timing of the new defaults against XLA,
+#                                               #   on the 8B shapes and on qwen3-0.6b's
 #   bash experiments/h200_session.sh kernel     # ~6.5 min: fp32 sweep (epi_read_ahead) + timing at every
 #                                               #   T, bf16 sweep (the new defaults with and without it)
 #   bash experiments/h200_session.sh models     # ~6.5 min: 8B models with the new bf16 defaults,
@@ -41,6 +42,9 @@ case "$part" in
     step quick 170 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
     step timing_bf16 225 python -m experiments.check_mosaic_gpu --out "$work/timing_bf16" --sections timing \
       --state-dtype bfloat16
+    # qwen3-0.6b's projections (FORGE's step was 1.16x optax's there): per layer, bf16, T=1024.
+    step small 100 python -m experiments.check_mosaic_gpu --out "$work/small" --sections timing \
+      --state-dtype bfloat16 --tokens 1024 --shapes 1024x2048 1024x1024 2048x1024 1024x3072 3072x1024
     ;;
   kernel)
     step mosaic 340 python -m experiments.check_mosaic_gpu --out "$work/mosaic" --sections sweep timing

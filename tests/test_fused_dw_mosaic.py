@@ -782,3 +782,24 @@ ptxas info    : Used 168 registers, used 16 barriers, 400 bytes cmem[0]
                                                                              error="no result")])
   assert "| fp32 | 1024 | ping 128x128x64 st4 epi64x32/2 n8 l2pf0 mma1 | ok | 168 | 16 | 24 | 40 |" in md
   assert "ra | timeout: no result | - | - | - | - |" in md
+
+
+def test_check_script_times_the_shapes_it_is_given(tmp_path):
+  """experiments.check_mosaic_gpu --shapes (e.g. a small model's projections) reaches the
+  timing section, which runs in its own process: smoke run under the interpreter."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  cmd = [sys.executable, "-m", "experiments.check_mosaic_gpu", "--smoke", "--sections", "timing",
+         "--shapes", "64x128", "128x128", "--out", str(tmp_path)]
+  env = dict(__import__("os").environ, PYTHONPATH=str(root))
+  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads((tmp_path / "check_mosaic_gpu.json").read_text())["sections"]["timing"]["rows"]
+  assert {r["shape"] for r in rows} == {"64x64x128", "64x128x128"}
+  assert all(r["status"] == "ok" for r in rows), rows
+  bad = subprocess.run(cmd[:-4] + ["--shapes", "64x", "--out", str(tmp_path)], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert bad.returncode == 2 and "KxN" in bad.stderr
