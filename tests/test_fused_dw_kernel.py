@@ -31,6 +31,7 @@ import pytest
 import forge_jax
 from pallas_kernels import fused_dw
 from pallas_kernels.fused_dw import TileConfig, fused_dw_update, fused_dw_update_reference
+from tests._lowering import lower_for_cuda
 
 SMALL = TileConfig(block_k=32, block_n=32, block_t=16, num_warps=4, num_stages=2)
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -335,15 +336,6 @@ def test_triton_deprecation_warning_is_silenced_and_nothing_else():
 # ----------------------------------------------------------------------------
 
 
-def _lower_for_cuda(fn, *args):
-  try:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  except RuntimeError as e:  # jax >= 0.11 needs a GPU (or abstract device) to lower
-    if "GPU" not in str(e):
-      raise
-    pytest.skip(f"cannot lower for cuda here: {e}")
-
-
 @pytest.mark.parametrize(
     "optimizer, in_dtype, stacked",
     [
@@ -365,7 +357,7 @@ def test_gpu_path_lowers_to_a_triton_call(optimizer, in_dtype, stacked):
   sds = jax.ShapeDtypeStruct
   w_shape = (2, k, n) if stacked else (k, n)
   slots = tuple(sds(w_shape, d) for d in rule.slot_dtypes(F32))
-  text = _lower_for_cuda(
+  text = lower_for_cuda(
       step, sds((t, k), in_dtype), sds((t, n), in_dtype), sds(w_shape, F32), slots,
       sds((), jnp.int32), sds((), jnp.int32),
   )
