@@ -798,3 +798,22 @@ def test_check_script_times_the_shapes_it_is_given(tmp_path):
   bad = subprocess.run(cmd[:-4] + ["--shapes", "64x", "--out", str(tmp_path)], cwd=root, env=env,
                        capture_output=True, text=True, timeout=120, check=False)
   assert bad.returncode == 2 and "KxN" in bad.stderr
+
+
+def test_unrolled_model_step_lowers_one_kernel_per_shape(monkeypatch):
+  """experiments.lowering_time's worker: an unrolled 2-layer qwen3-0.6b FORGE step, lowered for
+  cuda with the Mosaic kernel ("auto" on a faked Hopper GPU), holds one kernel per distinct
+  projection shape (q, k/v, o, gate/up, down: 5), not one per call (14)."""
+  from experiments import lowering_time  # pylint: disable=g-import-not-at-top
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+
+  # Set here first, so that monkeypatch restores them after the worker's own assignments.
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  monkeypatch.setattr(fm, "_device_problem", lambda: None)
+  try:
+    row = lowering_time.worker(2, "cached", "qwen3-0.6b")
+  except RuntimeError as e:  # jax >= 0.11 needs a GPU (or abstract device) to lower
+    if "GPU" not in str(e):
+      raise
+    pytest.skip(f"cannot lower for cuda here: {e}")
+  assert row["mosaic_custom_calls"] == 5, row
