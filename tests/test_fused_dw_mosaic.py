@@ -817,3 +817,24 @@ def test_unrolled_model_step_lowers_one_kernel_per_shape(monkeypatch):
       raise
     pytest.skip(f"cannot lower for cuda here: {e}")
   assert row["mosaic_custom_calls"] == 5, row
+
+
+def test_check_script_quick_configs_fit_their_cases(monkeypatch):
+  """Every tiling experiments/check_mosaic_gpu --quick sets explicitly takes its case's operands
+  at the real (H200) shapes: shared memory, divisibility, int8 block = epi_n. A config that does
+  not would cost GPU time as an error row."""
+  from experiments import check_mosaic_gpu as check  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(fm, "_device_problem", lambda: None)
+  rules = check._rules()
+  checked = 0
+  for label, name, w_dt, s_dt, layers, fields in check.QUICK_CASES:
+    if fields is None:
+      continue
+    t, k, n = check.STACKED_SHAPE if layers else check.RULE_SHAPE
+    x, dy, w, slots = jax.eval_shape(lambda: check._inputs(  # pylint: disable=cell-var-from-loop
+        t, k, n, rules[name].rule, jnp.dtype(w_dt), check._slot_dtype(s_dt), layers=3 if layers else None))
+    ok, why = fm.supports(x, dy, w, slots, fm.MosaicTileConfig(**fields), compute_grad_sq_norm=bool(layers))
+    assert ok, (label, name, w_dt, s_dt, why)
+    checked += 1
+  assert checked >= 10, checked
