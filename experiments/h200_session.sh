@@ -13,6 +13,8 @@
 #                                               #   and qwen3-14b FORGE
 #   bash experiments/h200_session.sh unrolled   # <10 min: unrolled rows (the Mosaic kernel now lowers
 #                                               #   once per shape; forge_unrolled timed out before)
+#   bash experiments/h200_session.sh unrolled8b # <10 min: the same for Llama-3.1-8B (optax_unrolled
+#                                               #   timed out at 139 s in session 2)
 #   bash experiments/h200_session.sh kernel2    # ~6 min: ptxas registers/spills and profiles of the
 #                                               #   fp32, bf16, SR and int8 epilogues (why SR and int8
 #                                               #   are slow; spills or read stalls in the arithmetic)
@@ -23,7 +25,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh quick|kernel|models|unrolled|kernel2}"
+part="${1:?usage: h200_session.sh quick|kernel|models|unrolled|unrolled8b|kernel2}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -66,6 +68,10 @@ case "$part" in
   unrolled)
     step unrolled 570 python -m experiments.bench_models --out "$work/unrolled" --models qwen3-0.6b \
       --impls forge_unrolled,forge,optax_unrolled,optax --timeout 280
+    ;;
+  unrolled8b)
+    step unrolled8b 570 python -m experiments.bench_models --out "$work/unrolled8b" --models llama-3.1-8b \
+      --impls forge_unrolled,optax_unrolled,optax --timeout 270
     ;;
   *)
     echo "unknown part $part" >&2
