@@ -79,15 +79,13 @@ def _optimizer(precision):
 def mosaic_problem(x, dy, w0, config: str, interpret: bool) -> Optional[str]:
   """Why the Mosaic kernel cannot run this configuration (its own checks), or None."""
   from forge_jax import _fused  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import numerics  # pylint: disable=g-import-not-at-top
 
   w_dtype, precision = CONFIGS[config]
   opt = _optimizer(precision)
   w = jax.ShapeDtypeStruct(w0.shape, w_dtype)
   state = jax.eval_shape(opt.init, w)
   slots = tuple(getattr(state, name) for name in opt.rule.slot_names)
-  sr = precision.stochastic and jnp.dtype(w_dtype) != jnp.dtype(F32)
-  rounding = {"weight_codec": numerics.StochasticRound()} if sr else None
+  rounding = {"weight_codec": _lowp.weight_codec(precision, w_dtype)}  # as fused_linear_update passes it
   return _fused._mosaic_problem(x, dy, w, slots, None, False, rounding, interpret=interpret)[0]
 
 

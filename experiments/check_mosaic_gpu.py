@@ -149,8 +149,9 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
   # default (4 stages + 64x32 sub-tiles, no lookahead) again fastest but for
   # approx_math (0.156 vs 0.161 ms at T=1024, inexact); 64x16 sub-tiles 30-40%
   # slower at short T. The profile (mosaic_profile_epi_load/) puts 17 of the
-  # epilogue's 40 us per tile in the arithmetic's region, likely stalls on
-  # the shared-memory reads. Next: those reads software-pipelined.
+  # epilogue's 40 us per tile in the arithmetic's region: stalls on the
+  # shared-memory reads or register spills. Next: those reads
+  # software-pipelined, and 64-row tiles (half the accumulator's registers).
   return [
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),  # the default for fp32 AdamW
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),

@@ -709,18 +709,30 @@ class _Epilogue:
     cfg = self.plan.cfg
     return (lax.div(col0 + c, jnp.int32(cfg.epi_n)), pl.ds(row0 + r, cfg.epi_m))
 
+  def _slot_refs(self, rings, slot: int) -> list:
+    """Each optimizer slot's buffer in ring slot ``slot`` of ``rings``: one ref for a float
+    slot, ``(codes, scales)`` for an int8 one."""
+    return [tuple(part.at[self.wg_idx, slot] for part in ring) if isinstance(ring, tuple)
+            else ring.at[self.wg_idx, slot] for ring in rings]
+
+  def _slot_copies(self, j: int, row0, col0, s_refs):
+    """``(shared-memory buffer, device-memory window)`` of sub-tile ``j`` for every stored
+    part of every optimizer slot: the array, or an int8 slot's codes and then its scales."""
+    win = self._window(j, row0, col0)
+    for ref, gmem in zip(s_refs, self.slot_gmems):
+      if isinstance(gmem, tuple):
+        yield ref[0], gmem[0].at[win]
+        yield ref[1], gmem[1].at[self._scale_window(j, row0, col0)]
+      else:
+        yield ref, gmem.at[win]
+
   def _fetch(self, j: int, row0, col0) -> None:
     slot = j % self.depth
-    win = self._window(j, row0, col0)
     barrier = self.ring_ready.at[self.wg_idx * self.depth + slot]
-    plgpu.copy_gmem_to_smem(self.w_gmem.at[win], self.w_ring.at[self.wg_idx, slot], barrier)
-    for src, ring in zip(self.slot_gmems, self.slot_rings):
-      if isinstance(ring, tuple):  # int8 codes + their scales
-        plgpu.copy_gmem_to_smem(src[0].at[win], ring[0].at[self.wg_idx, slot], barrier)
-        plgpu.copy_gmem_to_smem(src[1].at[self._scale_window(j, row0, col0)],
-                                ring[1].at[self.wg_idx, slot], barrier)
-      else:
-        plgpu.copy_gmem_to_smem(src.at[win], ring.at[self.wg_idx, slot], barrier)
+    plgpu.copy_gmem_to_smem(self.w_gmem.at[self._window(j, row0, col0)], self.w_ring.at[self.wg_idx, slot],
+                            barrier)
+    for smem, gmem in self._slot_copies(j, row0, col0, self._slot_refs(self.slot_rings, slot)):
+      plgpu.copy_gmem_to_smem(gmem, smem, barrier)
 
   @property
   def _l2_sources(self):
@@ -800,8 +812,7 @@ class _Epilogue:
       with _region("epi_wait"):
         plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
       w_ref = self.w_ring.at[self.wg_idx, slot]
-      s_refs = [tuple(part.at[self.wg_idx, slot] for part in ring) if isinstance(ring, tuple)
-                else ring.at[self.wg_idx, slot] for ring in self.slot_rings]
+      s_refs = self._slot_refs(self.slot_rings, slot)
       with _region("epi_load"):
         # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
         # accumulator's, so the rule's arithmetic needs no relayout.
@@ -831,16 +842,16 @@ class _Epilogue:
         with _region("epi_out_wait"):
           plgpu.wait_smem_to_gmem(self.out_depth - 1, wait_read_only=True)
         w_ref = self.out_rings[0].at[self.wg_idx, out]
-        s_refs = [ring.at[self.wg_idx, out] for ring in self.out_rings[1:]]
+        s_refs = self._slot_refs(self.out_rings[1:], out)
       with _region("epi_write"):
         bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
         if plan.stochastic:
           w_ref[...] = numerics.stochastic_round(w32 + u, bits, w_ref.dtype)
         else:
           w_ref[...] = store_cast(w32 + u, w_ref.dtype)
-        for i, (ref, new, c) in enumerate(zip(s_refs, new_slots, plan.codecs)):
-          sr = c is not None and c.needs_bits
-          self._write_slot(ref, c, new, numerics.value_bits(bits, 1 + i) if sr else None)
+        for i, (ref, new, codec) in enumerate(zip(s_refs, new_slots, plan.codecs)):
+          sr = codec is not None and codec.needs_bits
+          self._write_slot(ref, codec, new, numerics.value_bits(bits, 1 + i) if sr else None)
         if plan.with_norm:
           part = jnp.sum(g * g, axis=1)
           row_sums[r] = part if r not in row_sums else row_sums[r] + part
@@ -848,13 +859,8 @@ class _Epilogue:
         plgpu.commit_smem()
         win = self._window(j, row0, col0)
         plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[win], commit_group=False)
-        for ref, dst in zip(s_refs, self.slot_gmems):
-          if isinstance(dst, tuple):  # int8 codes + their scales
-            plgpu.copy_smem_to_gmem(ref[0], dst[0].at[win], commit_group=False)
-            plgpu.copy_smem_to_gmem(ref[1], dst[1].at[self._scale_window(j, row0, col0)],
-                                    commit_group=False)
-          else:
-            plgpu.copy_smem_to_gmem(ref, dst.at[win], commit_group=False)
+        for smem, gmem in self._slot_copies(j, row0, col0, s_refs):
+          plgpu.copy_smem_to_gmem(smem, gmem, commit_group=False)
         plgpu.commit_smem_to_gmem_group()
         if ahead:
           self._prefetch_sub_l2(j + self.depth + ahead, row0, col0)
