@@ -2,7 +2,7 @@
 
 On the H200 the unrolled qwen3-0.6b FORGE row timed out at 280 s
 (results/h200/bench_models_unrolled_mosaic.md) while optax's ran. The cause: every call of the
-Mosaic kernel was traced and lowered on its own (about 1.5-2 s each at these shapes), and an
+Mosaic kernel was traced and lowered on its own (about 1.7 s each: the measurement below), and an
 unrolled model calls it once per projection per layer. Since commit 1c5b8c1 the kernel goes
 through one ``jax.jit`` per (shapes, rule, tiling), so a module lowers one kernel per distinct
 shape. This script measures both on the host, without a GPU: it fakes a Hopper GPU for

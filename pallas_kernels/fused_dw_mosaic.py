@@ -1479,8 +1479,9 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
 
 # One trace (and one lowering per jit module) for every call with the same
 # shapes and static arguments: an unrolled model calls the kernel once per
-# layer, and lowering one call for Mosaic GPU takes about 1.5 s on the host
-# (Llama-3.1-8B: 224 calls), while calls of one jitted function lower once
-# into a module and are then called.
+# layer, and lowering one call for Mosaic GPU takes about 1.7 s on the host
+# (qwen3-0.6b unrolled: 325 s for 196 calls, experiments/results/cpu/
+# unrolled_lowering/), while calls of one jitted function lower once into a
+# module and are then called.
 _launch_cached = jax.jit(
     _launch, static_argnames=("update_fn", "cfg", "compute_grad_sq_norm", "interpret", "codec", "env"))

@@ -669,8 +669,8 @@ def test_int8_slots_refusals():
 def test_calls_with_the_same_shapes_lower_once(monkeypatch):
   """An unrolled model calls the kernel once per layer: calls with the same shapes, rule and
   tiling share one trace, so a jit module holds one kernel per shape (lowering one takes about
-  1.5 s on the host at 8B sizes), called from each layer. A rule that cannot be hashed (an
-  array hyperparameter) still works, lowered at every call."""
+  1.7 s on the host: experiments/results/cpu/unrolled_lowering/), called from each layer. A
+  rule that cannot be hashed (an array hyperparameter) still works, lowered at every call."""
   import re
   from forge_jax import _fused
   monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
