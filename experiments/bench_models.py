@@ -86,6 +86,7 @@ UNROLLED = "_unrolled"
 FORGE_BACKENDS = ("xla", "pallas", "mosaic")  # optional "_<backend>" suffix of a forge impl
 REMAT = "full"
 SKIPPED = "skipped: time budget"
+TIMING = "median3"  # meta["timing"]: how step_ms was taken (absent: mean of 5 after 1 warm-up)
 
 
 def parse_impl(impl: str) -> tuple[str, bool]:
@@ -167,7 +168,7 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
            attention: str, steps: int, loss: str = "lean") -> dict:
   import jax
 
-  from experiments import runlog
+  from experiments import _timing, runlog
 
   import forge_jax
   import models
@@ -206,13 +207,15 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   state, metrics = step(state)
   jax.block_until_ready(state)
   row["compile_and_first_s"] = time.perf_counter() - t0
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, metrics = step(state)
-  jax.block_until_ready(state)
-  dt = (time.perf_counter() - start) / steps
-  row["step_ms"] = dt * 1e3
-  row["tokens_per_s"] = batch * tokens / dt
+  # Device time: `steps` steps back to back, blocked once, median of 3 repeats,
+  # after 3 warm-up steps. (Until 2026-11-30 this was one warm-up step and the mean
+  # of 5 steps, which read forge_unrolled on qwen3-0.6b as 32.0 ms where this
+  # reads 22.0: results/h200/diagnose_unrolled_28.)
+  timing, (state, metrics) = _timing.time_steps(lambda c: step(c[0]), (state, metrics),
+                                                warmup=3, iters=steps, repeats=3)
+  row["step_ms"] = timing.median_ms
+  row["step_ms_repeats"] = list(timing.repeats_ms)
+  row["tokens_per_s"] = batch * tokens / (timing.median_ms / 1e3)
   row["loss"] = float(metrics["loss"])
   row["peak_gib"] = _peak_gib(jax)
   return row
@@ -313,9 +316,11 @@ def _settings(meta) -> list[str]:
       f"Settings: dtype {meta['dtype']} (params, compute and optimizer states; int8 states "
       f"for forge_int8), attention {meta['attention']}, remat {meta['remat']} (every block "
       f"recomputed from its input in the backward pass), loss {meta.get('loss', 'optax')} "
-      f"({'models.cross_entropy' if meta.get('loss') == 'lean' else 'optax CE on float32 logits'}), "
-      f"{meta['steps']} timed steps after "
-      f"compiling and one warm-up step; random weights and tokens; one process per row.  ",
+      f"({'models.cross_entropy' if meta.get('loss') == 'lean' else 'optax CE on float32 logits'}), " +
+      (f"step time: {meta['steps']} steps back to back, blocked once, median of 3 repeats, "
+       f"after compiling and 3 warm-up steps; " if meta.get("timing") == TIMING else
+       f"{meta['steps']} timed steps after compiling and one warm-up step (their mean); ") +
+      "random weights and tokens; one process per row.  ",
       f"Time budget: {'none' if budget is None else f'{budget:g} s'}; elapsed "
       f"{meta.get('elapsed_s', 0):.0f} s; worker timeout {meta['timeout_s']} s.",
   ]
@@ -490,6 +495,7 @@ def _meta(args, argv) -> dict:
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": "unknown", "jax": importlib.metadata.version("jax"), "dtype": args.dtype,
           "attention": args.attention, "remat": REMAT, "loss": args.loss, "steps": args.steps,
+          "timing": TIMING,
           "timeout_s": args.timeout, "time_budget_s": args.time_budget,
           "max_batch": args.max_batch}
 

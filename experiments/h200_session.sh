@@ -25,7 +25,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh quick|kernel|models|unrolled|unrolled8b|kernel2}"
+part="${1:?usage: h200_session.sh quick|kernel|models|models8b|unrolled|unrolled8b|kernel2}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -59,10 +59,10 @@ case "$part" in
     step profile 170 python -m experiments.profile_mosaic --out "$work/profile" \
       --problems 64x4096x4096,1024x4096x4096 --storage fp32 bf16_rtn_bf16 bf16_sr_bf16 fp32_int8
     ;;
-  models)
+  models|models8b)
     step models 300 python -m experiments.bench_models --out "$work/models" \
       --models llama-3.1-8b,qwen3-8b --impls optax,optax_clip,forge --timeout 150
-    step models14 250 python -m experiments.bench_models --out "$work/models14" \
+    [ "$part" = models8b ] || step models14 250 python -m experiments.bench_models --out "$work/models14" \
       --models qwen3-14b --impls forge --timeout 200
     ;;
   unrolled)

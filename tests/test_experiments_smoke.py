@@ -104,3 +104,30 @@ def test_bench_floor_counts_minimal_bytes():
   assert p.floor_ms == pytest.approx(
       max(2 * 64 * 32 * 48 / bench_fused_dw.PEAK_FLOPS, p.floor_bytes / bench_fused_dw.PEAK_BYTES) * 1e3
   )
+
+
+def test_diagnose_unrolled_counts_copies_and_writes_its_table(tmp_path):
+  from experiments import diagnose_unrolled  # pylint: disable=g-import-not-at-top
+
+  hlo = "\n".join([
+      "  %copy.1 = bf16[1024,3072]{1,0} copy(bf16[1024,3072]{0,1} %p)",
+      "  %copy.2 = f32[8]{0} copy(f32[8]{0} %q)",
+      "  %c = s32[] copy(s32[] %r)",
+      "  %fusion.3 = f32[8]{0} fusion(f32[8]{0} %copy.2), kind=kLoop",
+      "  %cc = f32[4] custom-call(f32[4] %a), custom_call_target=\"mosaic_gpu\"",
+  ])
+  assert diagnose_unrolled.copies(hlo) == [("bf16[1024,3072]", 1024 * 3072 * 2), ("f32[8]", 32),
+                                           ("s32[]", 4)]
+  counts = diagnose_unrolled.hlo_counts(hlo)
+  assert (counts["copies"], counts["custom_calls"], counts["fusions"]) == (3, 1, 1)
+  argv = ["--out", str(tmp_path), "--model", "tiny-qwen3", "--layers", "1", "2", "--impls", "forge",
+          "--layouts", "unrolled", "--tokens", "8", "--iters", "1"]
+  assert diagnose_unrolled.main(argv) == 0
+  result = json.loads((tmp_path / "diagnose_unrolled.json").read_text())
+  rows = result["rows"]
+  assert [(r["impl"], r["scan"], r["layers"]) for r in rows] == [("forge", False, 1), ("forge", False, 2)]
+  assert all(r["step_ms"] > 0 and r["fusions"] > 0 for r in rows)
+  assert rows[1]["fusions"] > rows[0]["fusions"]  # unrolled: the second layer's ops are repeated
+  table = (tmp_path / "diagnose_unrolled.md").read_text()
+  assert "| forge | unrolled | 2 |" in table and result["meta"]["command"].startswith(
+      "python -m experiments.diagnose_unrolled --out")
