@@ -101,6 +101,8 @@ class Problem:
   forge: Any  # forge_jax.ForgeOptimizer (its .rule drives the fused kernels)
   optax_opt: optax.GradientTransformation
   interpret: bool
+  # n -> n distinct copies of (x, dy), for timing n calls per dispatch (_input_copies).
+  input_copies: dict = dataclasses.field(default_factory=dict, repr=False)
 
   @property
   def name(self) -> str:
@@ -163,6 +165,38 @@ class Runner(NamedTuple):
   init: Callable[[], Any]
   step: Callable[[Any], Any]
   result: Optional[Callable[[Any], tuple[jax.Array, tuple[jax.Array, ...]]]]
+  # ``calls(carry, n) -> carry``: ``n`` steps in one dispatch (see _dispatched).
+  calls: Optional[Callable[[Any, int], Any]] = None
+
+
+def _dispatched(f: Callable[[Any, jax.Array, jax.Array], Any]):
+  """``run(carry, xs, dys)``: ``carry = f(carry, xs[i], dys[i])`` for each i, in one donated jit.
+
+  Timing one jit call per step measures the host's dispatch wherever the device
+  work is shorter (small shapes: a 1024^3 GEMM reads 36 us that way on the H200).
+  ``len(xs)`` calls in one executable take one dispatch. The calls are unrolled
+  (no while loop and its per-iteration predicate) and each gets its own copy of
+  the inputs: with one ``x`` and ``dy`` XLA merges the calls' identical GEMMs
+  into one (common-subexpression elimination; tests/test_experiments_smoke.py).
+  For the GEMM alone, the carry collects every call's output, so that none is
+  dead code. Use it for small shapes: the copies take ``n`` times the inputs'
+  memory.
+  """
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def run(carry, xs, dys):
+    for x, dy in zip(xs, dys, strict=True):
+      carry = f(carry, x, dy)
+    return carry
+
+  return run
+
+
+def _input_copies(p: "Problem", n: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+  """``n`` distinct buffers of ``p.x`` and of ``p.dy`` (see :func:`_dispatched`), made once per ``n``."""
+  if n not in p.input_copies:
+    p.input_copies[n] = (tuple(jnp.copy(p.x) for _ in range(n)), tuple(jnp.copy(p.dy) for _ in range(n)))
+  return p.input_copies[n]
 
 
 Builder = Callable[[Problem], Runner]
@@ -175,20 +209,25 @@ def _gemm(x, dy):
 def build_xla_gemm(p: Problem) -> Runner:
   """The weight gradient alone; the carry is the last gradient (dropped)."""
   gemm = jax.jit(_gemm)
-  return Runner(init=lambda: jnp.zeros((), F32), step=lambda _: gemm(p.x, p.dy), result=None)
+  # n calls: the carry collects every call's gradient, so none is dead code.
+  many = _dispatched(lambda grads, x, dy: (*grads, _gemm(x, dy)))
+  return Runner(init=lambda: jnp.zeros((), F32), step=lambda _: gemm(p.x, p.dy), result=None,
+                calls=lambda _, n: many((), *_input_copies(p, n)))
 
 
 def build_xla_optax(p: Problem) -> Runner:
   """GEMM + optax update + apply_updates in one jit; params and state donated."""
   opt = p.optax_opt
 
-  @functools.partial(jax.jit, donate_argnums=(0,))
-  def step(carry, x, dy):
+  def update(carry, x, dy):
     params, state = carry
     # The gradient in the parameter's dtype, as autodiff of a model gives it
     # (the optax states then keep that dtype too).
     updates, state = opt.update(_gemm(x, dy).astype(params.dtype), state, params)
     return optax.apply_updates(params, updates), state
+
+  step = jax.jit(update, donate_argnums=(0,))
+  many = _dispatched(update)
 
   def init():
     params = jnp.copy(p.w0)
@@ -198,7 +237,8 @@ def build_xla_optax(p: Problem) -> Runner:
     params, state = carry
     return params, tuple(optax.tree_utils.tree_get(state, name) for name in p.rule.slot_names)
 
-  return Runner(init=init, step=lambda c: step(c, p.x, p.dy), result=result)
+  return Runner(init=init, step=lambda c: step(c, p.x, p.dy), result=result,
+                calls=lambda c, n: many(c, *_input_copies(p, n)))
 
 
 def fused_builder(fused_fn: Callable) -> Builder:
@@ -211,17 +251,20 @@ def fused_builder(fused_fn: Callable) -> Builder:
   def build(p: Problem) -> Runner:
     rule = p.rule
 
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def step(carry, x, dy):
+    def update(carry, x, dy):
       w, slots, count = carry
       new_w, new_slots, _ = fused_fn(x, dy, w, slots, rule.scalars(count), rule.update, interpret=p.interpret)
       return new_w, tuple(new_slots), count + 1
+
+    step = jax.jit(update, donate_argnums=(0,))
+    many = _dispatched(update)
 
     def init():
       w = jnp.copy(p.w0)
       return w, rule.init_slots(w), jnp.int32(0)
 
-    return Runner(init=init, step=lambda c: step(c, p.x, p.dy), result=lambda c: (c[0], c[1]))
+    return Runner(init=init, step=lambda c: step(c, p.x, p.dy), result=lambda c: (c[0], c[1]),
+                  calls=lambda c, n: many(c, *_input_copies(p, n)))
 
   return build
 
@@ -285,10 +328,19 @@ def measure(impl: str, builder: Builder, p: Problem, reference, timing: dict) ->
       if not (row["err_update"] <= update_tol and row["err_slots"] <= slot_tol):
         # Still timed, but flagged everywhere it is reported.
         row["status"] = "check_failed"
-    result, carry = _timing.time_steps(runner.step, carry, **timing)
+    timing = dict(timing)
+    calls = timing.pop("calls", 1)
+    step = runner.step
+    if calls > 1:
+      if runner.calls is None:
+        raise ValueError(f"{impl} cannot run {calls} calls per dispatch")
+      step = lambda c: runner.calls(c, calls)
+    result, carry = _timing.time_steps(step, carry, **timing)
+    ms = result.median_ms / calls
     row.update(
-        ms=result.median_ms, min_ms=result.min_ms, repeats_ms=list(result.repeats_ms), iters=result.iters,
-        tflops=p.flops / (result.median_ms * 1e-3) / 1e12, frac_floor=p.floor_ms / result.median_ms,
+        ms=ms, min_ms=result.min_ms / calls, repeats_ms=[r / calls for r in result.repeats_ms],
+        iters=result.iters, calls_per_dispatch=calls,
+        tflops=p.flops / (ms * 1e-3) / 1e12, frac_floor=p.floor_ms / ms,
     )
   except Exception as e:  # one failure must not end the run
     row.update(status="error", error=_timing.short_error(e))
@@ -347,8 +399,10 @@ def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
       "# Fused dW + optimizer update vs XLA", "",
       f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
       f"triton {info['triton']}. Weight and optimizer states: {info.get('state_dtype', 'float32')}.", "",
-      f"Each cell: median ms per call (device time: {info['timing']['iters']} back-to-back calls, blocked once, "
-      f"median of {info['timing']['repeats']}), "
+      f"Each cell: median ms per call (device time: {info['timing']['iters']} back-to-back "
+      + (f"dispatches of {info['timing']['calls']} calls each (one jit)"
+         if info['timing'].get('calls', 1) > 1 else "calls")
+      + f", blocked once, median of {info['timing']['repeats']}), "
       "TFLOP/s at 2TKN flops, and % of the roofline floor max(flops / 790e12, bytes / 4.3e12) with bytes = "
       "x, dy read once + w, slots read and written once.", "",
       "| T x K x N | optimizer | floor ms | " + " | ".join(impls)
@@ -392,9 +446,14 @@ def run_plan(args, smoke_shape):
   ``--shapes`` override either.
   """
   interpret = args.smoke or jax.default_backend() == "cpu"
+  calls = getattr(args, "calls", 1)
+  if calls < 1:
+    raise ValueError(f"--calls must be >= 1; got {calls}")
+  extra = {"calls": calls} if calls > 1 else {}
   if args.smoke:
-    return interpret, args.tokens or (48,), args.shapes or [smoke_shape], dict(warmup=1, iters=2, repeats=1)
-  timing = dict(warmup=3, iters=args.iters, repeats=args.repeats)
+    return (interpret, args.tokens or (48,), args.shapes or [smoke_shape],
+            dict(warmup=1, iters=2, repeats=1, **extra))
+  timing = dict(warmup=3, iters=args.iters, repeats=args.repeats, **extra)
   return interpret, args.tokens or TOKENS, args.shapes or list(SHAPES_KN), timing
 
 
@@ -411,6 +470,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="pallas tile 'block_k,block_n,block_t,num_warps,num_stages' (default: the tuned table)")
   parser.add_argument("--iters", type=int, default=30)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--calls", type=int, default=1,
+                      help="calls per dispatch (one jit): device time for shapes shorter than a dispatch")
   parser.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
                       help="dtype of the weight and of every optimizer state (both sides)")
   args = parser.parse_args(argv)

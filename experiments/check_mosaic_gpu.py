@@ -132,8 +132,9 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
     # bf16 weights and states (the whole-model runs' setting). First sweep
     # (2026-11-30, results/h200/mosaic_bf16_sweep/): 5 stages fastest at
     # T=4096 (0.228 ms), 64x64 sub-tiles at T=1024 and 64 (0.112 / 0.083);
-    # those are the bf16 defaults now. Next: the same with the epilogue's
-    # reads software-pipelined (epi_read_ahead), and both at once.
+    # those are the bf16 defaults now. Second (results/h200/mosaic_bf16_sweep_read_ahead/):
+    # both defaults fastest again; epi_read_ahead 5-20% slower (ptxas_report: it
+    # raises the spills), 64-row tiles slower but at T=64.
     return [
         pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0),  # the short-T default
         pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0),  # the long-T default
@@ -150,8 +151,10 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
   # approx_math (0.156 vs 0.161 ms at T=1024, inexact); 64x16 sub-tiles 30-40%
   # slower at short T. The profile (mosaic_profile_epi_load/) puts 17 of the
   # epilogue's 40 us per tile in the arithmetic's region: stalls on the
-  # shared-memory reads or register spills. Next: those reads
-  # software-pipelined, and 64-row tiles (half the accumulator's registers).
+  # shared-memory reads or register spills. Sixth (mosaic_sweep_read_ahead/,
+  # ptxas_report/): the default fastest again; read-ahead 4-14% slower with
+  # 10-36x the spill bytes (the default spills 4 bytes, so spills do not explain
+  # the slow arithmetic); 64-row tiles 3% slower at T=1024, 26% at T=4096.
   return [
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),  # the default for fp32 AdamW
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
@@ -693,7 +696,7 @@ def _cfg_text(cfg) -> str:
 
 def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional[dict], kernel: bool,
                    state_dtype: str = "float32", tokens: Optional[Sequence[int]] = None,
-                   shapes: Optional[Sequence[tuple[int, int]]] = None) -> None:
+                   shapes: Optional[Sequence[tuple[int, int]]] = None, calls: int = 1) -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
   from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
@@ -701,13 +704,17 @@ def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional
   from experiments import bench_fused_dw as bench  # pylint: disable=g-import-not-at-top
 
   cfg = fm.MosaicTileConfig(**config) if config else None
-  if smoke:
+  if smoke and not config:
     cfg = fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=1, epi_n=32, epi_slots=1, num_sms=1)
 
   def mosaic(x, dy, w, slots, scalars, update_fn, *, interpret=False):
     use = cfg
-    if use is None or not fm.supports(x, dy, w, slots, use)[0]:
-      use = None  # the kernel's own default for these operands
+    if use is not None:
+      ok, why = fm.supports(x, dy, w, slots, use)
+      if not ok and config:  # a --config-json that does not fit: say so, never time another one
+        raise ValueError(f"--config-json {config} does not fit {x.shape[0]}x{w.shape[-2]}x{w.shape[-1]} "
+                         f"{w.dtype}: {why}")
+      use = use if ok else None  # the smoke tiling where it does not fit: the kernel's default
     return fm.fused_dw_update_mosaic(x, dy, w, slots, scalars, update_fn, config=use, interpret=interpret)
 
   bench.IMPLEMENTATIONS["mosaic"] = bench.fused_builder(mosaic)
@@ -717,6 +724,8 @@ def section_timing(sec: _Section, smoke: bool, interpret: bool, config: Optional
   sec.payload["state_dtype"] = state_dtype
   sec.payload["info"]["state_dtype"] = state_dtype
   timing = dict(warmup=1, iters=2, repeats=1) if smoke else dict(warmup=3, iters=30, repeats=3)
+  if calls > 1:
+    timing["calls"] = calls
   sec.payload["timing"] = timing
   tokens = (64,) if smoke else tuple(tokens or TOKENS)
   shapes = tuple(shapes) if shapes else ((64, 128),) if smoke else SHAPES_KN
@@ -749,7 +758,7 @@ def _budgets(smoke: bool, quick: bool) -> dict:
 def run_section(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict], kernel: bool,
                 quick: bool = False, state_dtype: str = "float32",
                 tokens: Optional[Sequence[int]] = None,
-                shapes: Optional[Sequence[tuple[int, int]]] = None) -> int:
+                shapes: Optional[Sequence[tuple[int, int]]] = None, calls: int = 1) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
 
@@ -770,7 +779,7 @@ def run_section(name: str, folder: pathlib.Path, smoke: bool, config: Optional[d
   elif name == "sweep":
     sec.skip("the kernel did not return from its first run (hang?): no sweep")
   elif name == "timing":
-    section_timing(sec, smoke, interpret, config, kernel, state_dtype, tokens, shapes)
+    section_timing(sec, smoke, interpret, config, kernel, state_dtype, tokens, shapes, calls)
   sec.payload["done"] = True
   sec.save()
   return 0
@@ -791,7 +800,7 @@ def _read(path: pathlib.Path) -> Optional[dict]:
 def _spawn(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict], kernel: bool,
            quick: bool = False, state_dtype: str = "float32",
            tokens: Optional[Sequence[int]] = None,
-           shapes: Optional[Sequence[tuple[int, int]]] = None) -> dict:
+           shapes: Optional[Sequence[tuple[int, int]]] = None, calls: int = 1) -> dict:
   limit = _budgets(smoke, quick)[name][1]
   cmd = [sys.executable, "-m", "experiments.check_mosaic_gpu", "--section", name, "--out", str(folder)]
   if smoke:
@@ -808,6 +817,8 @@ def _spawn(name: str, folder: pathlib.Path, smoke: bool, config: Optional[dict],
     cmd += ["--tokens", *map(str, tokens)]
   if shapes:
     cmd += ["--shapes", *(f"{k}x{n}" for k, n in shapes)]
+  if calls > 1:
+    cmd += ["--calls", str(calls)]
   start = time.perf_counter()
   try:
     proc = subprocess.run(cmd, timeout=limit, capture_output=True, text=True)
@@ -930,7 +941,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--shapes", nargs="+", default=None, metavar="KxN",
                       help="K x N weight shapes of the timing section (default: the four 8B shapes "
                            f"{' '.join(f'{k}x{n}' for k, n in SHAPES_KN)})")
+  parser.add_argument("--calls", type=int, default=1,
+                      help="timing section: calls per dispatch (one jit), for shapes whose device work "
+                           "is shorter than a dispatch (about 30-40 us on the H200)")
   args = parser.parse_args(argv)
+  if args.calls < 1:
+    parser.error(f"--calls must be >= 1; got {args.calls}")
   shapes = None
   if args.shapes:
     try:
@@ -945,7 +961,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   config = json.loads(args.config_json) if args.config_json else None
   if args.section:  # a child
     return run_section(args.section, folder, args.smoke, config, not args.no_kernel, args.quick,
-                       args.state_dtype, args.tokens, shapes)
+                       args.state_dtype, args.tokens, shapes, args.calls)
   if args.sections is None:
     args.sections = ["correctness"] if args.quick else list(SECTIONS)
   if args.quick and args.sections != ["correctness"]:
@@ -957,7 +973,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   for name in args.sections:
     _timing.log(f"== {name} ==")
     runs.append(_spawn(name, folder, args.smoke, config if name == "timing" else None, kernel, args.quick,
-                       args.state_dtype, args.tokens, shapes))
+                       args.state_dtype, args.tokens, shapes, args.calls))
     if name == "correctness":
       # A kernel that never came back from its first call (a hang) would eat
       # every later section's time limit: leave it out of sweep and timing.

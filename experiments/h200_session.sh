@@ -1,23 +1,20 @@
 #!/usr/bin/env bash
 # The next H200 campaign, one device call per part (each under the 10-minute limit).
-# Session 5 (2026-11-30) ran quick/models/unrolled/kernel/kernel2 as they were then; the parts
-# below are the next ones (see pallas_kernels/MOSAIC_NOTES.md, "Fifth H200 session"):
+# Session 6 (2026-11-30) ran quick, unrolled, models8b, kernel and kernel2 as they are below
+# (results/h200/*_bf16_defaults*, *read_ahead*, ptxas_report, mosaic_profile_storage,
+# bench_models_unrolled_fixed) plus experiments.diagnose_unrolled. Next, in this order:
 #
-#   bash experiments/h200_session.sh quick      # ~6 min: check_mosaic_gpu --quick (the bf16 defaults
-#                                               #   changed: 64x64 sub-tiles / 5 stages; epi_read_ahead),
-#                                               #   then bf16 timing of the new defaults against XLA,
-#                                               #   on the 8B shapes and on qwen3-0.6b's
-#   bash experiments/h200_session.sh kernel     # ~6.5 min: fp32 sweep (epi_read_ahead) + timing at every
-#                                               #   T, bf16 sweep (the new defaults with and without it)
-#   bash experiments/h200_session.sh models     # ~6.5 min: 8B models with the new bf16 defaults,
-#                                               #   and qwen3-14b FORGE
-#   bash experiments/h200_session.sh unrolled   # <10 min: unrolled rows (the Mosaic kernel now lowers
-#                                               #   once per shape; forge_unrolled timed out before)
-#   bash experiments/h200_session.sh unrolled8b # <10 min: the same for Llama-3.1-8B (optax_unrolled
-#                                               #   timed out at 139 s in session 2)
-#   bash experiments/h200_session.sh kernel2    # ~6 min: ptxas registers/spills and profiles of the
-#                                               #   fp32, bf16, SR and int8 epilogues (why SR and int8
-#                                               #   are slow; spills or read stalls in the arithmetic)
+#   bash experiments/h200_session.sh small      # ~5 min: per-layer timing of qwen3-0.6b's and
+#                                               #   qwen3-1.7b's projections with 16 calls per dispatch
+#                                               #   (device time; one call per dispatch timed the
+#                                               #   dispatch), default tiling and 64-row tiles
+#   bash experiments/h200_session.sh models8b   # ~2 min: the 8B rows with bench_models' device
+#                                               #   timing (median of 3 back-to-back repeats): was the
+#                                               #   old mean-of-5 biased for scanned steps too?
+#   bash experiments/h200_session.sh unrolled8b # <10 min: Llama-3.1-8B unrolled (optax_unrolled timed
+#                                               #   out at 139 s in session 2)
+#   bash experiments/h200_session.sh models     # ~6.5 min: models8b + qwen3-14b FORGE
+#   bash experiments/h200_session.sh quick|kernel|kernel2|unrolled   # as in session 6
 #
 # Run from the repository root on the device machine. Results go to $OUT as one
 # tarball per part (the device tool returns at most 8 files, 2 folders deep):
@@ -25,7 +22,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh quick|kernel|models|models8b|unrolled|unrolled8b|kernel2}"
+part="${1:?usage: h200_session.sh quick|small|kernel|models|models8b|unrolled|unrolled8b|kernel2}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -47,6 +44,15 @@ case "$part" in
     # qwen3-0.6b's projections (FORGE's step was 1.16x optax's there): per layer, bf16, T=1024.
     step small 100 python -m experiments.check_mosaic_gpu --out "$work/small" --sections timing \
       --state-dtype bfloat16 --tokens 1024 --shapes 1024x2048 1024x1024 2048x1024 1024x3072 3072x1024
+    ;;
+  small)
+    # qwen3-0.6b (hidden 1024, 2048-wide q, 3072 MLP) and qwen3-1.7b (hidden 2048, 6144 MLP).
+    shapes="1024x2048 1024x1024 2048x1024 1024x3072 3072x1024 2048x2048 2048x6144 6144x2048"
+    step small 170 python -m experiments.check_mosaic_gpu --out "$work/small" --sections timing \
+      --state-dtype bfloat16 --tokens 1024 --calls 16 --shapes $shapes
+    step small_m64 170 python -m experiments.check_mosaic_gpu --out "$work/small_m64" --sections timing \
+      --state-dtype bfloat16 --tokens 1024 --calls 16 --shapes $shapes \
+      --config-json '{"tile_m": 64, "max_concurrent_steps": 6, "epi_n": 32, "epi_l2_lookahead": 0, "schedule": "pingpong", "l2_prefetch_steps": 0, "mma_in_flight": true}'
     ;;
   kernel)
     step mosaic 340 python -m experiments.check_mosaic_gpu --out "$work/mosaic" --sections sweep timing

@@ -784,20 +784,32 @@ ptxas info    : Used 168 registers, used 16 barriers, 400 bytes cmem[0]
 
 
 def test_check_script_times_the_shapes_it_is_given(tmp_path):
-  """experiments.check_mosaic_gpu --shapes (e.g. a small model's projections) reaches the
-  timing section, which runs in its own process: smoke run under the interpreter."""
+  """experiments.check_mosaic_gpu --shapes (e.g. a small model's projections) and --calls
+  (several calls per dispatch) reach the timing section, which runs in its own process:
+  smoke run under the interpreter."""
   root = pathlib.Path(__file__).resolve().parents[1]
   cmd = [sys.executable, "-m", "experiments.check_mosaic_gpu", "--smoke", "--sections", "timing",
-         "--shapes", "64x128", "128x128", "--out", str(tmp_path)]
+         "--calls", "2", "--shapes", "64x128", "128x128", "--out", str(tmp_path)]
   env = dict(os.environ, PYTHONPATH=str(root))
   proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = json.loads((tmp_path / "check_mosaic_gpu.json").read_text())["sections"]["timing"]["rows"]
   assert {r["shape"] for r in rows} == {"64x64x128", "64x128x128"}
-  assert all(r["status"] == "ok" for r in rows), rows
+  assert all(r["status"] == "ok" and r["calls_per_dispatch"] == 2 for r in rows), rows
+  assert "dispatches of 2 calls each" in (tmp_path / "check_mosaic_gpu.md").read_text()
   bad = subprocess.run(cmd[:-4] + ["--shapes", "64x", "--out", str(tmp_path)], cwd=root, env=env,
                        capture_output=True, text=True, timeout=120, check=False)
   assert bad.returncode == 2 and "KxN" in bad.stderr
+  # A --config-json that does not fit a shape is an error row naming why, not a
+  # silent timing of the default tiling.
+  cmd = [*cmd[:-5], "--shapes", "64x128", "--config-json", '{"max_concurrent_steps": 64}',
+         "--out", str(tmp_path / "unfit")]
+  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads((tmp_path / "unfit" / "check_mosaic_gpu.json").read_text())["sections"]["timing"]["rows"]
+  mosaic = [r for r in rows if r["impl"] == "mosaic"]
+  assert mosaic and all(r["status"] == "error" and "does not fit 64x64x128" in r["error"]
+                        and "must be a multiple of tile_m=128" in r["error"] for r in mosaic), mosaic
 
 
 def test_unrolled_model_step_lowers_one_kernel_per_shape(monkeypatch):
