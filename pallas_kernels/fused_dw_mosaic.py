@@ -170,7 +170,9 @@ class MosaicTileConfig:
       registers before sub-tile ``j``'s arithmetic, so the reads' latency
       overlaps that arithmetic instead of stalling it (the profile puts most
       of the epilogue in the arithmetic's region). Costs one more sub-tile of
-      registers (``W`` and states, as stored) per thread. Same results.
+      registers (``W`` and states, as stored) per thread. Same results. On
+      the H200 it was 4-20% slower in every sweep and raised ptxas's spills
+      10-36x (experiments/results/h200/ptxas_report/), so it stays off.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
