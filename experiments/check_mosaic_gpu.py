@@ -133,7 +133,7 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
     # (2026-11-30, results/h200/mosaic_bf16_sweep/): 5 stages fastest at
     # T=4096 (0.228 ms), 64x64 sub-tiles at T=1024 and 64 (0.112 / 0.083);
     # those are the bf16 defaults now. Second (results/h200/mosaic_bf16_sweep_read_ahead/):
-    # both defaults fastest again; epi_read_ahead 5-20% slower (ptxas_report: it
+    # both defaults fastest again; epi_read_ahead 4-21% slower (ptxas_report: it
     # raises the spills), 64-row tiles slower but at T=64.
     return [
         pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0),  # the short-T default
@@ -152,7 +152,7 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
   # slower at short T. The profile (mosaic_profile_epi_load/) puts 17 of the
   # epilogue's 40 us per tile in the arithmetic's region: stalls on the
   # shared-memory reads or register spills. Sixth (mosaic_sweep_read_ahead/,
-  # ptxas_report/): the default fastest again; read-ahead 4-14% slower with
+  # ptxas_report/): the default fastest again; read-ahead 3-14% slower with
   # 10-36x the spill bytes (the default spills 4 bytes, so spills do not explain
   # the slow arithmetic); 64-row tiles 3% slower at T=1024, 26% at T=4096.
   return [

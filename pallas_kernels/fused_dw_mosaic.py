@@ -171,8 +171,9 @@ class MosaicTileConfig:
       overlaps that arithmetic instead of stalling it (the profile puts most
       of the epilogue in the arithmetic's region). Costs one more sub-tile of
       registers (``W`` and states, as stored) per thread. Same results. On
-      the H200 it was 4-20% slower in every sweep and raised ptxas's spills
-      10-36x (experiments/results/h200/ptxas_report/), so it stays off.
+      the H200 it was 3-21% slower in every sweep and raised ptxas's spills
+      (fp32 AdamW: 4 bytes stored / 4 loaded -> 40 / 144;
+      experiments/results/h200/ptxas_report/), so it stays off.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
