@@ -39,6 +39,8 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
   for r in rows:
     assert "error" not in r, r
     assert math.isfinite(r["step_ms"]) and r["step_ms"] > 0
+    # Device time: the median of 3 repeats of back-to-back steps.
+    assert len(r["step_ms_repeats"]) == 3 and r["step_ms"] == sorted(r["step_ms_repeats"])[1]
     assert math.isfinite(r["loss"]) and r["wall_s"] > 0
     assert r["scan"] == (r["impl"] != "forge_unrolled")
     assert math.isnan(r["peak_gib"])  # CPU: no memory_stats()
@@ -46,6 +48,7 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
   meta = result["meta"]
   assert meta["device"] == "cpu" and meta["remat"] == "full" and meta["dtype"] == "bfloat16"
   assert meta["loss"] == "lean" and "loss lean (models.cross_entropy)" in (tmp_path / "bench_models.md").read_text()
+  assert meta["timing"] == "median3" and "median of 3 repeats" in (tmp_path / "bench_models.md").read_text()
   md = (tmp_path / "bench_models.md").read_text()
   assert "| vs optax_clip |" in md and "| vs optax |" in md
   assert "| tiny-qwen3 | 2x16 | forge_unrolled | unrolled |" in md
