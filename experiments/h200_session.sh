@@ -8,6 +8,10 @@
 #                                               #   qwen3-1.7b's projections with 16 calls per dispatch
 #                                               #   (device time; one call per dispatch timed the
 #                                               #   dispatch), default tiling and 64-row tiles
+#   bash experiments/h200_session.sh epilogue   # ~3 min: profiles of the fp32 and bf16 epilogues with
+#                                               #   diagnostic variants (no shared-memory reads; no
+#                                               #   rule arithmetic): which one the 17 us of the
+#                                               #   arithmetic region per tile is
 #   bash experiments/h200_session.sh models8b   # ~2 min: the 8B rows with bench_models' device
 #                                               #   timing (median of 3 back-to-back repeats): was the
 #                                               #   old mean-of-5 biased for scanned steps too?
@@ -22,7 +26,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh quick|small|kernel|models|models8b|unrolled|unrolled8b|kernel2}"
+part="${1:?usage: h200_session.sh quick|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -53,6 +57,11 @@ case "$part" in
     step small_m64 170 python -m experiments.check_mosaic_gpu --out "$work/small_m64" --sections timing \
       --state-dtype bfloat16 --tokens 1024 --calls 16 --shapes $shapes \
       --config-json '{"tile_m": 64, "max_concurrent_steps": 6, "epi_n": 32, "epi_l2_lookahead": 0, "schedule": "pingpong", "l2_prefetch_steps": 0, "mma_in_flight": true}'
+    ;;
+  epilogue)
+    step epilogue 280 python -m experiments.profile_mosaic --out "$work/epilogue" \
+      --problems 64x4096x4096,1024x4096x4096 --storage fp32 bf16_rtn_bf16 \
+      --diagnose skip_reads skip_rule
     ;;
   kernel)
     step mosaic 340 python -m experiments.check_mosaic_gpu --out "$work/mosaic" --sections sweep timing

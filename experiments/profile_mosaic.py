@@ -24,6 +24,14 @@ the sweep's epilogue probe (one token step: the time is the epilogue's).
         --config-json '{"schedule": "pingpong", "max_concurrent_steps": 3, "epi_n": 32}'
     PYTHONPATH=$PWD python -m experiments.profile_mosaic --problems 1024x4096x4096 \\
         --storage bf16_rtn_bf16 bf16_sr_bf16 fp32_int8    # low-precision epilogues
+    PYTHONPATH=$PWD python -m experiments.profile_mosaic --problems 1024x4096x4096 \\
+        --diagnose skip_reads skip_rule    # + the epilogue without its reads / its arithmetic
+
+``--diagnose`` adds diagnostic variants of the epilogue
+(``fused_dw_mosaic._DIAGNOSE``): ``skip_reads`` (W and states taken as 1.0, not
+read from shared memory) and ``skip_rule`` (no optimizer arithmetic). Their
+results are not the optimizer step; their region times say how much of the
+epilogue's arithmetic region is the reads' latency and how much the rule.
 
 ``--storage`` names ``experiments.bench_lowp.CONFIGS`` (weight dtype and
 ``forge_jax.Precision``); the call goes through ``fused_linear_update`` with
@@ -125,7 +133,23 @@ def profiled_default_config(x, dy, w, slots):
 
 
 def profile_problem(spec: str, config: Optional[dict], trace_dir: pathlib.Path,
-                    storage: str = "fp32") -> dict[str, Any]:
+                    storage: str = "fp32", variant: str = "") -> dict[str, Any]:
+  """One problem profiled; ``variant``: one of ``fused_dw_mosaic.DIAGNOSE_VARIANTS``
+  (a diagnostic epilogue that computes something else, to split its time), or "" for
+  the real kernel."""
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
+  saved = fm._DIAGNOSE
+  fm._DIAGNOSE = frozenset([variant] if variant else [])
+  try:
+    row = _profile_problem(spec, config, trace_dir, storage)
+  finally:
+    fm._DIAGNOSE = saved
+  return dict(row, variant=variant or "kernel")
+
+
+def _profile_problem(spec: str, config: Optional[dict], trace_dir: pathlib.Path,
+                     storage: str) -> dict[str, Any]:
   import jax  # pylint: disable=g-import-not-at-top
   import forge_jax  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
@@ -192,7 +216,9 @@ def markdown(info: dict, rows: Sequence[dict]) -> str:
          "busy time (nested: `epilogue` includes the `epi_*` regions). Profiling adds a few cycles per "
          "range; `ms unprofiled` is the same call timed without it.", ""]
   for r in rows:
-    out.append(f"## {r['problem']} (AdamW, storage {r['dtypes']})")
+    variant = r.get("variant", "kernel")
+    out.append(f"## {r['problem']} (AdamW, storage {r['dtypes']})"
+               + ("" if variant == "kernel" else f", diagnostic variant `{variant}`"))
     out.append("")
     if r["status"] != "ok":
       out += [f"{r['status']}: {r.get('error', '')}", ""]
@@ -217,6 +243,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "(fp32, bf16_rtn_bf16, bf16_sr_bf16, fp32_int8, ...)")
   parser.add_argument("--config-json", default=None, help="MosaicTileConfig fields (default: default_config)")
   parser.add_argument("--no-traces", action="store_true", help="delete the raw traces afterwards")
+  parser.add_argument("--diagnose", nargs="+", default=[], metavar="VARIANT",
+                      help="also profile these diagnostic epilogues (fused_dw_mosaic._DIAGNOSE: "
+                           "skip_reads, skip_rule; their results are not the optimizer step)")
   args = parser.parse_args(argv)
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top
@@ -231,15 +260,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   for storage in args.storage:
     if storage not in bench_lowp.CONFIGS:
       parser.error(f"--storage {storage!r} is not one of {', '.join(bench_lowp.CONFIGS)}")
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
+  for variant in args.diagnose:
+    if variant not in fm.DIAGNOSE_VARIANTS:
+      parser.error(f"--diagnose {variant!r} is not one of {', '.join(fm.DIAGNOSE_VARIANTS)}")
   rows = []
-  for storage, spec in ((s, p) for s in args.storage for p in args.problems.split(",")):
-    sub = spec if storage == "fp32" else f"{storage}_{spec}"
+  runs = ((s, p, v) for s in args.storage for p in args.problems.split(",") for v in ["", *args.diagnose])
+  for storage, spec, variant in runs:
+    sub = (spec if storage == "fp32" else f"{storage}_{spec}") + (f"_{variant}" if variant else "")
     try:
-      row = profile_problem(spec, config, folder / "traces" / sub, storage)
+      row = profile_problem(spec, config, folder / "traces" / sub, storage, variant)
     except Exception as e:  # pylint: disable=broad-except  (recorded, next problem)
-      row = {"problem": spec, "dtypes": storage, "status": "error", "error": _timing.short_error(e)}
+      row = {"problem": spec, "dtypes": storage, "variant": variant or "kernel", "status": "error",
+             "error": _timing.short_error(e)}
     rows.append(row)
-    _timing.log(f"  {storage} {spec}: {row['status']} "
+    _timing.log(f"  {storage} {spec} {variant or 'kernel'}: {row['status']} "
                 + " ".join(f"{n}={v['per_tile_us']:.1f}us" for n, v in row.get("regions", {}).items()))
     _timing.write_json(folder / "profile_mosaic.json", {"info": info, "rows": rows})
   (folder / "profile_mosaic.md").write_text(markdown(info, rows))

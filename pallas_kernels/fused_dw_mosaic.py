@@ -436,6 +436,19 @@ _LOWERING_SEMANTICS = "Warpgroup"
 # per warpgroup, written as a Chrome trace to profile_dir after every call.
 # Without it the regions are names only (no code).
 _PROFILE: Optional[tuple[int, str]] = None
+# Diagnostic variants of the epilogue, for experiments.profile_mosaic only: they
+# compute something else than the optimizer step, on purpose, to split the
+# epilogue's time between its parts. A set of:
+#   "skip_reads": W and every state are taken as 1.0 instead of being read from
+#     the ring (the ring is still loaded and waited for): the arithmetic and
+#     the writes without the shared-memory reads' latency. The result is the
+#     rule's step from w = 1, states = 1.
+#   "skip_rule": the update is the gradient tile itself and the states are
+#     written back as read: the reads and writes without the rule's arithmetic.
+#     The result is w + x.T @ dy, states unchanged.
+# Float states only (not int8). Empty (the real kernel) unless an experiment sets it.
+DIAGNOSE_VARIANTS = ("skip_reads", "skip_rule")
+_DIAGNOSE: frozenset = frozenset()
 
 
 def _region(name: str):
@@ -817,10 +830,14 @@ class _Epilogue:
       w_ref = self.w_ring.at[self.wg_idx, slot]
       s_refs = self._slot_refs(self.slot_rings, slot)
       with _region("epi_load"):
-        # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
-        # accumulator's, so the rule's arithmetic needs no relayout.
-        raw = (w_ref[...], tuple(tuple(p[...] for p in ref) if isinstance(ref, tuple) else ref[...]
-                                 for ref in s_refs))
+        if "skip_reads" in _DIAGNOSE:  # a diagnostic variant (see _DIAGNOSE): no reads
+          one = lambda ref: jnp.ones(ref.shape, ref.dtype)
+          raw = (one(w_ref), tuple(one(ref) for ref in s_refs))
+        else:
+          # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
+          # accumulator's, so the rule's arithmetic needs no relayout.
+          raw = (w_ref[...], tuple(tuple(p[...] for p in ref) if isinstance(ref, tuple) else ref[...]
+                                   for ref in s_refs))
       return w_ref, s_refs, raw
 
     ahead_read = read(0) if cfg.epi_read_ahead else None
@@ -836,7 +853,10 @@ class _Epilogue:
         w32 = w_raw.astype(jnp.float32)
         s32 = tuple(self._decode_slot(raw, codec) for raw, codec in zip(s_raw, plan.codecs))
       with _region("epi_math"):
-        u, new_slots = self.rule(g, w32, s32, scalar_leaves)
+        if "skip_rule" in _DIAGNOSE:  # a diagnostic variant (see _DIAGNOSE): no arithmetic
+          u, new_slots = g, s32
+        else:
+          u, new_slots = self.rule(g, w32, s32, scalar_leaves)
       if self.out_depth:
         # Separate store buffers: the one the store of sub-tile
         # j - out_depth used must have been read out (at most out_depth - 1
@@ -1361,6 +1381,12 @@ def fused_dw_update_mosaic(
   for leaf in jax.tree.leaves(scalars):
     if jnp.ndim(leaf) != 0:
       raise ValueError(f"scalars must be 0-d, got a leaf of shape {jnp.shape(leaf)}")
+  if unknown := set(_DIAGNOSE) - set(DIAGNOSE_VARIANTS):
+    raise ValueError(f"fused_dw_mosaic._DIAGNOSE has {sorted(unknown)}; the variants are "
+                     f"{DIAGNOSE_VARIANTS}")
+  if _DIAGNOSE and any(map(_quantized, slots)):
+    raise ValueError(f"fused_dw_mosaic._DIAGNOSE={sorted(_DIAGNOSE)} takes float states only, "
+                     "not int8 ones")
   codec = weight_codec or numerics.Cast()
   if codec.needs_bits and not isinstance(codec, numerics.StochasticRound):
     raise ValueError(f"weight_codec={codec!r}: the Mosaic kernel takes Cast or StochasticRound")
@@ -1383,7 +1409,7 @@ def fused_dw_update_mosaic(
 def _trace_env() -> tuple:
   """The module state a trace of :func:`_launch` reads, part of its cache key, so that
   experiments and tests that switch it (the profiler, forced rewrites) get a fresh trace."""
-  return (_PROFILE, _FORCE_REWRITES, _lowers_natively, plgpu.CompilerParams)
+  return (_PROFILE, _FORCE_REWRITES, _DIAGNOSE, _lowers_natively, plgpu.CompilerParams)
 
 
 def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, compute_grad_sq_norm,

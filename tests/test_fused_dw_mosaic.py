@@ -748,6 +748,80 @@ def test_epilogue_read_ahead_matches_reference(case):
     np.testing.assert_allclose(float(g2), float(ref_g2), rtol=1e-4)
 
 
+@pytest.fixture
+def diagnose(monkeypatch):
+  """Sets fused_dw_mosaic._DIAGNOSE for one test (restored after)."""
+  return lambda *variants: monkeypatch.setattr(fm, "_DIAGNOSE", frozenset(variants))
+
+
+@pytest.mark.parametrize("variant", fm.DIAGNOSE_VARIANTS)
+def test_diagnostic_variants_compute_what_they_say(variant, diagnose):
+  """The profiler's diagnostic epilogues (fused_dw_mosaic._DIAGNOSE) under the interpreter:
+  "skip_reads" is the rule's step from w = 1 and states = 1; "skip_rule" adds the gradient
+  tile to w and writes the states back unchanged. The real kernel's results differ from both."""
+  rule = _rules()["adamw"]
+  x, dy, w, slots = _inputs(14, 128, 128, 256, rule, w_dtype=BF16, slot_dtype=BF16)
+  diagnose(variant)
+  scalars = rule.scalars(jnp.int32(3))
+  update_fn = functools.partial(rule.update, decay=True)
+  kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=update_fn, config=SMALL,
+                                     interpret=True))
+  new_w, new_slots, _ = kernel(x, dy, w, slots, scalars)
+  if variant == "skip_reads":
+    ones = lambda a: jnp.ones(a.shape, a.dtype)
+    want_w, want_slots, _ = fused_dw_update_reference(x, dy, ones(w), [ones(s) for s in slots],
+                                                      scalars, update_fn)
+  else:
+    grad = jnp.dot(x.T, dy, preferred_element_type=F32)
+    want_w, want_slots = (w.astype(F32) + grad).astype(w.dtype), slots
+  _assert_close(new_w, want_w, "w")
+  for a, e, name in zip(new_slots, want_slots, rule.slot_names):
+    _assert_close(a, e, name)
+  real_w, _, _ = fused_dw_update_reference(x, dy, w, slots, scalars, update_fn)
+  assert not np.allclose(np.asarray(new_w, F32), np.asarray(real_w, F32), rtol=1e-2)
+
+
+def test_diagnostic_variants_lower_for_cuda_and_reject_misuse(diagnose):
+  """Both variants build for sm_90 at the default tiling (what profile_mosaic runs on the GPU);
+  an unknown variant or int8 states are errors naming the problem."""
+  rule = _rules()["adamw"]
+  x, dy = _sds((1024, 4096), BF16), _sds((1024, 4096), BF16)
+  w = _sds((4096, 4096), BF16)
+  # A new function per lowering: jit's cache does not see module state (nor does a user's
+  # jitted step: profile_mosaic builds a new one per variant).
+  kernel = lambda: functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update)
+  scalars = rule.scalars(jnp.int32(0))
+  diagnose(*fm.DIAGNOSE_VARIANTS)
+  assert "mosaic_gpu" in lower_for_cuda(kernel(), x, dy, w, (w, w), scalars)
+  diagnose("skip_everything")
+  with pytest.raises(ValueError, match=r"_DIAGNOSE has \['skip_everything'\]"):
+    lower_for_cuda(kernel(), x, dy, w, (w, w), scalars)
+  diagnose("skip_rule")
+  qslots = _int8_slots(rule, rule.init_slots(jnp.zeros((128, 256), F32)))
+  with pytest.raises(ValueError, match="float states only"):
+    fm.fused_dw_update_mosaic(jnp.zeros((128, 128), BF16), jnp.zeros((128, 256), BF16),
+                              jnp.zeros((128, 256), F32), qslots, scalars, rule.update,
+                              config=INT8, interpret=True)
+
+
+def test_profile_script_runs_diagnostic_variants_and_restores_the_kernel(monkeypatch, tmp_path):
+  """experiments.profile_mosaic --diagnose: each variant is profiled with _DIAGNOSE set to it
+  alone, recorded in its row and table, and the real kernel is restored afterwards."""
+  from experiments import profile_mosaic  # pylint: disable=g-import-not-at-top
+
+  seen = []
+  monkeypatch.setattr(profile_mosaic, "_profile_problem",
+                      lambda *a: seen.append(fm._DIAGNOSE) or {"problem": a[0], "dtypes": a[3],
+                                                                "status": "unsupported", "error": "-"})
+  rows = [profile_mosaic.profile_problem("64x256x512", None, tmp_path, "fp32", v)
+          for v in ("", *fm.DIAGNOSE_VARIANTS)]
+  assert seen == [frozenset(), *(frozenset([v]) for v in fm.DIAGNOSE_VARIANTS)]
+  assert fm._DIAGNOSE == frozenset()
+  assert [r["variant"] for r in rows] == ["kernel", *fm.DIAGNOSE_VARIANTS]
+  table = profile_mosaic.markdown({"command": "c", "date": "d", "device": "e", "jax": "f"}, rows)
+  assert "diagnostic variant `skip_reads`" in table and "diagnostic variant `skip_rule`" in table
+
+
 def test_epilogue_read_ahead_needs_two_ring_slots():
   x, dy, w = _sds((128, 128), BF16), _sds((128, 256), BF16), _sds((128, 256), F32)
   ok, reason = fm.supports(x, dy, w, [w, w], dataclasses.replace(SMALL, epi_slots=1, epi_read_ahead=True))
