@@ -18,6 +18,9 @@
 #   bash experiments/h200_session.sh unrolled8b # <10 min: Llama-3.1-8B unrolled (optax_unrolled timed
 #                                               #   out at 139 s in session 2)
 #   bash experiments/h200_session.sh models     # ~6.5 min: models8b + qwen3-14b FORGE
+#   bash experiments/h200_session.sh convergence # <9 min (120 s a run): FORGE vs optax vs the control at
+#                                               #   8x256 (1x256 parted both pairs by 0.07 nat after
+#                                               #   ~150 steps: does a larger batch hold them closer?)
 #   bash experiments/h200_session.sh quick|kernel|kernel2|unrolled   # as in session 6
 #
 # Run from the repository root on the device machine. Results go to $OUT as one
@@ -26,7 +29,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh quick|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2}"
+part="${1:?usage: h200_session.sh quick|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -62,6 +65,10 @@ case "$part" in
     step epilogue 280 python -m experiments.profile_mosaic --out "$work/epilogue" \
       --problems 64x4096x4096,1024x4096x4096 --storage fp32 bf16_rtn_bf16 \
       --diagnose skip_reads skip_rule
+    ;;
+  convergence)
+    step convergence 530 python -m experiments.convergence --out "$work/convergence" --dtype float32 \
+      --matmul-precision highest --batch 8 --seq 256 --pretrain-steps 300 --time-limit 120
     ;;
   kernel)
     step mosaic 340 python -m experiments.check_mosaic_gpu --out "$work/mosaic" --sections sweep timing
