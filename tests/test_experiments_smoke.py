@@ -179,3 +179,33 @@ def test_dispatched_runs_n_calls_in_one_jit_without_merging_them(tmp_path):
   assert "dispatches of 3 calls each" in (tmp_path / "bench_fused_dw.md").read_text()
   with pytest.raises(ValueError, match="--calls must be >= 1; got 0"):
     bench_fused_dw.main(["--smoke", "--calls", "0", "--out", str(tmp_path)])
+
+
+def test_roofline_classifies_what_limits_each_shape(tmp_path):
+  from experiments import roofline  # pylint: disable=g-import-not-at-top
+
+  def rows(t, k, n, bytes_, gemm, optax_, kernel):
+    flops = 2.0 * t * k * n
+    base = {"t": t, "k": k, "n": n, "optimizer": "adamw", "shape": f"{t}x{k}x{n}", "flops": flops,
+            "floor_bytes": bytes_, "status": "ok"}
+    return [dict(base, impl="xla_gemm", ms=gemm), dict(base, impl="xla_gemm_optax", ms=optax_),
+            dict(base, impl="mosaic", ms=kernel)]
+
+  # 1 GiB at 4.3 TB/s = 0.2497 ms (memory-bound: 2*64*4096*4096 flops take 0.0027 ms);
+  # 2*16384*4096*4096 flops at 790 TFLOP/s = 0.696 ms (compute-bound).
+  doc = {"sections": {"timing": {"state_dtype": "bfloat16", "info": {"command": "c"}, "rows": [
+      *rows(64, 4096, 4096, 2**30, 0.01, 0.4, 0.30),  # within 25% of the memory floor
+      *rows(16384, 4096, 4096, 2**20, 0.70, 0.80, 0.75),  # within 10% of the GEMM alone
+      *rows(1024, 4096, 4096, 2**20, 0.06, 0.12, 0.11),  # neither
+      {"impl": "mosaic", "status": "error", "t": 1, "k": 1, "n": 1, "optimizer": "adamw"},
+  ]}}}
+  path = tmp_path / "check_mosaic_gpu.json"
+  path.write_text(json.dumps(doc))
+  assert roofline.main([str(path), "--out", str(tmp_path / "out")]) == 0
+  got = {(r["t"]): r for r in json.loads((tmp_path / "out" / "roofline.json").read_text())["rows"]}
+  assert {t: (r["bound"], r["limit"]) for t, r in got.items()} == {
+      64: ("memory", "memory"), 16384: ("compute", "compute"), 1024: ("compute", "beyond")}
+  assert abs(got[64]["frac_floor"] - 0.2497 / 0.30) < 1e-3 and abs(got[1024]["speedup"] - 0.12 / 0.11) < 1e-9
+  assert abs(got[1024]["over_gemm"] - (0.11 - 0.06) / 0.11) < 1e-9
+  table = (tmp_path / "out" / "roofline.md").read_text()
+  assert "| 1024x4096x4096 | bfloat16 | adamw |" in table and "bfloat16, T=1024: beyond 1" in table
