@@ -11,7 +11,7 @@
 #   bash experiments/h200_session.sh epilogue   # ~3 min: profiles of the fp32 and bf16 epilogues with
 #                                               #   diagnostic variants (no shared-memory reads; no
 #                                               #   rule arithmetic): which one the 17 us of the
-#                                               #   arithmetic region per tile is
+#                                               #   arithmetic region per tile is; and T=16384
 #   bash experiments/h200_session.sh models8b   # ~2 min: the 8B rows with bench_models' device
 #                                               #   timing (median of 3 back-to-back repeats): was the
 #                                               #   old mean-of-5 biased for scanned steps too?
@@ -65,6 +65,10 @@ case "$part" in
     step epilogue 280 python -m experiments.profile_mosaic --out "$work/epilogue" \
       --problems 64x4096x4096,1024x4096x4096 --storage fp32 bf16_rtn_bf16 \
       --diagnose skip_reads skip_rule
+    # T=16384, where the kernel spends 7-16% beyond cuBLAS's GEMM alone (results/h200/roofline):
+    # main loop or unhidden epilogues?
+    step long_t 120 python -m experiments.profile_mosaic --out "$work/long_t" \
+      --problems 16384x4096x4096 --storage fp32 bf16_rtn_bf16
     ;;
   convergence)
     step convergence 530 python -m experiments.convergence --out "$work/convergence" --dtype float32 \
