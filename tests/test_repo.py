@@ -44,6 +44,13 @@ def test_results_md_table_is_generated_from_the_committed_json():
   run_dates = {name: run["meta"]["date"] for name, run in results_tables.load_runs()}
   early = [r for r in rows if run_dates[r["source"]] < results_tables.AUTO_MOSAIC]
   assert early and not any(r["impl"] in ("forge", "forge_unrolled") for r in early)
+  # Step times of runs before bench_models' median-of-3 timing are marked as such.
+  md = results_tables.table(rows)
+  old = [r for r in rows if "error" not in r and r["old_timing"]]
+  assert old and all(f"{r['step_ms']:.1f}{results_tables.OLD_TIMING_MARK} |" in md for r in old)
+  assert results_tables.OLD_TIMING_NOTE in md
+  new = dict(old[0], old_timing=False)
+  assert results_tables.OLD_TIMING_MARK not in results_tables.table([new])
 
 
 def test_h200_session_script_parses_and_refuses_unknown_parts(tmp_path):
