@@ -64,11 +64,11 @@ case "$part" in
   epilogue)
     step epilogue 280 python -m experiments.profile_mosaic --out "$work/epilogue" \
       --problems 64x4096x4096,1024x4096x4096 --storage fp32 bf16_rtn_bf16 \
-      --diagnose skip_reads skip_rule
+      --diagnose skip_reads skip_rule skip_compute
     # T=16384, where the kernel spends 7-16% beyond cuBLAS's GEMM alone (results/h200/roofline):
     # main loop or unhidden epilogues?
-    step long_t 120 python -m experiments.profile_mosaic --out "$work/long_t" \
-      --problems 16384x4096x4096 --storage fp32 bf16_rtn_bf16
+    step long_t 150 python -m experiments.profile_mosaic --out "$work/long_t" \
+      --problems 16384x4096x4096 --storage fp32 bf16_rtn_bf16 --diagnose skip_compute
     ;;
   convergence)
     step convergence 530 python -m experiments.convergence --out "$work/convergence" --dtype float32 \

@@ -25,13 +25,15 @@ the sweep's epilogue probe (one token step: the time is the epilogue's).
     PYTHONPATH=$PWD python -m experiments.profile_mosaic --problems 1024x4096x4096 \\
         --storage bf16_rtn_bf16 bf16_sr_bf16 fp32_int8    # low-precision epilogues
     PYTHONPATH=$PWD python -m experiments.profile_mosaic --problems 1024x4096x4096 \\
-        --diagnose skip_reads skip_rule    # + the epilogue without its reads / its arithmetic
+        --diagnose skip_reads skip_rule skip_compute    # + epilogues without reads / rule / both
 
 ``--diagnose`` adds diagnostic variants of the epilogue
 (``fused_dw_mosaic._DIAGNOSE``): ``skip_reads`` (W and states taken as 1.0, not
-read from shared memory) and ``skip_rule`` (no optimizer arithmetic). Their
-results are not the optimizer step; their region times say how much of the
-epilogue's arithmetic region is the reads' latency and how much the rule.
+read from shared memory), ``skip_rule`` (no optimizer arithmetic) and
+``skip_compute`` (no reads, arithmetic or writes: the main loop and the
+epilogue's TMA traffic only). Their results are not the optimizer step; their
+region times and unprofiled times say how much of the epilogue is the reads'
+latency, the rule, and the data movement that no epilogue can avoid.
 
 ``--storage`` names ``experiments.bench_lowp.CONFIGS`` (weight dtype and
 ``forge_jax.Precision``); the call goes through ``fused_linear_update`` with
@@ -245,7 +247,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--no-traces", action="store_true", help="delete the raw traces afterwards")
   parser.add_argument("--diagnose", nargs="+", default=[], metavar="VARIANT",
                       help="also profile these diagnostic epilogues (fused_dw_mosaic._DIAGNOSE: "
-                           "skip_reads, skip_rule; their results are not the optimizer step)")
+                           "skip_reads, skip_rule, skip_compute; their results are not the "
+                           "optimizer step)")
   args = parser.parse_args(argv)
   import jax  # pylint: disable=g-import-not-at-top
   from experiments import _timing  # pylint: disable=g-import-not-at-top

@@ -446,8 +446,12 @@ _PROFILE: Optional[tuple[int, str]] = None
 #   "skip_rule": the update is the gradient tile itself and the states are
 #     written back as read: the reads and writes without the rule's arithmetic.
 #     The result is w + x.T @ dy, states unchanged.
+#   "skip_compute": no reads, no arithmetic, no writes: the ring's TMA loads,
+#     waits and stores only (which copy W and the states back unchanged), i.e.
+#     the main loop plus the epilogue's data movement. The result is w and the
+#     states unchanged (with epi_out_slots, whatever the store buffers held).
 # Float states only (not int8). Empty (the real kernel) unless an experiment sets it.
-DIAGNOSE_VARIANTS = ("skip_reads", "skip_rule")
+DIAGNOSE_VARIANTS = ("skip_reads", "skip_rule", "skip_compute")
 _DIAGNOSE: frozenset = frozenset()
 
 
@@ -830,7 +834,9 @@ class _Epilogue:
       w_ref = self.w_ring.at[self.wg_idx, slot]
       s_refs = self._slot_refs(self.slot_rings, slot)
       with _region("epi_load"):
-        if "skip_reads" in _DIAGNOSE:  # a diagnostic variant (see _DIAGNOSE): no reads
+        if "skip_compute" in _DIAGNOSE:  # diagnostic variants (see _DIAGNOSE): no reads
+          raw = (None, (None,) * len(s_refs))
+        elif "skip_reads" in _DIAGNOSE:
           one = lambda ref: jnp.ones(ref.shape, ref.dtype)
           raw = (one(w_ref), tuple(one(ref) for ref in s_refs))
         else:
@@ -849,11 +855,15 @@ class _Epilogue:
       else:
         w_ref, s_refs, (w_raw, s_raw) = read(j)
       g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
+      compute = "skip_compute" not in _DIAGNOSE  # False only in a diagnostic variant
       with _region("epi_decode"):
-        w32 = w_raw.astype(jnp.float32)
-        s32 = tuple(self._decode_slot(raw, codec) for raw, codec in zip(s_raw, plan.codecs))
+        if compute:
+          w32 = w_raw.astype(jnp.float32)
+          s32 = tuple(self._decode_slot(raw, codec) for raw, codec in zip(s_raw, plan.codecs))
       with _region("epi_math"):
-        if "skip_rule" in _DIAGNOSE:  # a diagnostic variant (see _DIAGNOSE): no arithmetic
+        if not compute:
+          pass
+        elif "skip_rule" in _DIAGNOSE:  # a diagnostic variant (see _DIAGNOSE): no arithmetic
           u, new_slots = g, s32
         else:
           u, new_slots = self.rule(g, w32, s32, scalar_leaves)
@@ -867,12 +877,14 @@ class _Epilogue:
         w_ref = self.out_rings[0].at[self.wg_idx, out]
         s_refs = self._slot_refs(self.out_rings[1:], out)
       with _region("epi_write"):
-        bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
-        if plan.stochastic:
+        bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits and compute else None
+        if not compute:
+          pass
+        elif plan.stochastic:
           w_ref[...] = numerics.stochastic_round(w32 + u, bits, w_ref.dtype)
         else:
           w_ref[...] = store_cast(w32 + u, w_ref.dtype)
-        for i, (ref, new, codec) in enumerate(zip(s_refs, new_slots, plan.codecs)):
+        for i, (ref, new, codec) in enumerate(zip(s_refs, new_slots, plan.codecs) if compute else ()):
           sr = codec is not None and codec.needs_bits
           self._write_slot(ref, codec, new, numerics.value_bits(bits, 1 + i) if sr else None)
         if plan.with_norm:

@@ -758,7 +758,8 @@ def diagnose(monkeypatch):
 def test_diagnostic_variants_compute_what_they_say(variant, diagnose):
   """The profiler's diagnostic epilogues (fused_dw_mosaic._DIAGNOSE) under the interpreter:
   "skip_reads" is the rule's step from w = 1 and states = 1; "skip_rule" adds the gradient
-  tile to w and writes the states back unchanged. The real kernel's results differ from both."""
+  tile to w and writes the states back unchanged; "skip_compute" stores W and the states back
+  as loaded. The real kernel's results differ from all three."""
   rule = _rules()["adamw"]
   x, dy, w, slots = _inputs(14, 128, 128, 256, rule, w_dtype=BF16, slot_dtype=BF16)
   diagnose(variant)
@@ -771,9 +772,11 @@ def test_diagnostic_variants_compute_what_they_say(variant, diagnose):
     ones = lambda a: jnp.ones(a.shape, a.dtype)
     want_w, want_slots, _ = fused_dw_update_reference(x, dy, ones(w), [ones(s) for s in slots],
                                                       scalars, update_fn)
-  else:
+  elif variant == "skip_rule":
     grad = jnp.dot(x.T, dy, preferred_element_type=F32)
     want_w, want_slots = (w.astype(F32) + grad).astype(w.dtype), slots
+  else:
+    want_w, want_slots = w, slots
   _assert_close(new_w, want_w, "w")
   for a, e, name in zip(new_slots, want_slots, rule.slot_names):
     _assert_close(a, e, name)
@@ -791,8 +794,9 @@ def test_diagnostic_variants_lower_for_cuda_and_reject_misuse(diagnose):
   # jitted step: profile_mosaic builds a new one per variant).
   kernel = lambda: functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update)
   scalars = rule.scalars(jnp.int32(0))
-  diagnose(*fm.DIAGNOSE_VARIANTS)
-  assert "mosaic_gpu" in lower_for_cuda(kernel(), x, dy, w, (w, w), scalars)
+  for variant in fm.DIAGNOSE_VARIANTS:
+    diagnose(variant)
+    assert "mosaic_gpu" in lower_for_cuda(kernel(), x, dy, w, (w, w), scalars), variant
   diagnose("skip_everything")
   with pytest.raises(ValueError, match=r"_DIAGNOSE has \['skip_everything'\]"):
     lower_for_cuda(kernel(), x, dy, w, (w, w), scalars)
