@@ -8,10 +8,11 @@
 #                                               #   qwen3-1.7b's projections with 16 calls per dispatch
 #                                               #   (device time; one call per dispatch timed the
 #                                               #   dispatch), default tiling and 64-row tiles
-#   bash experiments/h200_session.sh epilogue   # ~3 min: profiles of the fp32 and bf16 epilogues with
+#   bash experiments/h200_session.sh epilogue   # <9 min: profiles of the fp32 and bf16 epilogues with
 #                                               #   diagnostic variants (no shared-memory reads; no
-#                                               #   rule arithmetic): which one the 17 us of the
-#                                               #   arithmetic region per tile is; and T=16384
+#                                               #   rule arithmetic; neither, nor writes): which one
+#                                               #   the 17 us of the arithmetic region per tile is;
+#                                               #   and T=16384 (main loop vs cuBLAS)
 #   bash experiments/h200_session.sh models8b   # ~2 min: the 8B rows with bench_models' device
 #                                               #   timing (median of 3 back-to-back repeats): was the
 #                                               #   old mean-of-5 biased for scanned steps too?
@@ -62,7 +63,7 @@ case "$part" in
       --config-json '{"tile_m": 64, "max_concurrent_steps": 6, "epi_n": 32, "epi_l2_lookahead": 0, "schedule": "pingpong", "l2_prefetch_steps": 0, "mma_in_flight": true}'
     ;;
   epilogue)
-    step epilogue 280 python -m experiments.profile_mosaic --out "$work/epilogue" \
+    step epilogue 380 python -m experiments.profile_mosaic --out "$work/epilogue" \
       --problems 64x4096x4096,1024x4096x4096 --storage fp32 bf16_rtn_bf16 \
       --diagnose skip_reads skip_rule skip_compute
     # T=16384, where the kernel spends 7-16% beyond cuBLAS's GEMM alone (results/h200/roofline):
