@@ -13,6 +13,8 @@
 #                                               #   rule arithmetic; neither, nor writes): which one
 #                                               #   the 17 us of the arithmetic region per tile is;
 #                                               #   and T=16384 (main loop vs cuBLAS)
+#   bash experiments/h200_session.sh sass       # ~4 min: SASS instruction classes of the kernel and
+#                                               #   of each diagnostic variant (fp32, bf16)
 #   bash experiments/h200_session.sh models8b   # ~2 min: the 8B rows with bench_models' device
 #                                               #   timing (median of 3 back-to-back repeats): was the
 #                                               #   old mean-of-5 biased for scanned steps too?
@@ -30,7 +32,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh quick|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence}"
+part="${1:?usage: h200_session.sh quick|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -70,6 +72,12 @@ case "$part" in
     # main loop or unhidden epilogues?
     step long_t 150 python -m experiments.profile_mosaic --out "$work/long_t" \
       --problems 16384x4096x4096 --storage fp32 bf16_rtn_bf16 --diagnose skip_compute
+    ;;
+  sass)
+    # What each epilogue part compiles to: SASS instruction classes of the kernel and of its
+    # diagnostic variants (the difference is the reads', the rule's and the writes' code).
+    step sass 400 python -m experiments.ptxas_report --out "$work/sass" --sass \
+      --storage fp32 bf16_rtn_bf16 --diagnose skip_reads skip_rule skip_compute
     ;;
   convergence)
     step convergence 530 python -m experiments.convergence --out "$work/convergence" --dtype float32 \

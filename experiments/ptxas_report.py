@@ -15,6 +15,15 @@ thread, stack frame, spill stores and loads (bytes).
 
     PYTHONPATH=$PWD python -m experiments.ptxas_report --out $OUT/ptxas
     PYTHONPATH=$PWD python -m experiments.ptxas_report --storage fp32 fp32_int8 --read-ahead
+    PYTHONPATH=$PWD python -m experiments.ptxas_report --storage fp32 bf16_rtn_bf16 --sass \
+        --diagnose skip_reads skip_rule skip_compute
+
+``--sass`` also has Mosaic GPU disassemble each kernel (``MOSAIC_GPU_DUMP_SASS=1``, which
+needs the CUDA toolkit's ``nvdisasm``) and counts its instructions by opcode and class
+(shared-memory loads and stores, float arithmetic, integer and address arithmetic, MMA,
+...): static counts of the whole kernel, whose epilogue is unrolled per sub-tile, so
+the difference between the kernel and a ``--diagnose`` variant (``fused_dw_mosaic._DIAGNOSE``:
+no reads, no rule arithmetic, neither) is what those parts compile to.
 
 Cases: ``--storage`` (``experiments.bench_lowp.CONFIGS`` names) x the default
 tiling for ``--tokens`` (and, with ``--read-ahead``, the same with
@@ -59,9 +68,48 @@ def parse_ptxas(text: str) -> dict[str, Any]:
   }
 
 
-def cases(storages: Sequence[str], tokens: int, read_ahead: bool) -> list[dict[str, Any]]:
-  """One dict per compile: storage, tokens and the MosaicTileConfig fields (the default
-  tiling for those operands, and with ``read_ahead`` the same plus ``epi_read_ahead``)."""
+# SASS opcode (the part before the first ".") -> class, for parse_sass.
+SASS_CLASSES = {
+    "shared_load": ("LDS", "LDSM"),
+    "shared_store": ("STS",),
+    "global_or_tma": ("LDG", "STG", "UBLKCP", "UTMALDG", "UTMASTG", "UTMAPF", "UTMACMDFLUSH"),
+    "float": ("FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL", "MUFU", "F2F", "F2I", "I2F",
+              "FCHK", "FRND", "HADD2", "HMUL2", "HFMA2", "F2FP"),
+    "integer": ("IMAD", "IADD3", "LOP3", "SHF", "ISETP", "SEL", "LEA", "IMNMX", "PRMT", "IABS",
+                "SHL", "SHR", "POPC", "FLO", "BMSK", "UIMAD", "UIADD3", "ULOP3", "USHF", "ULEA",
+                "USEL", "UISETP", "UPRMT", "S2R", "S2UR", "CS2R", "MOV", "UMOV", "R2UR"),
+    "mma": ("HGMMA", "WARPGROUP"),
+    "sync": ("BAR", "SYNCS", "WARPSYNC", "BSSY", "BSYNC", "MEMBAR", "FENCE", "DEPBAR", "ERRBAR"),
+}
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?\b")
+
+
+def parse_sass(text: str) -> dict[str, Any]:
+  """Instruction counts of the SASS in ``text`` (nvdisasm output: ``/*0a30*/  OPCODE ...;``).
+
+  Returns ``{"sass_instructions", "sass_classes": {class: count}, "sass_top": [[opcode,
+  count], ...] (the 30 most frequent)}``; ``sass_instructions`` is 0 when there is no SASS.
+  """
+  counts: dict[str, int] = {}
+  for line in text.splitlines():
+    m = _SASS_LINE.match(line)
+    if m:
+      counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+  of_class = {op: cls for cls, ops in SASS_CLASSES.items() for op in ops}
+  classes: dict[str, int] = {}
+  for op, n in counts.items():
+    cls = of_class.get(op, "other")
+    classes[cls] = classes.get(cls, 0) + n
+  top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:30]
+  return {"sass_instructions": sum(counts.values()), "sass_classes": classes,
+          "sass_top": [list(kv) for kv in top]}
+
+
+def cases(storages: Sequence[str], tokens: int, read_ahead: bool,
+          diagnose: Sequence[str] = ()) -> list[dict[str, Any]]:
+  """One dict per compile: storage, tokens, diagnostic variant ("" for the kernel) and the
+  MosaicTileConfig fields (the default tiling for those operands, and with ``read_ahead``
+  the same plus ``epi_read_ahead``); each ``diagnose`` variant with the default tiling."""
   from experiments import profile_mosaic  # pylint: disable=g-import-not-at-top
   from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
 
@@ -71,7 +119,10 @@ def cases(storages: Sequence[str], tokens: int, read_ahead: bool) -> list[dict[s
     cfg = fm.default_config(x, dy, w, tuple(state[1:]))
     variants = [cfg] + ([dataclasses.replace(cfg, epi_read_ahead=True)] if read_ahead else [])
     for v in variants:
-      out.append({"storage": storage, "tokens": tokens, "config": dataclasses.asdict(v)})
+      out.append({"storage": storage, "tokens": tokens, "variant": "", "config": dataclasses.asdict(v)})
+    for variant in diagnose:
+      out.append({"storage": storage, "tokens": tokens, "variant": variant,
+                  "config": dataclasses.asdict(cfg)})
   return out
 
 
@@ -84,13 +135,14 @@ def worker(case: dict[str, Any]) -> int:
 
   x, dy, w, state, opt = profile_mosaic._problem(f"{case['tokens']}x4096x4096", case["storage"])
   cfg = fm.MosaicTileConfig(**case["config"])
+  fm._DIAGNOSE = frozenset([case["variant"]] if case.get("variant") else [])
   step = jax.jit(lambda w, st: forge_jax.fused_linear_update(x, dy, w, st, opt, "mosaic", config=cfg))
   jax.block_until_ready(step(w, state))
   return 0
 
 
-def run_case(case: dict[str, Any], timeout: float) -> dict[str, Any]:
-  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
+def run_case(case: dict[str, Any], timeout: float, sass: bool = False) -> dict[str, Any]:
+  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", **({"MOSAIC_GPU_DUMP_SASS": "1"} if sass else {}))
   env.pop("MOSAIC_GPU_DUMP_TO", None)  # with it set, Mosaic GPU writes files and skips ptxas -v
   cmd = [sys.executable, "-m", "experiments.ptxas_report", "--worker", json.dumps(case)]
   try:
@@ -99,6 +151,11 @@ def run_case(case: dict[str, Any], timeout: float) -> dict[str, Any]:
     return dict(case, status="timeout", error=f"no result in {timeout:.0f} s")
   text = proc.stdout + proc.stderr
   row = dict(case, **parse_ptxas(text))
+  if sass:
+    row.update(parse_sass(text))
+    if not row["sass_instructions"]:
+      row["sass_error"] = next((ln.strip()[:300] for ln in text.splitlines() if "nvdisasm" in ln),
+                               "no SASS in the output")
   if proc.returncode != 0:
     return dict(row, status="error", error=text.strip().splitlines()[-1][:300] if text.strip() else "")
   if row["registers"] is None:
@@ -121,8 +178,23 @@ def markdown(info: dict, rows: Sequence[dict]) -> str:
     cells = [r.get(k) for k in ("registers", "stack_frame_bytes", "spill_store_bytes", "spill_load_bytes")]
     cells = ["-" if c is None else str(c) for c in cells]
     status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')[:80]}"
-    out.append(f"| {r['storage']} | {r['tokens']} | {check_mosaic_gpu._cfg_text(r['config'])} | {status} | "
-               + " | ".join(cells) + " |")
+    variant = f" `{r['variant']}`" if r.get("variant") else ""
+    out.append(f"| {r['storage']} | {r['tokens']} | {check_mosaic_gpu._cfg_text(r['config'])}{variant} | "
+               f"{status} | " + " | ".join(cells) + " |")
+  with_sass = [r for r in rows if "sass_instructions" in r]
+  if with_sass:
+    classes = [*SASS_CLASSES, "other"]
+    out += ["", "SASS instructions (static counts of the whole kernel; `--sass`):", "",
+            "| storage | T | variant | total | " + " | ".join(classes) + " |",
+            "|---|---|---|---|" + "---|" * len(classes)]
+    for r in with_sass:
+      if not r["sass_instructions"]:
+        out.append(f"| {r['storage']} | {r['tokens']} | {r.get('variant') or 'kernel'} | "
+                   f"{r.get('sass_error', '')[:100]} |" + " |" * len(classes))
+        continue
+      out.append(f"| {r['storage']} | {r['tokens']} | {r.get('variant') or 'kernel'} | "
+                 f"{r['sass_instructions']} | "
+                 + " | ".join(str(r["sass_classes"].get(c, 0)) for c in classes) + " |")
   return "\n".join(out) + "\n"
 
 
@@ -135,6 +207,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--tokens", type=int, default=1024)
   parser.add_argument("--read-ahead", action="store_true", help="also each default with epi_read_ahead")
   parser.add_argument("--timeout", type=float, default=120.0, help="seconds per compile")
+  parser.add_argument("--sass", action="store_true",
+                      help="also count the kernels' SASS instructions (needs nvdisasm)")
+  parser.add_argument("--diagnose", nargs="+", default=[], metavar="VARIANT",
+                      help="also compile these diagnostic epilogues (fused_dw_mosaic._DIAGNOSE)")
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.worker:
@@ -144,19 +220,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   from experiments import _timing  # pylint: disable=g-import-not-at-top
   from experiments import bench_lowp  # pylint: disable=g-import-not-at-top
 
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
   for storage in args.storage:
     if storage not in bench_lowp.CONFIGS:
       parser.error(f"--storage {storage!r} is not one of {', '.join(bench_lowp.CONFIGS)}")
+  for variant in args.diagnose:
+    if variant not in fm.DIAGNOSE_VARIANTS:
+      parser.error(f"--diagnose {variant!r} is not one of {', '.join(fm.DIAGNOSE_VARIANTS)}")
   if jax.default_backend() != "gpu":
     parser.error("ptxas runs when the kernel compiles for a GPU: run this on the H200")
   folder = _timing.out_dir(args.out)
   info = _timing.run_info("experiments.ptxas_report", argv)
   rows = []
-  for case in cases(args.storage, args.tokens, args.read_ahead):
-    row = run_case(case, args.timeout)
+  for case in cases(args.storage, args.tokens, args.read_ahead, args.diagnose):
+    row = run_case(case, args.timeout, args.sass)
     rows.append(row)
-    _timing.log(f"  {row['storage']:<14} {row['status']:<9} regs={row.get('registers')} "
-                f"spill st/ld={row.get('spill_store_bytes')}/{row.get('spill_load_bytes')}")
+    _timing.log(f"  {row['storage']:<14} {row.get('variant') or 'kernel':<12} {row['status']:<9} "
+                f"regs={row.get('registers')} "
+                f"spill st/ld={row.get('spill_store_bytes')}/{row.get('spill_load_bytes')}"
+                + (f" sass={row.get('sass_instructions')} {row.get('sass_classes')}" if args.sass else ""))
     _timing.write_json(folder / "ptxas_report.json", {"info": info, "rows": rows})
   (folder / "ptxas_report.md").write_text(markdown(info, rows))
   return 0

@@ -861,6 +861,43 @@ ptxas info    : Used 168 registers, used 16 barriers, 400 bytes cmem[0]
   assert "ra | timeout: no result | - | - | - | - |" in md
 
 
+def test_ptxas_report_counts_sass_and_compiles_diagnostic_variants(monkeypatch):
+  """experiments.ptxas_report --sass --diagnose: SASS (nvdisasm's lines, predicated or not)
+  counted by opcode and class; one extra case per variant with the default tiling, and its
+  worker sets _DIAGNOSE to that variant."""
+  from experiments import ptxas_report  # pylint: disable=g-import-not-at-top
+
+  sass = """        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/               @P0 LDS.64 R4, [R2+0x10] ;
+        /*0030*/                   FFMA R3, R4, R5, R6 ;
+        /*0040*/              @!P1 IMAD.SHL.U32 R7, R0, 0x4, RZ ;
+        /*0050*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0060*/                   MUFU.RSQ R9, R8 ;
+        /*0070*/                   STS.64 [R2], R4 ;
+        /*0080*/                   FFMA R3, R4, R5, R3 ;
+"""
+  got = ptxas_report.parse_sass("ptxas info : Used 168 registers\n" + sass)
+  assert got["sass_instructions"] == 9 and got["sass_top"][0] == ["FFMA", 2]
+  assert got["sass_classes"] == {"other": 1, "integer": 2, "shared_load": 1, "float": 3, "mma": 1,
+                                 "shared_store": 1}
+  assert ptxas_report.parse_sass("no sass")["sass_instructions"] == 0
+  monkeypatch.setattr(fm, "_device_problem", lambda: None)
+  rows = ptxas_report.cases(["fp32"], 1024, read_ahead=False, diagnose=["skip_reads", "skip_compute"])
+  assert [r["variant"] for r in rows] == ["", "skip_reads", "skip_compute"]
+  assert rows[1]["config"] == rows[0]["config"]
+  monkeypatch.setattr(fm, "_DIAGNOSE", fm._DIAGNOSE)  # restored after the test
+  monkeypatch.setattr(jax, "jit", lambda f: lambda *a: None)  # no compile on CPU
+  monkeypatch.setattr(jax, "block_until_ready", lambda x: x)
+  assert ptxas_report.worker(rows[2]) == 0 and fm._DIAGNOSE == frozenset(["skip_compute"])
+  info = {"command": "c", "date": "d", "device": "cpu", "jax": jax.__version__}
+  md = ptxas_report.markdown(info, [dict(rows[0], status="ok", registers=168, **got),
+                                    dict(rows[1], status="ok", sass_instructions=0,
+                                         sass_error="nvdisasm invocation failed")])
+  assert "| fp32 | 1024 | kernel | 9 | 1 | 1 | 0 | 3 | 2 | 1 | 0 | 1 |" in md
+  assert "| fp32 | 1024 | skip_reads | nvdisasm invocation failed |" in md
+
+
 def test_check_script_times_the_shapes_it_is_given(tmp_path):
   """experiments.check_mosaic_gpu --shapes (e.g. a small model's projections) and --calls
   (several calls per dispatch) reach the timing section, which runs in its own process:
