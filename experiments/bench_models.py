@@ -60,7 +60,13 @@ and the capacity table::
 
     PYTHONPATH=$PWD python -m experiments.bench_models --out $OUT --capacity \\
         --models qwen3-0.6b,qwen3-8b --tokens 1024 --impls optax_clip,forge,forge_int8 \\
-        --max-batch 64 --time-budget 560
+        --max-batch 64 --time-budget 560 --steps 1
+
+Step times are device time: ``--steps`` steps back to back, blocked once, the
+median of 3 such repeats after 3 warm-up steps (so a row runs 3 + 3 x steps
+steps after compiling; ``--steps 1`` where only the memory matters, as in the
+capacity table). Rows before 2026-11-30 took the mean of 5 steps after one
+warm-up step (``results_tables`` marks them).
 
 The parent process never initializes a JAX backend (the device name comes
 from the workers), so it holds no GPU memory of its own.
