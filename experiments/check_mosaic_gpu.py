@@ -138,6 +138,9 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
     return [
         pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0),  # the short-T default
         pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0),  # the long-T default
+        # The defaults without Pallas's automatic barriers around shared-memory stores.
+        pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0, no_auto_barriers=True),
+        pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0, no_auto_barriers=True),
         pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0, epi_read_ahead=True),
         pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
         pp(max_concurrent_steps=3, epi_n=64, epi_l2_lookahead=0, epi_read_ahead=True),
@@ -157,6 +160,7 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
   # the slow arithmetic); 64-row tiles 3% slower at T=1024, 26% at T=4096.
   return [
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),  # the default for fp32 AdamW
+      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, no_auto_barriers=True),
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
       pp(max_concurrent_steps=4, epi_n=16, epi_l2_lookahead=0, epi_read_ahead=True),  # fewer registers
       pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
@@ -420,7 +424,18 @@ _WIDE_BF16 = dict(_TUNED_F32, epi_n=64, epi_l2_lookahead=0)  # 64x64 sub-tiles (
 _RA_F32 = dict(_TUNED_F32, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True)  # fp32 default + read-ahead
 _RA_WIDE = dict(_WIDE_BF16, epi_read_ahead=True)
 _RA_INT8 = dict(_RA_WIDE, max_concurrent_steps=3)  # epi_n = the block; fp32 w: 3 stages fit
+# The defaults without Pallas's automatic warpgroup barriers around shared-memory stores.
+_NB_F32 = dict(_TUNED_F32, epi_n=32, epi_l2_lookahead=0, no_auto_barriers=True)
+_NB_WIDE = dict(_WIDE_BF16, no_auto_barriers=True)
+_NB_LONG = dict(_WIDE_BF16, max_concurrent_steps=5, epi_n=32, no_auto_barriers=True)
 QUICK_CASES = (
+    # Not yet run on a GPU: no_auto_barriers (a race would show as wrong values;
+    # fp32 and bf16 with both bf16 tilings, stacked with the grad norm, Lion).
+    ("no_barriers", "adamw", "float32", "float32", False, _NB_F32),
+    ("no_barriers", "adamw", "bfloat16", "bfloat16", False, _NB_WIDE),
+    ("no_barriers", "adamw", "bfloat16", "bfloat16", False, _NB_LONG),
+    ("no_barriers", "adamw", "bfloat16", "bfloat16", True, _NB_F32),  # the stacked default's tiling
+    ("no_barriers", "lion", "float32", "float32", False, _NB_F32),
     # Not yet run on a GPU: the new bf16 defaults (stacked_norm: T=2048, 64x64
     # sub-tiles; rule: T=4096, 5 stages), 64x64 at T=4096, SR with them, and
     # the epilogue's read-ahead (fp32, bf16, int8; stacked with the norm is
@@ -691,6 +706,8 @@ def _cfg_text(cfg) -> str:
     text += " approx"
   if get("epi_read_ahead", False):
     text += " ra"
+  if get("no_auto_barriers", False):
+    text += " nb"
   return text
 
 

@@ -4,6 +4,12 @@
 # (results/h200/*_bf16_defaults*, *read_ahead*, ptxas_report, mosaic_profile_storage,
 # bench_models_unrolled_fixed) plus experiments.diagnose_unrolled. Next, in this order:
 #
+#   bash experiments/h200_session.sh barriers   # <9 min: no_auto_barriers (Pallas's automatic
+#                                               #   warpgroup barriers around shared-memory stores
+#                                               #   left out: 90 -> 16 bar.sync in the fp32 kernel):
+#                                               #   correct first (--quick leads with it), then both
+#                                               #   sweeps side by side with the defaults, then bf16
+#                                               #   timing against XLA at T=1024
 #   bash experiments/h200_session.sh small      # ~5 min: per-layer timing of qwen3-0.6b's and
 #                                               #   qwen3-1.7b's projections with 16 calls per dispatch
 #                                               #   (device time; one call per dispatch timed the
@@ -32,7 +38,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh quick|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -54,6 +60,15 @@ case "$part" in
     # qwen3-0.6b's projections (FORGE's step was 1.16x optax's there): per layer, bf16, T=1024.
     step small 100 python -m experiments.check_mosaic_gpu --out "$work/small" --sections timing \
       --state-dtype bfloat16 --tokens 1024 --shapes 1024x2048 1024x1024 2048x1024 1024x3072 3072x1024
+    ;;
+  barriers)
+    step quick 130 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
+    step sweep 170 python -m experiments.check_mosaic_gpu --out "$work/sweep" --sections sweep
+    step sweep_bf16 120 python -m experiments.check_mosaic_gpu --out "$work/sweep_bf16" --sections sweep \
+      --state-dtype bfloat16
+    step timing_bf16 100 python -m experiments.check_mosaic_gpu --out "$work/timing_bf16" --sections timing \
+      --state-dtype bfloat16 --tokens 1024 \
+      --config-json '{"schedule": "pingpong", "max_concurrent_steps": 4, "epi_n": 64, "l2_prefetch_steps": 0, "mma_in_flight": true, "epi_l2_lookahead": 0, "no_auto_barriers": true}'
     ;;
   small)
     # qwen3-0.6b (hidden 1024, 2048-wide q, 3072 MLP) and qwen3-1.7b (hidden 2048, 6144 MLP).

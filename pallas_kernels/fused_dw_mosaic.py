@@ -174,6 +174,19 @@ class MosaicTileConfig:
       the H200 it was 3-21% slower in every sweep and raised ptxas's spills
       (fp32 AdamW: 4 bytes stored / 4 loaded -> 40 / 144;
       experiments/results/h200/ptxas_report/), so it stays off.
+    no_auto_barriers: lower with ``plgpu.CompilerParams(unsafe_no_auto_barriers=True)``.
+      By default Pallas brackets every register -> shared-memory store of a
+      warpgroup with two warpgroup barriers (``bar.sync``), conservatively;
+      the epilogue's W and state writes make about 11 of them per sub-tile.
+      Without them the epilogue relies on what it already guarantees: each
+      thread reads and rewrites only its own elements of a ring slot (the
+      WGMMA layout both ways), and ``commit_smem`` (a fence and a warpgroup
+      barrier, kept) orders every thread's accesses before the TMA store and
+      the slot's refill. Float states only: an int8 state's per-row scale is
+      read by the four threads of a quad and rewritten, a race without the
+      barriers (``supports`` says so). And ``epi_out_slots=0``: a store buffer
+      is rewritten after ``wait_smem_to_gmem``, which only the thread that
+      issued the TMA store observes. Off by default until the H200 checks it.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -195,6 +208,7 @@ class MosaicTileConfig:
   lowering_semantics: str = "Warpgroup"
   approx_math: bool = False
   epi_read_ahead: bool = False
+  no_auto_barriers: bool = False
   num_sms: Optional[int] = None
 
 
@@ -285,6 +299,10 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
     return f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"
   if cfg.epi_out_slots < 0:
     return f"epi_out_slots={cfg.epi_out_slots} must be >= 0"
+  if cfg.no_auto_barriers and cfg.epi_out_slots:
+    return (f"no_auto_barriers=True needs epi_out_slots=0 (got {cfg.epi_out_slots}): a store "
+            "buffer is rewritten after a wait for its TMA store that only the issuing thread "
+            "observes, so the other threads need the automatic barrier")
   if cfg.epi_read_ahead and cfg.epi_slots < 2:
     return (f"epi_read_ahead=True needs epi_slots >= 2 (got {cfg.epi_slots}): the next sub-tile "
             "is read from another ring slot while this one's is still in use")
@@ -368,6 +386,10 @@ def supports(
                        f"equal the block (one block per sub-tile row)")
       if cfg.epi_out_slots:
         return False, "int8 slots need epi_out_slots=0 (results go back through the ring)"
+      if cfg.no_auto_barriers:
+        return False, (f"slot {i} is int8: no_auto_barriers=True needs float states (the four "
+                       "threads of a quad read a row's scale and rewrite it, a race without the "
+                       "barriers)")
       if cfg.schedule != "pingpong":
         # Under the Mosaic GPU interpreter the cooperative schedule with int8
         # slots never returns (jax 0.10.2; not investigated); ping-pong is the
@@ -1486,6 +1508,7 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.lowering_semantics),
             approx_math=cfg.approx_math,
+            **({"unsafe_no_auto_barriers": True} if cfg.no_auto_barriers else {}),
             **({} if _PROFILE is None else dict(profile_space=_PROFILE[0], profile_dir=_PROFILE[1])),
         ),
         name="fused_dw_update_mosaic",

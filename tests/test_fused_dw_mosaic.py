@@ -826,6 +826,60 @@ def test_profile_script_runs_diagnostic_variants_and_restores_the_kernel(monkeyp
   assert "diagnostic variant `skip_reads`" in table and "diagnostic variant `skip_rule`" in table
 
 
+@pytest.mark.parametrize("case", ["fp32", "bf16_stacked_norm"])
+def test_no_auto_barriers_matches_reference(case):
+  """no_auto_barriers (Pallas's automatic warpgroup barriers around shared-memory stores left
+  out) computes the same under the interpreter; whether the GPU agrees is check_mosaic_gpu's
+  --quick (a race would show as wrong values there, not here)."""
+  rule = _rules()["adamw"]
+  cfg, layer, norm = dataclasses.replace(SMALL, no_auto_barriers=True), None, False
+  if case == "bf16_stacked_norm":
+    x, dy, w, slots = _inputs(15, 128, 128, 256, rule, w_dtype=BF16, slot_dtype=BF16, layers=3)
+    layer, norm = jnp.int32(1), True
+  else:
+    x, dy, w, slots = _inputs(15, 128, 128, 256, rule)
+  (new_w, new_slots, g2), (ref_w, ref_slots, ref_g2) = _run_both(
+      x, dy, w, slots, rule, layer=layer, norm=norm, config=cfg)
+  _assert_close(new_w, ref_w, "w")
+  for a, e, name in zip(new_slots, ref_slots, rule.slot_names):
+    _assert_close(a, e, name)
+  if norm:
+    np.testing.assert_allclose(float(g2), float(ref_g2), rtol=1e-4)
+
+
+def test_no_auto_barriers_drops_the_store_barriers_and_refuses_int8(monkeypatch):
+  """The knob reaches plgpu.CompilerParams, and the kernel lowered for sm_90 then has fewer
+  warpgroup barriers (bar.sync) than with Pallas's automatic ones; int8 states are refused
+  (their per-row scales are shared by a quad of threads)."""
+  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+
+  rule = _rules()["adamw"]
+  x, dy = _sds((1024, 4096), BF16), _sds((1024, 4096), BF16)
+  w = _sds((4096, 4096), F32)
+  base = dataclasses.replace(fm.default_config(x, dy, w, (w, w)), num_sms=132)
+  built, modules = [], []
+  real_params = fm.plgpu.CompilerParams
+  monkeypatch.setattr(fm.plgpu, "CompilerParams", lambda **kw: built.append(kw) or real_params(**kw))
+  if hasattr(mgpu_core, "_run_serde_pass"):  # the Mosaic GPU module as lowered, before serialization
+    real_serde = mgpu_core._run_serde_pass
+    monkeypatch.setattr(mgpu_core, "_run_serde_pass",
+                        lambda module, **kw: modules.append(str(module)) or real_serde(module, **kw))
+  for flag in (False, True):
+    cfg = dataclasses.replace(base, no_auto_barriers=flag)
+    kernel = functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update, config=cfg)
+    assert "mosaic_gpu" in lower_for_cuda(kernel, x, dy, w, (w, w), rule.scalars(jnp.int32(0)))
+  assert [kw.get("unsafe_no_auto_barriers", False) for kw in built] == [False, True]
+  if len(modules) == 2:
+    with_auto, without = (m.count("bar.sync") for m in modules)
+    assert without < with_auto, (with_auto, without)
+  qslots = _int8_slots(rule, rule.init_slots(jnp.zeros((128, 256), F32)))
+  ok, why = fm.supports(_sds((128, 128), BF16), _sds((128, 256), BF16), _sds((128, 256), F32), qslots,
+                        dataclasses.replace(INT8, no_auto_barriers=True))
+  assert not ok and "no_auto_barriers=True needs float states" in why
+  ok, why = fm.supports(x, dy, w, (w, w), dataclasses.replace(base, no_auto_barriers=True, epi_out_slots=2))
+  assert not ok and "needs epi_out_slots=0" in why
+
+
 def test_epilogue_read_ahead_needs_two_ring_slots():
   x, dy, w = _sds((128, 128), BF16), _sds((128, 256), BF16), _sds((128, 256), F32)
   ok, reason = fm.supports(x, dy, w, [w, w], dataclasses.replace(SMALL, epi_slots=1, epi_read_ahead=True))
