@@ -141,12 +141,8 @@ def profile_problem(spec: str, config: Optional[dict], trace_dir: pathlib.Path,
   the real kernel."""
   from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
 
-  saved = fm._DIAGNOSE
-  fm._DIAGNOSE = frozenset([variant] if variant else [])
-  try:
+  with fm.diagnosing(*([variant] if variant else [])):
     row = _profile_problem(spec, config, trace_dir, storage)
-  finally:
-    fm._DIAGNOSE = saved
   return dict(row, variant=variant or "kernel")
 
 
@@ -236,6 +232,8 @@ def markdown(info: dict, rows: Sequence[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
@@ -245,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "(fp32, bf16_rtn_bf16, bf16_sr_bf16, fp32_int8, ...)")
   parser.add_argument("--config-json", default=None, help="MosaicTileConfig fields (default: default_config)")
   parser.add_argument("--no-traces", action="store_true", help="delete the raw traces afterwards")
-  parser.add_argument("--diagnose", nargs="+", default=[], metavar="VARIANT",
+  parser.add_argument("--diagnose", nargs="+", default=[], choices=fm.DIAGNOSE_VARIANTS,
                       help="also profile these diagnostic epilogues (fused_dw_mosaic._DIAGNOSE: "
                            "skip_reads, skip_rule, skip_compute; their results are not the "
                            "optimizer step)")
@@ -263,11 +261,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   for storage in args.storage:
     if storage not in bench_lowp.CONFIGS:
       parser.error(f"--storage {storage!r} is not one of {', '.join(bench_lowp.CONFIGS)}")
-  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
-
-  for variant in args.diagnose:
-    if variant not in fm.DIAGNOSE_VARIANTS:
-      parser.error(f"--diagnose {variant!r} is not one of {', '.join(fm.DIAGNOSE_VARIANTS)}")
   rows = []
   runs = ((s, p, v) for s in args.storage for p in args.problems.split(",") for v in ["", *args.diagnose])
   for storage, spec, variant in runs:

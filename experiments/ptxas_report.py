@@ -135,9 +135,9 @@ def worker(case: dict[str, Any]) -> int:
 
   x, dy, w, state, opt = profile_mosaic._problem(f"{case['tokens']}x4096x4096", case["storage"])
   cfg = fm.MosaicTileConfig(**case["config"])
-  fm._DIAGNOSE = frozenset([case["variant"]] if case.get("variant") else [])
-  step = jax.jit(lambda w, st: forge_jax.fused_linear_update(x, dy, w, st, opt, "mosaic", config=cfg))
-  jax.block_until_ready(step(w, state))
+  with fm.diagnosing(*([case["variant"]] if case.get("variant") else [])):
+    step = jax.jit(lambda w, st: forge_jax.fused_linear_update(x, dy, w, st, opt, "mosaic", config=cfg))
+    jax.block_until_ready(step(w, state))
   return 0
 
 
@@ -199,6 +199,8 @@ def markdown(info: dict, rows: Sequence[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
@@ -209,7 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--timeout", type=float, default=120.0, help="seconds per compile")
   parser.add_argument("--sass", action="store_true",
                       help="also count the kernels' SASS instructions (needs nvdisasm)")
-  parser.add_argument("--diagnose", nargs="+", default=[], metavar="VARIANT",
+  parser.add_argument("--diagnose", nargs="+", default=[], choices=fm.DIAGNOSE_VARIANTS,
                       help="also compile these diagnostic epilogues (fused_dw_mosaic._DIAGNOSE)")
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -220,14 +222,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   from experiments import _timing  # pylint: disable=g-import-not-at-top
   from experiments import bench_lowp  # pylint: disable=g-import-not-at-top
 
-  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
-
   for storage in args.storage:
     if storage not in bench_lowp.CONFIGS:
       parser.error(f"--storage {storage!r} is not one of {', '.join(bench_lowp.CONFIGS)}")
-  for variant in args.diagnose:
-    if variant not in fm.DIAGNOSE_VARIANTS:
-      parser.error(f"--diagnose {variant!r} is not one of {', '.join(fm.DIAGNOSE_VARIANTS)}")
   if jax.default_backend() != "gpu":
     parser.error("ptxas runs when the kernel compiles for a GPU: run this on the H200")
   folder = _timing.out_dir(args.out)

@@ -64,6 +64,7 @@ values at 0, inf, negatives and NaN; a few ulp elsewhere); the rule itself
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence, Union
@@ -475,6 +476,21 @@ _PROFILE: Optional[tuple[int, str]] = None
 # Float states only (not int8). Empty (the real kernel) unless an experiment sets it.
 DIAGNOSE_VARIANTS = ("skip_reads", "skip_rule", "skip_compute")
 _DIAGNOSE: frozenset = frozenset()
+
+
+@contextlib.contextmanager
+def diagnosing(*variants: str):
+  """Within it, the kernel is traced as the diagnostic ``variants`` (see ``_DIAGNOSE``; none:
+  the real kernel). A jitted function traced before keeps its trace: build a new one."""
+  global _DIAGNOSE
+  if unknown := set(variants) - set(DIAGNOSE_VARIANTS):
+    raise ValueError(f"unknown diagnostic variants {sorted(unknown)}; the variants are "
+                     f"{DIAGNOSE_VARIANTS}")
+  saved, _DIAGNOSE = _DIAGNOSE, frozenset(variants)
+  try:
+    yield
+  finally:
+    _DIAGNOSE = saved
 
 
 def _region(name: str):

@@ -800,6 +800,9 @@ def test_diagnostic_variants_lower_for_cuda_and_reject_misuse(diagnose):
   diagnose("skip_everything")
   with pytest.raises(ValueError, match=r"_DIAGNOSE has \['skip_everything'\]"):
     lower_for_cuda(kernel(), x, dy, w, (w, w), scalars)
+  with pytest.raises(ValueError, match=r"unknown diagnostic variants \['skip_everything'\]"):
+    with fm.diagnosing("skip_everything"):
+      pass
   diagnose("skip_rule")
   qslots = _int8_slots(rule, rule.init_slots(jnp.zeros((128, 256), F32)))
   with pytest.raises(ValueError, match="float states only"):
@@ -932,10 +935,11 @@ def test_ptxas_report_counts_sass_and_compiles_diagnostic_variants(monkeypatch):
   rows = ptxas_report.cases(["fp32"], 1024, read_ahead=False, diagnose=["skip_reads", "skip_compute"])
   assert [r["variant"] for r in rows] == ["", "skip_reads", "skip_compute"]
   assert rows[1]["config"] == rows[0]["config"]
-  monkeypatch.setattr(fm, "_DIAGNOSE", fm._DIAGNOSE)  # restored after the test
-  monkeypatch.setattr(jax, "jit", lambda f: lambda *a: None)  # no compile on CPU
+  traced_as = []  # _DIAGNOSE when the worker's step is built (no compile on CPU)
+  monkeypatch.setattr(jax, "jit", lambda f: traced_as.append(fm._DIAGNOSE) or (lambda *a: None))
   monkeypatch.setattr(jax, "block_until_ready", lambda x: x)
-  assert ptxas_report.worker(rows[2]) == 0 and fm._DIAGNOSE == frozenset(["skip_compute"])
+  assert ptxas_report.worker(rows[2]) == 0 and traced_as == [frozenset(["skip_compute"])]
+  assert fm._DIAGNOSE == frozenset()  # restored
   info = {"command": "c", "date": "d", "device": "cpu", "jax": jax.__version__}
   md = ptxas_report.markdown(info, [dict(rows[0], status="ok", registers=168, **got),
                                     dict(rows[1], status="ok", sass_instructions=0,
