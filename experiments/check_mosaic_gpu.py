@@ -429,8 +429,18 @@ _NB_F32 = dict(_TUNED_F32, epi_n=32, epi_l2_lookahead=0, no_auto_barriers=True)
 _NB_WIDE = dict(_WIDE_BF16, no_auto_barriers=True)
 _NB_LONG = dict(_WIDE_BF16, max_concurrent_steps=5, epi_n=32, no_auto_barriers=True)
 QUICK_CASES = (
-    # Not yet run on a GPU: no_auto_barriers (a race would show as wrong values;
-    # fp32 and bf16 with both bf16 tilings, stacked with the grad norm, Lion).
+    # Not yet run on a GPU: the defaults of 2026-11-30's second change, 64-row
+    # tiles with no_auto_barriers for weights of few 128x128 tiles (a 7th
+    # element: the T x K x N shape), and a stacked 3-layer weight of that kind.
+    ("small_grid", "adamw", "float32", "float32", False, None, (1024, 1024, 1024)),
+    ("small_grid", "adamw", "bfloat16", "bfloat16", False, None, (1024, 1024, 1024)),
+    ("small_grid", "lion", "bfloat16", "bfloat16", False, None, (1024, 1024, 3072)),
+    ("small_grid", "adamw", "bfloat16", "bfloat16", False, None, (4096, 3072, 1024)),
+    ("small_grid", "adamw", "bfloat16", "bfloat16", True, None, (2048, 1024, 2048)),
+    ("small_grid", "adamw", "bfloat16", "int8_sr", False, None, (1024, 1024, 1024)),
+    # Passed on the H200 (results/h200/mosaic_barriers/quick, 2026-11-30):
+    # no_auto_barriers (a race would show as wrong values; fp32 and bf16 with
+    # both bf16 tilings, stacked with the grad norm, Lion), now the defaults'.
     ("no_barriers", "adamw", "float32", "float32", False, _NB_F32),
     ("no_barriers", "adamw", "bfloat16", "bfloat16", False, _NB_WIDE),
     ("no_barriers", "adamw", "bfloat16", "bfloat16", False, _NB_LONG),
@@ -508,9 +518,9 @@ def section_correctness(sec: _Section, smoke: bool, interpret: bool, quick: bool
   if quick:
     sec.payload["rewrites_on_this_jax"] = sorted(p.name for p in fm._active_rewrites())
     stacked = (64, 64, 128) if smoke else STACKED_SHAPE
-    cases = [(label, name, stacked if layers else big, jnp.dtype(w_dt), _slot_dtype(s_dt),
-              3 if layers else None, bool(layers), fields)
-             for label, name, w_dt, s_dt, layers, fields in QUICK_CASES]
+    cases = [(label, name, shape[0] if shape and not smoke else stacked if layers else big,
+              jnp.dtype(w_dt), _slot_dtype(s_dt), 3 if layers else None, bool(layers), fields)
+             for label, name, w_dt, s_dt, layers, fields, *shape in QUICK_CASES]
   elif smoke:
     cases += [("rule", "sgd_momentum", big, f32, bf16, None, False, None)]
   else:

@@ -4,6 +4,12 @@
 # (results/h200/*_bf16_defaults*, *read_ahead*, ptxas_report, mosaic_profile_storage,
 # bench_models_unrolled_fixed) plus experiments.diagnose_unrolled. Next, in this order:
 #
+# Session 7 (2026-11-30) ran barriers and small (results/h200/mosaic_barriers, mosaic_small_shapes),
+# which made no_auto_barriers and 64-row tiles for small grids the defaults; then:
+#   bash experiments/h200_session.sh defaults   # <10 min: the new defaults correct, then timed
+#                                               #   (bf16 at every T; bf16 and fp32 at small shapes)
+#   bash experiments/h200_session.sh defaults2  # <10 min: fp32 timing, 8B rows, T=16384 main loop
+#
 #   bash experiments/h200_session.sh barriers   # <9 min: no_auto_barriers (Pallas's automatic
 #                                               #   warpgroup barriers around shared-memory stores
 #                                               #   left out: 90 -> 16 bar.sync in the fp32 kernel):
@@ -38,7 +44,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -69,6 +75,28 @@ case "$part" in
     step timing_bf16 100 python -m experiments.check_mosaic_gpu --out "$work/timing_bf16" --sections timing \
       --state-dtype bfloat16 --tokens 1024 \
       --config-json '{"schedule": "pingpong", "max_concurrent_steps": 4, "epi_n": 64, "l2_prefetch_steps": 0, "mma_in_flight": true, "epi_l2_lookahead": 0, "no_auto_barriers": true}'
+    ;;
+  defaults)
+    # The defaults of 2026-11-30 (no_auto_barriers for float states; 64-row tiles for weights of
+    # at most 1.5 128x128 tiles per SM): correct first, then timed against XLA, bf16 at every T
+    # and both dtypes at the small models' shapes (16 calls per dispatch).
+    step quick 130 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
+    step timing_bf16 180 python -m experiments.check_mosaic_gpu --out "$work/timing_bf16" --sections timing \
+      --state-dtype bfloat16
+    shapes="1024x2048 1024x1024 2048x1024 1024x3072 3072x1024 2048x2048 2048x6144 6144x2048"
+    step small 150 python -m experiments.check_mosaic_gpu --out "$work/small" --sections timing \
+      --state-dtype bfloat16 --tokens 1024 --calls 16 --shapes $shapes
+    step small_f32 120 python -m experiments.check_mosaic_gpu --out "$work/small_f32" --sections timing \
+      --tokens 1024 --calls 16 --shapes 1024x2048 1024x1024 2048x1024 1024x3072 3072x1024 2048x2048
+    ;;
+  defaults2)
+    # The same defaults: fp32 timing at every T, the 8B rows with bench_models' device timing,
+    # and T=16384's main loop against cuBLAS (skip_compute: the kernel without its epilogue).
+    step timing_f32 170 python -m experiments.check_mosaic_gpu --out "$work/timing_f32" --sections timing
+    step models 230 python -m experiments.bench_models --out "$work/models" \
+      --models llama-3.1-8b,qwen3-8b --impls optax,optax_clip,forge --timeout 120
+    step long_t 100 python -m experiments.profile_mosaic --out "$work/long_t" \
+      --problems 16384x4096x4096 --storage bf16_rtn_bf16 --diagnose skip_compute
     ;;
   small)
     # qwen3-0.6b (hidden 1024, 2048-wide q, 3072 MLP) and qwen3-1.7b (hidden 2048, 6144 MLP).

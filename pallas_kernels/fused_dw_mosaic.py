@@ -1243,8 +1243,15 @@ _PINGPONG = functools.partial(MosaicTileConfig, schedule="pingpong")
 # (mosaic_sweep4/, 4 stages: 0.288 / 0.172 / 0.158 ms
 # with it at T = 4096 / 1024 / 64, 0.276 / 0.162 / 0.140 without).
 _TUNED = dict(l2_prefetch_steps=0, mma_in_flight=True)
-_WIDE = dict(epi_n=32, epi_l2_lookahead=0, **_TUNED)  # 64x32 sub-tiles
-_NARROW = dict(epi_n=16, epi_l2_lookahead=4, **_TUNED)  # 64x16 sub-tiles
+# Float states also leave out Pallas's automatic warpgroup barriers around
+# shared-memory stores (no_auto_barriers; int8 states cannot): correct on the
+# H200 and faster in both sweeps (results/h200/mosaic_barriers/: fp32 AdamW
+# 0.275 / 0.155 / 0.139 ms at T = 4096 / 1024 / 64 against 0.275 / 0.160 /
+# 0.139; bf16 with 64x64 sub-tiles 0.234 / 0.108 / 0.083 against 0.244 /
+# 0.116 / 0.088).
+_FLOAT = dict(no_auto_barriers=True, **_TUNED)
+_WIDE = dict(epi_n=32, epi_l2_lookahead=0, **_FLOAT)  # 64x32 sub-tiles
+_NARROW = dict(epi_n=16, epi_l2_lookahead=4, **_FLOAT)  # 64x16 sub-tiles
 # Tried in order by :func:`default_config`: the first that fits the operands'
 # dtypes in shared memory (and divides their shape) wins. Ping-pong beat
 # cooperative at every setting. 4 stages with 64x32 sub-tiles (224 KiB for
@@ -1287,7 +1294,17 @@ _SHORT_T = 2048
 # 0.120 / 0.114). Neither fits float32 AdamW's shared memory; Lion's float32
 # state would fit 5 stages, never timed, so these stay 2-byte only.
 _TWO_BYTE_LONG_T = (_PINGPONG(max_concurrent_steps=5, **_WIDE),)
-_TWO_BYTE_SHORT_T = (_PINGPONG(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0, **_TUNED),)
+_TWO_BYTE_SHORT_T = (_PINGPONG(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0, **_FLOAT),)
+# Tried first (float states) when 128x128 tiles would give the SMs at most 1.5
+# tiles each: with one tile per SM, no next tile's main loop hides the
+# epilogue. 64-row tiles were faster for every projection of qwen3-0.6b and
+# the smaller ones of qwen3-1.7b on the H200 (bf16 AdamW at T=1024, 16 calls
+# per dispatch, results/h200/mosaic_small_shapes/: 1024x1024 0.019 -> 0.013 ms,
+# 1024x2048 0.020 -> 0.017, 1024x3072 0.028 -> 0.025; 64 to 192 tiles of
+# 128x128) and slower from 256 tiles (2048x2048 0.028 -> 0.029, 2048x6144
+# 0.079 -> 0.085; 4096x4096 at T=4096 +26%, mosaic_sweep_read_ahead/).
+_SMALL_GRID_WAVES = 1.5
+_SMALL_GRID = tuple(_PINGPONG(tile_m=64, max_concurrent_steps=st, **_WIDE) for st in (6, 5, 4))
 # int8 slots: one 64-column block per sub-tile row (epi_n = the block). Not
 # yet timed on a GPU: the main loop's 4 stages first, as for float states.
 _INT8_CANDIDATES = (
@@ -1299,13 +1316,15 @@ _INT8_CANDIDATES = (
 
 
 def _default_candidates(t: int, quantized_block: Optional[int] = None,
-                        two_byte: bool = False) -> tuple[MosaicTileConfig, ...]:
+                        two_byte: bool = False, small_grid: bool = False) -> tuple[MosaicTileConfig, ...]:
   if quantized_block is not None:
     return tuple(dataclasses.replace(c, epi_n=quantized_block) for c in _INT8_CANDIDATES)
   first = _SHORT_T_CANDIDATES if t <= _SHORT_T else _LONG_T_CANDIDATES
   second = _LONG_T_CANDIDATES if t <= _SHORT_T else _SHORT_T_CANDIDATES
   if two_byte:
     first = (_TWO_BYTE_SHORT_T if t <= _SHORT_T else _TWO_BYTE_LONG_T) + first
+  if small_grid:
+    first = _SMALL_GRID + first
   return tuple(dict.fromkeys(first + second + _OTHER_CANDIDATES))  # in order, once each
 
 
@@ -1315,9 +1334,10 @@ def default_config(
 ) -> MosaicTileConfig:
   """The first default candidate :func:`supports` accepts for these operands.
 
-  Candidates depend on ``T`` (``x.shape[0]``) and, for 2-byte weights and
-  states, put the bf16 sweep's best first: see ``_LONG_T_CANDIDATES`` and
-  ``_TWO_BYTE_LONG_T``.
+  Candidates depend on ``T`` (``x.shape[0]``); for 2-byte weights and states
+  they put the bf16 sweep's best first (see ``_LONG_T_CANDIDATES`` and
+  ``_TWO_BYTE_LONG_T``), and for weights with few 128x128 tiles per SM,
+  64-row tiles (``_SMALL_GRID``).
   Falls back to the last candidate, the one with the loosest shape
   requirements (whose ``supports`` reason then names what no candidate
   accepts, e.g. ``N=100 must be a multiple of tile_n = 64``), when none fits.
@@ -1325,7 +1345,10 @@ def default_config(
   t = x.shape[0] if len(x.shape) == 2 else 0
   blocks = {s.codec.block for s in slots if _quantized(s)}
   two_byte = all(jnp.dtype(_stored_dtype(a)).itemsize <= 2 for a in (w, *slots))
-  candidates = _default_candidates(t, min(blocks) if blocks else None, two_byte)
+  k, n = w.shape[-2:]
+  sms = _num_sms(MosaicTileConfig(num_sms=num_sms))
+  small_grid = -(-k // 128) * -(-n // 128) <= _SMALL_GRID_WAVES * sms
+  candidates = _default_candidates(t, min(blocks) if blocks else None, two_byte, small_grid)
   for cand in candidates:
     cand = dataclasses.replace(cand, num_sms=num_sms)
     if supports(x, dy, w, slots, cand, compute_grad_sq_norm=compute_grad_sq_norm)[0]:
