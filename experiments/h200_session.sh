@@ -9,6 +9,13 @@
 #   bash experiments/h200_session.sh defaults   # <10 min: the new defaults correct, then timed
 #                                               #   (bf16 at every T; bf16 and fp32 at small shapes)
 #   bash experiments/h200_session.sh defaults2  # <10 min: fp32 timing, 8B rows, T=16384 main loop
+# Next (session 8), in this order:
+#   bash experiments/h200_session.sh mainloop   # ~3 min: the kernel's main loop (skip_compute) against
+#                                               #   cuBLAS and jax's Hopper GEMM with 128x256 tiles,
+#                                               #   128x128 tiles, and 2-block clusters (multicast):
+#                                               #   is the 8% gap to cuBLAS at T=16384 the tile's L2
+#                                               #   traffic? (experiments/main_loop.py says why)
+#   then sass, unrolled8b, models (qwen3-14b), convergence, as below.
 #
 #   bash experiments/h200_session.sh barriers   # <9 min: no_auto_barriers (Pallas's automatic
 #                                               #   warpgroup barriers around shared-memory stores
@@ -44,7 +51,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -97,6 +104,9 @@ case "$part" in
       --models llama-3.1-8b,qwen3-8b --impls optax,optax_clip,forge --timeout 120
     step long_t 100 python -m experiments.profile_mosaic --out "$work/long_t" \
       --problems 16384x4096x4096 --storage bf16_rtn_bf16 --diagnose skip_compute
+    ;;
+  mainloop)
+    step main_loop 300 python -m experiments.main_loop --out "$work/main_loop"
     ;;
   small)
     # qwen3-0.6b (hidden 1024, 2048-wide q, 3072 MLP) and qwen3-1.7b (hidden 2048, 6144 MLP).

@@ -81,8 +81,8 @@ def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_wei
     # shapes and dtypes; _mosaic_problem says), else the Triton kernel. Whole
     # Llama-3.1-8B step, pure bf16, 1x1024 tokens, on the H200: 144.8 ms against
     # 169.0 ms with the Triton kernel side by side (bench_models_mosaic.md), and
-    # 136.8 against 143.3 / 147.4 ms for optax / optax clip+adamw in a later run
-    # (bench_models_bf16_defaults.md; both under experiments/results/h200/).
+    # 141.5 against 149.0 / 153.5 ms for optax / optax clip+adamw in a later run
+    # (bench_models_nb_defaults.md; both under experiments/results/h200/).
     return _AUTO_MOSAIC
   if backend in ("pallas", "mosaic") and platform != "gpu":
     raise ValueError(

@@ -1,0 +1,196 @@
+"""The Mosaic kernel's main loop against GEMMs alone: is its gap to cuBLAS the tile shape?
+
+At T=16384 the fused kernel with its epilogue's work taken out (the
+``skip_compute`` diagnostic variant: main loop plus the W/state ring's TMA
+traffic) took 0.794 ms where cuBLAS's GEMM alone takes 0.734 (bf16 AdamW,
+4096x4096; ``results/h200/mosaic_profile_diagnose/``). Our reading, not yet
+measured: the ping-pong schedule gives each warpgroup its own 128x128 tile,
+so per k-step the SM reads a 64x128 block of ``x`` and one of ``dy`` (32 KiB)
+for 2 MFLOP, 64 FLOP per byte of L2 traffic; jax's Hopper GEMM
+(``hopper_matmul_mgpu``, which beat cuBLAS in ``../shared/FINDINGS.md``)
+puts both warpgroups on one 128x256 tile: 85 FLOP per byte. Per implementation,
+on the same bf16 ``x [T, K]`` and ``dy [T, N]``, side by side:
+
+* ``xla_gemm``: ``jnp.dot(x.T, dy)`` with float32 output (cuBLAS);
+* ``mgpu_gemm``: ``hopper_matmul_mgpu`` on ``x.T`` (transposed once, outside
+  the timed call) and ``dy``, bf16 output, its best config of FINDINGS: 128x128
+  per warpgroup, both on one 128x256 tile, 4 stages;
+* ``mgpu_gemm_m``: the same with the warpgroups stacked along M (128x128 tile
+  per block, 64x128 per warpgroup: our kernel's L2 traffic per FLOP);
+* ``mgpu_gemm_cluster``: 128x256 tiles in clusters of two along M, each
+  ``dy`` block multicast to both (the traffic per FLOP of a 256x256 tile);
+* ``mosaic_main_loop``: the fused kernel's default tiling, ``skip_compute``
+  (no epilogue reads, arithmetic or writes: its results are not checked);
+* ``mosaic``: the fused kernel as it is (checked against the reference).
+
+If ``mgpu_gemm_m`` is as slow as ``mosaic_main_loop`` and ``mgpu_gemm`` /
+``mgpu_gemm_cluster`` as fast as cuBLAS, the tile's L2 traffic is the gap, and
+the fix is a wider tile per block (clusters with multicast of ``x``, since one
+warpgroup cannot hold a 128x256 accumulator next to the epilogue).
+
+    PYTHONPATH=$PWD python -m experiments.main_loop --out $OUT            # GPU (~2 min)
+    PYTHONPATH=$PWD python -m experiments.main_loop --tokens 16384 4096 --shapes 4096x4096
+
+Writes ``main_loop.json`` and ``main_loop.md``. Timing as in
+``experiments.bench_fused_dw`` (warm-up, 30 back-to-back calls blocked once,
+median of 3). The ``mgpu_gemm*`` rows need a Hopper GPU; a config this jax's
+``hopper_matmul_mgpu`` does not take is an error row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from experiments import _timing
+from experiments import bench_fused_dw as bench
+from pallas_kernels import fused_dw_mosaic as fm
+
+TOKENS = (16384, 4096, 1024)
+SHAPES_KN = ((4096, 4096),)
+OPTIMIZER = "adamw"
+# hopper_matmul_mgpu.TuningConfig fields per implementation (FINDINGS: 128x128x64, 4 stages,
+# grid_tile_width 8 were its best on the H200). wg_dimension / cluster_dimension are
+# MatmulDimension names, resolved against the installed module.
+MGPU_CONFIGS = {
+    "mgpu_gemm": dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, grid_tile_width=8,
+                      wg_dimension="N"),
+    "mgpu_gemm_m": dict(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=4, grid_tile_width=8,
+                        wg_dimension="M"),
+    "mgpu_gemm_cluster": dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, grid_tile_width=8,
+                              wg_dimension="N", cluster_dimension="M"),
+}
+IMPLS = ("xla_gemm", *MGPU_CONFIGS, "mosaic_main_loop", "mosaic")
+
+
+def mgpu_tuning_config(fields: dict) -> Any:
+  """``hopper_matmul_mgpu.TuningConfig`` from ``fields`` (dimension names resolved)."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
+
+  fields = dict(fields)
+  for key in ("wg_dimension", "cluster_dimension"):
+    if key in fields:
+      fields[key] = hm.MatmulDimension[fields[key]]
+  return hm.TuningConfig(**fields)
+
+
+def build_mgpu_gemm(fields: dict):
+  """A builder: ``hopper_matmul_mgpu.matmul(x.T, dy)`` (x transposed once, untimed)."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
+
+  def build(p: bench.Problem) -> bench.Runner:
+    config = mgpu_tuning_config(fields)
+    xt = jnp.copy(p.x.T)  # a real [K, T] buffer
+    gemm = jax.jit(lambda a, b: hm.matmul(a, b, None, config))
+    return bench.Runner(init=lambda: jnp.zeros((), jnp.float32), step=lambda _: gemm(xt, p.dy),
+                        result=None)
+
+  return build
+
+
+# Under the interpreter (--smoke): one block of small tiles (132 simulated blocks take minutes).
+SMOKE_CONFIG = fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=16, num_sms=1)
+
+
+def _mosaic_call(x, dy, w, slots, scalars, update_fn, *, interpret=False, variants=()):
+  config = SMOKE_CONFIG if interpret else None  # None: the kernel's default tiling
+  with fm.diagnosing(*variants):  # read while tracing, i.e. inside the first call of a new jit
+    return fm.fused_dw_update_mosaic(x, dy, w, slots, scalars, update_fn, config=config,
+                                     interpret=interpret)
+
+
+def build_main_loop(p: bench.Problem) -> bench.Runner:
+  """The fused kernel as ``skip_compute`` (main loop + ring traffic); results not checked."""
+  runner = bench.fused_builder(functools.partial(_mosaic_call, variants=("skip_compute",)))(p)
+  return runner._replace(result=None)
+
+
+def implementations() -> dict:
+  impls = {"xla_gemm": bench.build_xla_gemm, "mosaic_main_loop": build_main_loop,
+           "mosaic": bench.fused_builder(_mosaic_call)}
+  impls.update({name: build_mgpu_gemm(fields) for name, fields in MGPU_CONFIGS.items()})
+  return impls
+
+
+def bench_shape(t: int, k: int, n: int, impls: Sequence[str], *, interpret: bool, timing: dict,
+                state_dtype) -> list[dict]:
+  x, dy, w0 = bench.make_inputs(t, k, n, state_dtype=state_dtype)
+  p = bench.make_problem(x, dy, w0, OPTIMIZER, interpret)
+  reference = bench.reference_step(p)
+  builders = implementations()
+  rows = []
+  for impl in impls:
+    row = bench.measure(impl, builders[impl], p, reference, timing)
+    rows.append(row)
+    _timing.log(f"  {p.name:>18} {impl:<18} {bench._cell(row)}")  # pylint: disable=protected-access
+  return rows
+
+
+def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
+  out = [
+      "# The Mosaic kernel's main loop against GEMMs alone", "",
+      f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}. AdamW, bf16 x/dy, "
+      f"{info['state_dtype']} w/slots (`mosaic*` rows); `mgpu_gemm*` write bf16, `xla_gemm` float32.", "",
+      f"Each cell: median ms per call ({info['timing']['iters']} back-to-back calls blocked once, median of "
+      f"{info['timing']['repeats']}), TFLOP/s at 2TKN; "
+      "`vs xla_gemm`: the GEMM's time / this row's.", "",
+      "| T x K x N | impl | status | ms | TF/s | vs xla_gemm |", "|---|---|---|---|---|---|",
+  ]
+  by_shape: dict[str, dict[str, dict]] = {}
+  for row in rows:
+    by_shape.setdefault(row["shape"], {})[row["impl"]] = row
+  for shape, by_impl in by_shape.items():
+    base = by_impl.get("xla_gemm", {})
+    for impl in impls:
+      row = by_impl.get(impl)
+      if row is None:
+        continue
+      if "ms" not in row:
+        out.append(f"| {shape} | {impl} | {row['status']}: {row.get('error', '')[:160]} | - | - | - |")
+        continue
+      ratio = f"{base['ms'] / row['ms']:.2f}x" if "ms" in base else "-"
+      out.append(f"| {shape} | {impl} | {row['status']} | {row['ms']:.3f} | {row['tflops']:.0f} | {ratio} |")
+  return "\n".join(out) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
+  parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                      help=f"default {' '.join(map(str, TOKENS))} (--smoke: 128)")
+  parser.add_argument("--shapes", nargs="+", default=None, metavar="KxN",
+                      help=f"default {' '.join(f'{k}x{n}' for k, n in SHAPES_KN)} (--smoke: 128x256)")
+  parser.add_argument("--impls", nargs="+", default=None, choices=list(IMPLS),
+                      help="default: all (--smoke: those a CPU runs)")
+  parser.add_argument("--state-dtype", default="bfloat16", choices=("float32", "bfloat16"))
+  parser.add_argument("--smoke", action="store_true",
+                      help="CPU: the interpreter, tiny shapes, 2 calls (the mgpu rows need a GPU)")
+  args = parser.parse_args(argv)
+  tokens = args.tokens or ([128] if args.smoke else list(TOKENS))
+  shapes = ([bench._parse_kn(s) for s in args.shapes] if args.shapes  # pylint: disable=protected-access
+            else [(128, 256)] if args.smoke else list(SHAPES_KN))
+  impls = args.impls or [i for i in IMPLS if not (args.smoke and i.startswith("mgpu"))]
+  interpret = args.smoke or jax.default_backend() == "cpu"
+  timing = dict(warmup=1, iters=2, repeats=1) if args.smoke else dict(warmup=3, iters=30, repeats=3)
+  folder = _timing.out_dir(args.out)
+  info = _timing.run_info("experiments.main_loop", argv)
+  info.update(state_dtype=args.state_dtype, timing=timing, interpret=interpret)
+  state_dtype = jnp.dtype(args.state_dtype)
+  json_path = folder / "main_loop.json"
+  rows = _timing.run_shapes(
+      json_path, info, tokens, shapes,
+      lambda t, k, n: bench_shape(t, k, n, impls, interpret=interpret, timing=timing,
+                                  state_dtype=state_dtype),
+      {"impl": "-", "optimizer": OPTIMIZER})
+  _timing.write_table(folder / "main_loop.md", markdown(info, rows, impls), json_path)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
