@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
 # The next H200 campaign, one device call per part (each under the 10-minute limit).
-# Session 6 (2026-11-30) ran quick, unrolled, models8b, kernel and kernel2 as they are below
-# (results/h200/*_bf16_defaults*, *read_ahead*, ptxas_report, mosaic_profile_storage,
-# bench_models_unrolled_fixed) plus experiments.diagnose_unrolled. Next, in this order:
+# Session 6 (2026-11-30) ran quick, unrolled, models8b, kernel and kernel2 (results/h200/
+# *_bf16_defaults*, *read_ahead*, ptxas_report, mosaic_profile_storage, bench_models_unrolled_fixed)
+# plus experiments.diagnose_unrolled. Session 7 (2026-11-30) ran barriers and small
+# (results/h200/mosaic_barriers, mosaic_small_shapes), which made no_auto_barriers and 64-row tiles
+# for small grids the defaults, then defaults and defaults2 (mosaic_defaults_nb,
+# bench_models_nb_defaults, mosaic_profile_diagnose/long_t) and the epilogue's diagnostic profiles
+# at T=1024 (mosaic_profile_diagnose/epilogue_1024).
 #
-# Session 7 (2026-11-30) ran barriers and small (results/h200/mosaic_barriers, mosaic_small_shapes),
-# which made no_auto_barriers and 64-row tiles for small grids the defaults; then:
-#   bash experiments/h200_session.sh defaults   # <10 min: the new defaults correct, then timed
-#                                               #   (bf16 at every T; bf16 and fp32 at small shapes)
-#   bash experiments/h200_session.sh defaults2  # <10 min: fp32 timing, 8B rows, T=16384 main loop
 # Next (session 8), in this order:
-#   bash experiments/h200_session.sh mainloop   # ~3 min: the kernel's main loop (skip_compute) against
+#   bash experiments/h200_session.sh mainloop   # ~6 min: the kernel's main loop (skip_compute) against
 #                                               #   cuBLAS and jax's Hopper GEMM with 128x256 tiles,
 #                                               #   128x128 tiles, and 2-block clusters (multicast):
 #                                               #   is the 8% gap to cuBLAS at T=16384 the tile's L2
-#                                               #   traffic? (experiments/main_loop.py says why)
-#   then sass, unrolled8b, models (qwen3-14b), convergence, as below.
+#                                               #   traffic? (experiments/main_loop.py says why);
+#                                               #   and at T=1024 the W/state stream alone per ring
+#                                               #   config (deeper ring, L2 prefetch, wide sub-tile)
+#   bash experiments/h200_session.sh small_models # ~5 min: qwen3-0.6b and qwen3-1.7b whole steps with
+#                                               #   the small-grid defaults (FORGE was 1.15x optax on
+#                                               #   qwen3-0.6b with 128-row tiles and the old timing)
+#   bash experiments/h200_session.sh sass       # then unrolled8b, models, convergence (below)
 #
+# Parts run before (kept to repeat them):
+#   bash experiments/h200_session.sh defaults   # <10 min: the defaults correct, then timed
+#                                               #   (bf16 at every T; bf16 and fp32 at small shapes)
+#   bash experiments/h200_session.sh defaults2  # <10 min: fp32 timing, 8B rows, T=16384 main loop
 #   bash experiments/h200_session.sh barriers   # <9 min: no_auto_barriers (Pallas's automatic
 #                                               #   warpgroup barriers around shared-memory stores
 #                                               #   left out: 90 -> 16 bar.sync in the fp32 kernel):
@@ -51,7 +59,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -106,7 +114,19 @@ case "$part" in
       --problems 16384x4096x4096 --storage bf16_rtn_bf16 --diagnose skip_compute
     ;;
   mainloop)
-    step main_loop 300 python -m experiments.main_loop --out "$work/main_loop"
+    step main_loop 240 python -m experiments.main_loop --out "$work/main_loop"
+    # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
+    # does it stream faster with a deeper ring (fewer stages), an L2 prefetch of the tile during
+    # the main loop, or one wide sub-tile? skip_compute rows time the stream alone.
+    ring='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"l2_prefetch_steps": 8}, {"l2_prefetch_steps": 16}, {"epi_l2_lookahead": 2}, {"epi_slots": 1, "epi_n": 64}]'
+    step ring_f32 150 python -m experiments.main_loop --out "$work/ring_f32" --tokens 1024 --state-dtype float32 \
+      --impls xla_gemm mosaic_main_loop mosaic --configs "$ring"
+    step ring_bf16 150 python -m experiments.main_loop --out "$work/ring_bf16" --tokens 1024 \
+      --impls xla_gemm mosaic_main_loop mosaic --configs "$ring"
+    ;;
+  small_models)
+    step small_models 290 python -m experiments.bench_models --out "$work/small_models" \
+      --models qwen3-0.6b,qwen3-1.7b --impls optax,optax_clip,forge --timeout 140
     ;;
   small)
     # qwen3-0.6b (hidden 1024, 2048-wide q, 3072 MLP) and qwen3-1.7b (hidden 2048, 6144 MLP).

@@ -23,6 +23,12 @@ on the same bf16 ``x [T, K]`` and ``dy [T, N]``, side by side:
   (no epilogue reads, arithmetic or writes: its results are not checked);
 * ``mosaic``: the fused kernel as it is (checked against the reference).
 
+``--configs`` adds, per entry ``i`` (MosaicTileConfig field overrides of the
+default tiling), the rows ``mosaic_main_loop@i`` and ``mosaic@i``: e.g. how
+fast the W/state ring alone streams (``skip_compute`` at T=1024, where that
+stream, not the epilogue's arithmetic, bounds the kernel) with more ring slots
+or L2 prefetch. An entry that does not fit a shape is an error row naming why.
+
 If ``mgpu_gemm_m`` is as slow as ``mosaic_main_loop`` and ``mgpu_gemm`` /
 ``mgpu_gemm_cluster`` as fast as cuBLAS, the tile's L2 traffic is the gap, and
 the fix is a wider tile per block (clusters with multicast of ``x``, since one
@@ -30,6 +36,8 @@ warpgroup cannot hold a 128x256 accumulator next to the epilogue).
 
     PYTHONPATH=$PWD python -m experiments.main_loop --out $OUT            # GPU (~2 min)
     PYTHONPATH=$PWD python -m experiments.main_loop --tokens 16384 4096 --shapes 4096x4096
+    PYTHONPATH=$PWD python -m experiments.main_loop --tokens 1024 --impls xla_gemm mosaic_main_loop \
+        --configs '[{"epi_slots": 3, "max_concurrent_steps": 3}, {"l2_prefetch_steps": 8}]'
 
 Writes ``main_loop.json`` and ``main_loop.md``. Timing as in
 ``experiments.bench_fused_dw`` (warm-up, 30 back-to-back calls blocked once,
@@ -40,7 +48,9 @@ median of 3). The ``mgpu_gemm*`` rows need a Hopper GPU; a config this jax's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import json
 import sys
 from typing import Any, Optional, Sequence
 
@@ -97,35 +107,62 @@ def build_mgpu_gemm(fields: dict):
 SMOKE_CONFIG = fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=16, num_sms=1)
 
 
-def _mosaic_call(x, dy, w, slots, scalars, update_fn, *, interpret=False, variants=()):
-  config = SMOKE_CONFIG if interpret else None  # None: the kernel's default tiling
+def resolve_config(x, dy, w, slots, *, interpret: bool, overrides: Optional[dict] = None):
+  """The tiling a ``mosaic*`` row runs: the default for these operands (``SMOKE_CONFIG`` under
+  the interpreter) with ``overrides`` (``--configs``) replaced; one that does not fit raises,
+  naming why."""
+  base = SMOKE_CONFIG if interpret else fm.default_config(x, dy, w, slots)
+  config = dataclasses.replace(base, **(overrides or {}))
+  ok, why = fm.supports(x, dy, w, slots, config)
+  if not ok:
+    raise ValueError(f"config {overrides} does not fit {x.shape[0]}x{w.shape[-2]}x{w.shape[-1]}: {why}")
+  return config
+
+
+def _mosaic_call(x, dy, w, slots, scalars, update_fn, *, interpret=False, variants=(), overrides=None):
+  config = resolve_config(x, dy, w, slots, interpret=interpret, overrides=overrides)
   with fm.diagnosing(*variants):  # read while tracing, i.e. inside the first call of a new jit
     return fm.fused_dw_update_mosaic(x, dy, w, slots, scalars, update_fn, config=config,
                                      interpret=interpret)
 
 
-def build_main_loop(p: bench.Problem) -> bench.Runner:
+def build_main_loop(p: bench.Problem, overrides: Optional[dict] = None) -> bench.Runner:
   """The fused kernel as ``skip_compute`` (main loop + ring traffic); results not checked."""
-  runner = bench.fused_builder(functools.partial(_mosaic_call, variants=("skip_compute",)))(p)
-  return runner._replace(result=None)
+  call = functools.partial(_mosaic_call, variants=("skip_compute",), overrides=overrides)
+  return bench.fused_builder(call)(p)._replace(result=None)
 
 
-def implementations() -> dict:
+def implementations(configs: Sequence[dict] = ()) -> dict:
+  """name -> builder; per ``--configs`` entry ``i``, ``mosaic_main_loop@i`` and ``mosaic@i``."""
   impls = {"xla_gemm": bench.build_xla_gemm, "mosaic_main_loop": build_main_loop,
            "mosaic": bench.fused_builder(_mosaic_call)}
   impls.update({name: build_mgpu_gemm(fields) for name, fields in MGPU_CONFIGS.items()})
+  for i, overrides in enumerate(configs):
+    impls[f"mosaic_main_loop@{i}"] = functools.partial(build_main_loop, overrides=overrides)
+    impls[f"mosaic@{i}"] = bench.fused_builder(functools.partial(_mosaic_call, overrides=overrides))
   return impls
 
 
+def _overrides(impl: str, configs: Sequence[dict]) -> Optional[dict]:
+  return configs[int(impl.split("@")[1])] if "@" in impl else None
+
+
 def bench_shape(t: int, k: int, n: int, impls: Sequence[str], *, interpret: bool, timing: dict,
-                state_dtype) -> list[dict]:
+                state_dtype, configs: Sequence[dict] = ()) -> list[dict]:
   x, dy, w0 = bench.make_inputs(t, k, n, state_dtype=state_dtype)
   p = bench.make_problem(x, dy, w0, OPTIMIZER, interpret)
   reference = bench.reference_step(p)
-  builders = implementations()
+  builders = implementations(configs)
   rows = []
   for impl in impls:
     row = bench.measure(impl, builders[impl], p, reference, timing)
+    if impl.startswith("mosaic"):
+      try:
+        from experiments.check_mosaic_gpu import _cfg_text  # pylint: disable=g-import-not-at-top
+        row["config"] = _cfg_text(resolve_config(p.x, p.dy, p.w0, p.rule.init_slots(p.w0), interpret=interpret,
+                                                 overrides=_overrides(impl, configs)))
+      except ValueError:
+        pass  # the row's error says why
     rows.append(row)
     _timing.log(f"  {p.name:>18} {impl:<18} {bench._cell(row)}")  # pylint: disable=protected-access
   return rows
@@ -139,8 +176,11 @@ def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
       f"Each cell: median ms per call ({info['timing']['iters']} back-to-back calls blocked once, median of "
       f"{info['timing']['repeats']}), TFLOP/s at 2TKN; "
       "`vs xla_gemm`: the GEMM's time / this row's.", "",
-      "| T x K x N | impl | status | ms | TF/s | vs xla_gemm |", "|---|---|---|---|---|---|",
   ]
+  if info.get("configs"):
+    out += ["`@i`: the default tiling with `--configs` entry i replaced: "
+            + "; ".join(f"{i}: `{json.dumps(c)}`" for i, c in enumerate(info["configs"])), ""]
+  out += ["| T x K x N | impl | config | status | ms | TF/s | vs xla_gemm |", "|---|---|---|---|---|---|---|"]
   by_shape: dict[str, dict[str, dict]] = {}
   for row in rows:
     by_shape.setdefault(row["shape"], {})[row["impl"]] = row
@@ -150,11 +190,13 @@ def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
       row = by_impl.get(impl)
       if row is None:
         continue
+      cfg = row.get("config", "")
       if "ms" not in row:
-        out.append(f"| {shape} | {impl} | {row['status']}: {row.get('error', '')[:160]} | - | - | - |")
+        out.append(f"| {shape} | {impl} | {cfg} | {row['status']}: {row.get('error', '')[:160]} | - | - | - |")
         continue
       ratio = f"{base['ms'] / row['ms']:.2f}x" if "ms" in base else "-"
-      out.append(f"| {shape} | {impl} | {row['status']} | {row['ms']:.3f} | {row['tflops']:.0f} | {ratio} |")
+      out.append(f"| {shape} | {impl} | {cfg} | {row['status']} | {row['ms']:.3f} | {row['tflops']:.0f} | "
+                 f"{ratio} |")
   return "\n".join(out) + "\n"
 
 
@@ -169,6 +211,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--impls", nargs="+", default=None, choices=list(IMPLS),
                       help="default: all (--smoke: those a CPU runs)")
   parser.add_argument("--state-dtype", default="bfloat16", choices=("float32", "bfloat16"))
+  parser.add_argument("--configs", default=None, metavar="JSON",
+                      help="a JSON list of MosaicTileConfig field overrides; each adds the rows "
+                           "mosaic_main_loop@i and mosaic@i, e.g. '[{\"epi_slots\": 3}]'")
   parser.add_argument("--smoke", action="store_true",
                       help="CPU: the interpreter, tiny shapes, 2 calls (the mgpu rows need a GPU)")
   args = parser.parse_args(argv)
@@ -176,17 +221,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   shapes = ([bench._parse_kn(s) for s in args.shapes] if args.shapes  # pylint: disable=protected-access
             else [(128, 256)] if args.smoke else list(SHAPES_KN))
   impls = args.impls or [i for i in IMPLS if not (args.smoke and i.startswith("mgpu"))]
+  try:
+    configs = json.loads(args.configs) if args.configs else []
+    if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
+      raise ValueError("not a list of objects")
+    for c in configs:
+      fm.MosaicTileConfig(**c)  # unknown fields fail here, before any device work
+  except (ValueError, TypeError) as e:
+    parser.error(f"--configs must be a JSON list of MosaicTileConfig field overrides; got "
+                 f"{args.configs!r} ({e})")
+  impls = impls + [f"{name}@{i}" for i in range(len(configs)) for name in ("mosaic_main_loop", "mosaic")]
   interpret = args.smoke or jax.default_backend() == "cpu"
   timing = dict(warmup=1, iters=2, repeats=1) if args.smoke else dict(warmup=3, iters=30, repeats=3)
   folder = _timing.out_dir(args.out)
   info = _timing.run_info("experiments.main_loop", argv)
-  info.update(state_dtype=args.state_dtype, timing=timing, interpret=interpret)
+  info.update(state_dtype=args.state_dtype, timing=timing, interpret=interpret, configs=configs)
   state_dtype = jnp.dtype(args.state_dtype)
   json_path = folder / "main_loop.json"
   rows = _timing.run_shapes(
       json_path, info, tokens, shapes,
       lambda t, k, n: bench_shape(t, k, n, impls, interpret=interpret, timing=timing,
-                                  state_dtype=state_dtype),
+                                  state_dtype=state_dtype, configs=configs),
       {"impl": "-", "optimizer": OPTIMIZER})
   _timing.write_table(folder / "main_loop.md", markdown(info, rows, impls), json_path)
   return 0

@@ -230,13 +230,18 @@ def test_main_loop_script_runs_and_its_gemm_configs_lower(tmp_path, monkeypatch)
     outputs[name] = runner.step(runner.init())[0]
   assert bool(jnp.array_equal(outputs["main_loop"], w0))  # loaded and stored back untouched
   assert not bool(jnp.array_equal(outputs["mosaic"], w0))
+  # A --configs entry that does not fit the shape: error rows naming why, the others still run.
   assert main_loop.main(["--smoke", "--impls", "xla_gemm", "mosaic_main_loop", "mosaic",
-                         "--out", str(tmp_path)]) == 0
+                         "--configs", '[{"tile_n": 96}]', "--out", str(tmp_path)]) == 0
   rows = json.loads((tmp_path / "main_loop.json").read_text())["rows"]
   assert [(r["impl"], r["status"]) for r in rows] == [
-      ("xla_gemm", "ok"), ("mosaic_main_loop", "ok"), ("mosaic", "ok")], rows
+      ("xla_gemm", "ok"), ("mosaic_main_loop", "ok"), ("mosaic", "ok"), ("mosaic_main_loop@0", "error"),
+      ("mosaic@0", "error")], rows
   assert "err_update" in rows[2] and "err_update" not in rows[1]
-  assert "| 128x128x256 | mosaic | ok |" in (tmp_path / "main_loop.md").read_text()
+  assert "tile_n=96 must be a multiple of 64" in rows[3]["error"]
+  assert "| mosaic | coop 64x64x64 st2 epi64x16/2" in (tmp_path / "main_loop.md").read_text()
+  with pytest.raises(SystemExit):
+    main_loop.main(["--smoke", "--configs", '[{"bogus": 1}]', "--out", str(tmp_path)])
 
   monkeypatch.setattr(hm, "get_num_sms", lambda: 132)
   a = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
