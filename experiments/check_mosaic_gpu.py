@@ -141,6 +141,9 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
         # The defaults without Pallas's automatic barriers around shared-memory stores.
         pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0, no_auto_barriers=True),
         pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0, no_auto_barriers=True),
+        # Those (the defaults since the seventh session) in clusters of two blocks sharing x.
+        pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0, no_auto_barriers=True, cluster_n=2),
+        pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0, no_auto_barriers=True, cluster_n=2),
         pp(max_concurrent_steps=4, epi_n=64, epi_l2_lookahead=0, epi_read_ahead=True),
         pp(max_concurrent_steps=5, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
         pp(max_concurrent_steps=3, epi_n=64, epi_l2_lookahead=0, epi_read_ahead=True),
@@ -161,6 +164,8 @@ def _sweep_configs(fm, state_dtype: str = "float32") -> list[Any]:
   return [
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0),  # the default for fp32 AdamW
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, no_auto_barriers=True),
+      # That (the default since the seventh session) in clusters of two blocks sharing x.
+      pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, no_auto_barriers=True, cluster_n=2),
       pp(max_concurrent_steps=4, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
       pp(max_concurrent_steps=4, epi_n=16, epi_l2_lookahead=0, epi_read_ahead=True),  # fewer registers
       pp(max_concurrent_steps=3, epi_n=32, epi_l2_lookahead=0, epi_read_ahead=True),
@@ -428,7 +433,18 @@ _RA_INT8 = dict(_RA_WIDE, max_concurrent_steps=3)  # epi_n = the block; fp32 w: 
 _NB_F32 = dict(_TUNED_F32, epi_n=32, epi_l2_lookahead=0, no_auto_barriers=True)
 _NB_WIDE = dict(_WIDE_BF16, no_auto_barriers=True)
 _NB_LONG = dict(_WIDE_BF16, max_concurrent_steps=5, epi_n=32, no_auto_barriers=True)
+# Clusters of two blocks sharing each x block by TMA multicast (cluster_n=2), on the defaults' tilings.
+_CL_F32 = dict(_NB_F32, cluster_n=2)
+_CL_WIDE = dict(_NB_WIDE, cluster_n=2)
+_CL_LONG = dict(_NB_LONG, cluster_n=2)
 QUICK_CASES = (
+    # Not yet run on a GPU: cluster_n=2 (a wrong multicast or cluster barrier shows as
+    # wrong values or a hang; fp32, both bf16 tilings, stacked with the norm, Lion).
+    ("cluster", "adamw", "float32", "float32", False, _CL_F32),
+    ("cluster", "adamw", "bfloat16", "bfloat16", False, _CL_WIDE),
+    ("cluster", "adamw", "bfloat16", "bfloat16", False, _CL_LONG),
+    ("cluster", "adamw", "bfloat16", "bfloat16", True, _CL_F32),
+    ("cluster", "lion", "float32", "float32", False, _CL_F32),
     # Not yet run on a GPU: the defaults of 2026-11-30's second change, 64-row
     # tiles with no_auto_barriers for weights of few 128x128 tiles (a 7th
     # element: the T x K x N shape), and a stacked 3-layer weight of that kind.
@@ -549,6 +565,9 @@ def section_correctness(sec: _Section, smoke: bool, interpret: bool, quick: bool
       continue
     if interpret and (label.startswith("sr") or s_dt == "int8_sr"):
       sec.skip(f"{label} {name}: the Mosaic GPU interpreter cannot run stochastic rounding")
+      continue
+    if interpret and (fields or {}).get("cluster_n", 1) > 1:
+      sec.skip(f"{label} {name}: the Mosaic GPU interpreter cannot allocate cluster barriers")
       continue
     rule = rules[name].rule
     try:
@@ -718,6 +737,8 @@ def _cfg_text(cfg) -> str:
     text += " ra"
   if get("no_auto_barriers", False):
     text += " nb"
+  if get("cluster_n", 1) > 1:
+    text += f" cl{get('cluster_n')}"
   return text
 
 

@@ -9,13 +9,17 @@
 # at T=1024 (mosaic_profile_diagnose/epilogue_1024).
 #
 # Next (session 8), in this order:
-#   bash experiments/h200_session.sh mainloop   # ~6 min: the kernel's main loop (skip_compute) against
-#                                               #   cuBLAS and jax's Hopper GEMM with 128x256 tiles,
-#                                               #   128x128 tiles, and 2-block clusters (multicast):
-#                                               #   is the 8% gap to cuBLAS at T=16384 the tile's L2
-#                                               #   traffic? (experiments/main_loop.py says why);
-#                                               #   and at T=1024 the W/state stream alone per ring
-#                                               #   config (deeper ring, L2 prefetch, wide sub-tile)
+#   bash experiments/h200_session.sh mainloop   # ~6 min: cluster_n=2 (clusters of two blocks, x
+#                                               #   multicast: new) correct? then the kernel's main
+#                                               #   loop (skip_compute) with and without clusters
+#                                               #   against cuBLAS and jax's Hopper GEMM with 128x256
+#                                               #   and 128x128 tiles and clusters: is the 8% gap to
+#                                               #   cuBLAS at T=16384 the tile's L2 traffic?
+#                                               #   (experiments/main_loop.py says why)
+#   bash experiments/h200_session.sh ring       # ~5 min: at T=1024 the W/state stream alone per
+#                                               #   ring config (deeper ring, L2 prefetch, wide sub-tile)
+#                                               #   If cluster_n=2 is correct and faster: sweep and
+#                                               #   timing with it (kernel part), then make it default.
 #   bash experiments/h200_session.sh small_models # ~5 min: qwen3-0.6b and qwen3-1.7b whole steps with
 #                                               #   the small-grid defaults (FORGE was 1.15x optax on
 #                                               #   qwen3-0.6b with 128-row tiles and the old timing)
@@ -59,7 +63,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -114,7 +118,11 @@ case "$part" in
       --problems 16384x4096x4096 --storage bf16_rtn_bf16 --diagnose skip_compute
     ;;
   mainloop)
-    step main_loop 240 python -m experiments.main_loop --out "$work/main_loop"
+    # cluster_n=2 (new, CPU-lowered only) must be correct first: --quick leads with it.
+    step quick 130 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
+    step main_loop 240 python -m experiments.main_loop --out "$work/main_loop" --configs '[{"cluster_n": 2}]'
+    ;;
+  ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
     # does it stream faster with a deeper ring (fewer stages), an L2 prefetch of the tile during
     # the main loop, or one wide sub-tile? skip_compute rows time the stream alone.

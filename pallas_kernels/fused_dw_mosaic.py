@@ -43,8 +43,10 @@ Kernel structure (one CUDA block per SM, persistent):
   donated there is no copy.
 
 What this file does not do yet (see ``MOSAIC_NOTES.md``): pipelining across
-tiles in the cooperative schedule (``pipeline_state``), clusters/multicast,
-quantized slots. Stochastic rounding of a bfloat16 weight is done in the
+tiles in the cooperative schedule (``pipeline_state``); clusters only as the
+ping-pong knob ``cluster_n=2`` (x multicast to a pair of blocks; not yet run
+on a GPU, off by default). (int8 states are done, see ``MOSAIC_NOTES.md``.)
+Stochastic rounding of a bfloat16 weight is done in the
 epilogue, with the same hash of (seed, step, layer, row * N + col) as the
 Triton kernel and the reference (element indices from an iota in the WGMMA
 layout), so all three write the same bits.
@@ -188,6 +190,17 @@ class MosaicTileConfig:
       barriers (``supports`` says so). And ``epi_out_slots=0``: a store buffer
       is rewritten after ``wait_smem_to_gmem``, which only the thread that
       issued the TMA store observes. Off by default until the H200 checks it.
+    cluster_n: 1, or 2 for clusters of two blocks that work on horizontally
+      adjacent tiles (same ``x`` columns, neighbouring ``dy`` columns) in
+      lockstep, each ``x`` block multicast by TMA to both: the main loop then
+      reads 24 instead of 32 KiB from L2 per 64-token step of a 128x128 tile
+      (the traffic per FLOP of a 128x256 tile; jax's Hopper GEMM, faster than
+      cuBLAS, uses such tiles). Ping-pong only; the stage ring's "free"
+      barriers become cluster barriers (a slot is refilled once both blocks
+      have read it). The Mosaic GPU interpreter cannot allocate cluster
+      barriers (jax 0.10.2), so this is checked by lowering on a CPU and by
+      ``experiments.check_mosaic_gpu --quick`` on a GPU. Off by default: not
+      yet run on a GPU.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -210,6 +223,7 @@ class MosaicTileConfig:
   approx_math: bool = False
   epi_read_ahead: bool = False
   no_auto_barriers: bool = False
+  cluster_n: int = 1
   num_sms: Optional[int] = None
 
 
@@ -309,6 +323,12 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
             "is read from another ring slot while this one's is still in use")
   if cfg.lowering_semantics not in ("Warpgroup", "Lane"):
     return f"lowering_semantics={cfg.lowering_semantics!r} must be 'Warpgroup' or 'Lane'"
+  if cfg.cluster_n not in (1, 2):
+    return f"cluster_n={cfg.cluster_n} must be 1 or 2"
+  if cfg.cluster_n > 1 and cfg.schedule != "pingpong":
+    return f"cluster_n={cfg.cluster_n} needs schedule='pingpong'"
+  if cfg.cluster_n > 1 and cfg.num_sms is not None and cfg.num_sms % cfg.cluster_n:
+    return f"cluster_n={cfg.cluster_n} needs num_sms={cfg.num_sms} to be a multiple of it"
   return None
 
 
@@ -406,9 +426,10 @@ def supports(
     return False, f"T={t} must be a multiple of tile_t={cfg.tile_t}"
   if k % cfg.tile_m:
     return False, f"K={k} must be a multiple of tile_m={cfg.tile_m}"
-  block_n = _block_n(cfg)
+  block_n = _block_n(cfg) * cfg.cluster_n
   if n % block_n:
-    what = "2 * tile_n" if cfg.schedule == "cooperative" else "tile_n"
+    what = ("2 * tile_n" if cfg.schedule == "cooperative" else
+            f"cluster_n * tile_n" if cfg.cluster_n > 1 else "tile_n")
     return False, f"N={n} must be a multiple of {what} = {block_n}"
   smem = _smem_bytes(cfg, in_dt, w.dtype, [_stored_dtype(s) for s in slots], compute_grad_sq_norm,
                      sum(map(_quantized, slots)))
@@ -1120,31 +1141,45 @@ def _pingpong_body(
   """
   cfg = plan.cfg
   tile_m, tile_n, tile_t = cfg.tile_m, cfg.tile_n, cfg.tile_t
-  stages, t_iters, num_sms = plan.stages, plan.t_iters, plan.num_sms
+  stages, t_iters = plan.stages, plan.t_iters
   in_dtype = x_gmem.dtype
-  num_tiles = plan.m_iters * plan.n_iters
+  # With clusters (cluster_n=2) the grid walks cluster tiles of cluster_n
+  # horizontally adjacent tiles; block c of a cluster takes column c of each.
+  cluster = cfg.cluster_n
+  num_units = plan.num_sms // cluster
+  n_units = plan.n_iters // cluster
+  num_tiles = plan.m_iters * n_units
+  # A slot of the stage ring is free once every block that reads it has: with
+  # clusters, the x block in it was multicast to both, so both must release it.
+  free_barrier = (
+      plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1, num_barriers=stages)
+      if cluster > 1 else plgpu.Barrier(num_arrivals=1, num_barriers=stages)
+  )
 
   @functools.partial(
       pl.run_scoped,
       x_stages=plgpu.SMEM((stages, tile_t, tile_m), in_dtype, transforms=in_transforms),
       dy_stages=plgpu.SMEM((stages, tile_t, tile_n), in_dtype, transforms=in_transforms),
       stage_ready=plgpu.Barrier(num_arrivals=2, num_barriers=_NUM_COMPUTE_WGS * stages),
-      stage_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      stage_free=free_barrier,
       collective_axes="wg",
       **epilogue_allocs,
   )
   def _scope(x_stages, dy_stages, stage_ready, stage_free,
              w_ring, slot_rings, ring_ready, norm_smem, out_rings, xt_smem):
     wg_idx = lax.axis_index("wg")
-    sm_idx = lax.axis_index("sm")
-    # This block's tiles: sm_idx, sm_idx + num_sms, ... of the snake order.
-    num_local = lax.div(num_tiles - sm_idx + (num_sms - 1), jnp.int32(num_sms))
+    unit_idx = lax.axis_index("sm")  # the block, or with clusters the cluster
+    block_in_cluster = lax.axis_index("cluster") if cluster > 1 else 0
+    # This block's tiles: unit_idx, unit_idx + num_units, ... of the snake order
+    # (the same list, in step, for both blocks of a cluster).
+    num_local = lax.div(num_tiles - unit_idx + (num_units - 1), jnp.int32(num_units))
 
     def tile_coords(i):
-      return _planar_snake(
-          sm_idx + i * num_sms, plan.m_iters, plan.n_iters, cfg.grid_minor_dim,
+      m_idx, n_unit = _planar_snake(
+          unit_idx + i * num_units, plan.m_iters, n_units, cfg.grid_minor_dim,
           cfg.grid_tile_width,
       )
+      return m_idx, n_unit * cluster + block_in_cluster
 
     @pl.when(wg_idx == _NUM_COMPUTE_WGS)
     def _memory_warpgroup():
@@ -1166,8 +1201,10 @@ def _pingpong_body(
 
           ready = stage_ready.at[owner * stages + slot]
           rows = pl.ds(k * tile_t, tile_t)
+          # With clusters each block issues its share of the x block, multicast to both.
           plgpu.copy_gmem_to_smem(
-              x_gmem.at[rows, pl.ds(m_idx * tile_m, tile_m)], x_stages.at[slot], ready
+              x_gmem.at[rows, pl.ds(m_idx * tile_m, tile_m)], x_stages.at[slot], ready,
+              **({"collective_axes": "cluster"} if cluster > 1 else {}),
           )
           plgpu.copy_gmem_to_smem(
               dy_gmem.at[rows, pl.ds(n_idx * tile_n, tile_n)], dy_stages.at[slot], ready
@@ -1445,6 +1482,9 @@ def fused_dw_update_mosaic(
   ok, reason = supports(x, dy, w, slots, cfg, compute_grad_sq_norm=compute_grad_sq_norm)
   if not ok:
     raise ValueError(f"fused_dw_update_mosaic: {reason}")
+  if cfg.cluster_n > 1 and _interpret_params(interpret) is not None:
+    raise ValueError(f"fused_dw_update_mosaic: cluster_n={cfg.cluster_n} cannot run under the Mosaic "
+                     "GPU interpreter (it cannot allocate cluster barriers); use cluster_n=1 there")
   stacked = w.ndim == 3
   if stacked and layer is None:
     raise ValueError(f"w has shape {w.shape} (stacked): pass layer=")
@@ -1527,9 +1567,12 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
   norm_init = (
       jnp.full((n // cfg.tile_n, k), jnp.nan, jnp.float32) if compute_grad_sq_norm else None
   )
+  clusters = (
+      dict(cluster=(cfg.cluster_n,), cluster_names=("cluster",)) if cfg.cluster_n > 1 else {}
+  )
   mesh = plgpu.Mesh(
-      grid=(plan.num_sms,), grid_names=("sm",),
-      num_threads=_NUM_COMPUTE_WGS + 1, thread_name="wg",
+      grid=(plan.num_sms // cfg.cluster_n,), grid_names=("sm",),
+      num_threads=_NUM_COMPUTE_WGS + 1, thread_name="wg", **clusters,
   )
   core_map_kwargs = {}
   if (params := _interpret_params(interpret)) is not None:

@@ -1031,3 +1031,43 @@ def test_check_script_quick_configs_fit_their_cases(monkeypatch):
     assert ok, (label, name, w_dt, s_dt, why)
     checked += 1
   assert checked >= 10, checked
+
+
+def test_cluster_n_multicasts_x_and_says_what_it_needs(monkeypatch):
+  """cluster_n=2 (pairs of blocks sharing each x block): the Mosaic GPU module lowered for sm_90
+  has a multicast TMA load and remote (mapa) barrier arrivals, and the kernel without it has
+  neither; what it cannot take is refused, naming the value (the interpreter cannot run it, so
+  its correctness is the GPU's --quick)."""
+  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+
+  rule = _rules()["adamw"]
+  x, dy, w = _sds((1024, 4096), BF16), _sds((1024, 4096), BF16), _sds((4096, 4096), BF16)
+  base = dataclasses.replace(fm.default_config(x, dy, w, (w, w)), num_sms=132)
+  modules = []
+  real = mgpu_core._run_serde_pass
+  monkeypatch.setattr(mgpu_core, "_run_serde_pass", lambda m, **kw: modules.append(str(m)) or real(m, **kw))
+  for cluster_n in (1, 2):
+    cfg = dataclasses.replace(base, cluster_n=cluster_n)
+    assert fm.supports(x, dy, w, (w, w), cfg) == (True, "")
+    kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update, config=cfg))
+    with skip_if_cuda_lowering_needs_a_gpu():
+      kernel.trace(x, dy, w, (w, w), rule.scalars(jnp.int32(0))).lower(lowering_platforms=("cuda",))
+  plain, clustered = modules[-2], modules[-1]
+  assert "multicast_mask" not in plain and "mapa" not in plain
+  assert clustered.count("multicast_mask") >= 1 and "mapa" in clustered
+  # What it cannot take.
+  ok, why = fm.supports(x, dy, w, (w, w), dataclasses.replace(base, schedule="cooperative", mma_in_flight=False,
+                                                                cluster_n=2))
+  assert not ok and "cluster_n=2 needs schedule='pingpong'" in why
+  ok, why = fm.supports(x, dy, w, (w, w), dataclasses.replace(base, cluster_n=4))
+  assert not ok and "cluster_n=4 must be 1 or 2" in why
+  ok, why = fm.supports(x, dy, w, (w, w), dataclasses.replace(base, cluster_n=2, num_sms=131))
+  assert not ok and "num_sms=131 to be a multiple" in why
+  dy_odd, w_odd = _sds((1024, 4224), BF16), _sds((4096, 4224), BF16)  # 33 tiles of 128 columns
+  ok, why = fm.supports(x, dy_odd, w_odd, (w_odd, w_odd), dataclasses.replace(base, cluster_n=2))
+  assert not ok and "N=4224 must be a multiple of cluster_n * tile_n = 256" in why
+  small = dataclasses.replace(SMALL, schedule="pingpong", cluster_n=2, num_sms=2)
+  xs, dys, ws = jnp.ones((128, 128), BF16), jnp.ones((128, 256), BF16), jnp.zeros((128, 256), F32)
+  with pytest.raises(ValueError, match="cluster_n=2 cannot run under the Mosaic GPU interpreter"):
+    fm.fused_dw_update_mosaic(xs, dys, ws, (ws, ws), rule.scalars(jnp.int32(0)), rule.update,
+                              config=small, interpret=True)
