@@ -1120,6 +1120,14 @@ def _compute_registers(memory_registers: int) -> int:
   return min(256, (512 - memory_registers) // _NUM_COMPUTE_WGS) // 8 * 8
 
 
+def _pingpong_tile(unit, block, i, *, m_iters: int, n_iters: int, num_units: int, cluster: int,
+                   minor_dim: str, width: int):
+  """``(m_idx, n_idx)`` of the ``i``-th tile of block ``block`` of grid unit ``unit`` (a block,
+  or a cluster of ``cluster`` blocks taking adjacent columns of one cluster tile)."""
+  m_idx, n_unit = _planar_snake(unit + i * num_units, m_iters, n_iters // cluster, minor_dim, width)
+  return m_idx, n_unit * cluster + block
+
+
 def _pingpong_body(
     x_gmem, dy_gmem, *, plan, in_transforms, epilogue_allocs, make_epilogue,
     prefetch_step, tile_origin,
@@ -1175,11 +1183,9 @@ def _pingpong_body(
     num_local = lax.div(num_tiles - unit_idx + (num_units - 1), jnp.int32(num_units))
 
     def tile_coords(i):
-      m_idx, n_unit = _planar_snake(
-          unit_idx + i * num_units, plan.m_iters, n_units, cfg.grid_minor_dim,
-          cfg.grid_tile_width,
-      )
-      return m_idx, n_unit * cluster + block_in_cluster
+      return _pingpong_tile(unit_idx, block_in_cluster, i, m_iters=plan.m_iters, n_iters=plan.n_iters,
+                            num_units=num_units, cluster=cluster, minor_dim=cfg.grid_minor_dim,
+                            width=cfg.grid_tile_width)
 
     @pl.when(wg_idx == _NUM_COMPUTE_WGS)
     def _memory_warpgroup():

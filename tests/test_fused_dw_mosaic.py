@@ -1071,3 +1071,22 @@ def test_cluster_n_multicasts_x_and_says_what_it_needs(monkeypatch):
   with pytest.raises(ValueError, match="cluster_n=2 cannot run under the Mosaic GPU interpreter"):
     fm.fused_dw_update_mosaic(xs, dys, ws, (ws, ws), rule.scalars(jnp.int32(0)), rule.update,
                               config=small, interpret=True)
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_pingpong_tiles_cover_the_grid_once_and_clusters_share_x(cluster):
+  """Every (m, n) tile goes to exactly one block; with clusters, the two blocks of a cluster
+  take the same m (the multicast x block) and adjacent n, at every local step i."""
+  m_iters, n_iters, num_sms = 6, 8, 10
+  num_units = num_sms // cluster
+  num_tiles = m_iters * n_iters // cluster
+  seen = []
+  for unit in range(num_units):
+    num_local = -(-(num_tiles - unit) // num_units)
+    for i in range(num_local):
+      pair = [tuple(int(v) for v in fm._pingpong_tile(
+          jnp.int32(unit), jnp.int32(block), jnp.int32(i), m_iters=m_iters, n_iters=n_iters,
+          num_units=num_units, cluster=cluster, minor_dim="n", width=3)) for block in range(cluster)]
+      assert len({m for m, _ in pair}) == 1 and [n for _, n in pair] == list(range(pair[0][1], pair[0][1] + cluster))
+      seen += pair
+  assert sorted(seen) == [(m, n) for m in range(m_iters) for n in range(n_iters)]
