@@ -429,7 +429,7 @@ def supports(
   block_n = _block_n(cfg) * cfg.cluster_n
   if n % block_n:
     what = ("2 * tile_n" if cfg.schedule == "cooperative" else
-            f"cluster_n * tile_n" if cfg.cluster_n > 1 else "tile_n")
+            "cluster_n * tile_n" if cfg.cluster_n > 1 else "tile_n")
     return False, f"N={n} must be a multiple of {what} = {block_n}"
   smem = _smem_bytes(cfg, in_dt, w.dtype, [_stored_dtype(s) for s in slots], compute_grad_sq_norm,
                      sum(map(_quantized, slots)))
