@@ -22,7 +22,10 @@ import sys
 from typing import Optional, Sequence
 
 
-def count(dtype: str, tokens: int, no_auto_barriers: bool) -> dict:
+def lowered_module(dtype: str, tokens: int, **overrides) -> tuple[str, object]:
+  """The Mosaic GPU module (text) of AdamW at ``tokens`` x 4096 x 4096 lowered for ``cuda``,
+  with the default tiling for ``dtype`` weights and states and ``overrides`` replaced; and the
+  tiling used."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
@@ -38,14 +41,17 @@ def count(dtype: str, tokens: int, no_auto_barriers: bool) -> dict:
     sds = jax.ShapeDtypeStruct
     x, dy = sds((tokens, 4096), jnp.bfloat16), sds((tokens, 4096), jnp.bfloat16)
     w = sds((4096, 4096), jnp.dtype(dtype))
-    cfg = dataclasses.replace(fm.default_config(x, dy, w, (w, w)), num_sms=132,
-                              no_auto_barriers=no_auto_barriers)
+    cfg = dataclasses.replace(fm.default_config(x, dy, w, (w, w)), num_sms=132, **overrides)
     kernel = functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update, config=cfg)
     jax.jit(kernel).trace(x, dy, w, (w, w), rule.scalars(jnp.int32(0))).lower(
         lowering_platforms=("cuda",))
   finally:
     mgpu_core._run_serde_pass = real
-  text = modules[-1]
+  return modules[-1], cfg
+
+
+def count(dtype: str, tokens: int, no_auto_barriers: bool) -> dict:
+  text, cfg = lowered_module(dtype, tokens, no_auto_barriers=no_auto_barriers)
   return {"dtype": dtype, "tokens": tokens, "no_auto_barriers": no_auto_barriers,
           "bar_sync": text.count("bar.sync"), "module_lines": len(text.splitlines()),
           "config": dataclasses.asdict(cfg)}

@@ -511,6 +511,14 @@ QUICK_CASES = (
 )
 
 
+def smoke_tiling():
+  """The tiling of --smoke runs under the Mosaic GPU interpreter: one block of small tiles
+  (132 simulated blocks take minutes)."""
+  from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+
+  return fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=16, num_sms=1)
+
+
 def section_correctness(sec: _Section, smoke: bool, interpret: bool, quick: bool = False) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -520,8 +528,7 @@ def section_correctness(sec: _Section, smoke: bool, interpret: bool, quick: bool
 
   f32, bf16 = jnp.float32, jnp.bfloat16
   rules = _rules()
-  small = fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=16, num_sms=1)
-  cfg = small if smoke else None
+  cfg = smoke_tiling() if smoke else None
   big = (128, 128, 256) if smoke else RULE_SHAPE
   # (label, rule, (t, k, n), w dtype, slot dtype, layers, grad norm, config
   # fields or None); most informative first, since the time budget may cut
@@ -574,7 +581,7 @@ def section_correctness(sec: _Section, smoke: bool, interpret: bool, quick: bool
       x, dy, w, slots = _inputs(t, k, n, rule, w_dt, s_dt, layers=layers)
       layer = None if layers is None else jnp.int32(layers - 2)
       used = row_cfg or fm.default_config(x, dy, w, slots, compute_grad_sq_norm=norm)
-      row["config"] = _cfg_text(used)
+      row["config"] = cfg_text(used)
       ok, why = fm.supports(x, dy, w, slots, used, compute_grad_sq_norm=norm)
       if not ok:
         raise ValueError(why)
@@ -701,7 +708,7 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool, state_dtype: str 
         row["epilogue_us_per_tile"] = round(row["ms"] * 1e3 * sms * 2 / wg_tiles, 2)
         sec.payload.setdefault("epilogue_us_per_tile", {})[idx] = row["epilogue_us_per_tile"]
         sec.save()
-      _timing.log(f"  sweep {p.name:>16} cfg {idx:>2} {_cfg_text(cfg):<52} {bench._cell(row)}")
+      _timing.log(f"  sweep {p.name:>16} cfg {idx:>2} {cfg_text(cfg):<52} {bench._cell(row)}")
       gc.collect()
     # Best so far after every config: a later hang (killed section) keeps it.
     complete = {i: v for i, v in ms_by_config.items() if len(v) == len(ranked)}
@@ -710,14 +717,14 @@ def section_sweep(sec: _Section, smoke: bool, interpret: bool, state_dtype: str 
       sec.payload["best"] = {"config_index": best, "config": dc.asdict(configs[best]),
                              "geomean_ms": statistics.geometric_mean(complete[best])}
       sec.payload["ranking"] = sorted(
-          ({"config_index": i, "geomean_ms": statistics.geometric_mean(v), "config": _cfg_text(configs[i])}
+          ({"config_index": i, "geomean_ms": statistics.geometric_mean(v), "config": cfg_text(configs[i])}
            for i, v in complete.items()), key=lambda r: r["geomean_ms"])
       sec.save()
   del setups
   gc.collect()
 
 
-def _cfg_text(cfg) -> str:
+def cfg_text(cfg) -> str:
   """One line per config; ``cfg`` a MosaicTileConfig or its asdict."""
   get = (lambda f, d=None: cfg.get(f, d)) if isinstance(cfg, dict) else (lambda f, d=None: getattr(cfg, f, d))
   text = (f"{str(get('schedule'))[:4]} {get('tile_m')}x{get('tile_n')}x{get('tile_t')} "
@@ -919,7 +926,7 @@ def _markdown(info: dict, runs: list[dict], parts: dict[str, Optional[dict]]) ->
     out += ["", f"## Tiling sweep (AdamW, {sweep_dtype} w/slots)", "",
             "| problem | config | status | ms | TF/s |", "|---|---|---|---|---|"]
     for r in sweep["rows"]:
-      text = _cfg_text(r.get("config", {}))
+      text = cfg_text(r.get("config", {}))
       ms = f"{r['ms']:.3f}" if "ms" in r else "-"
       tf = f"{r['tflops']:.0f}" if "tflops" in r else "-"
       status = r["status"] + (f": {r['error'][:100]}" if "error" in r else "")

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 
 from experiments import _timing
 from experiments import bench_fused_dw as bench
+from experiments import check_mosaic_gpu
 from pallas_kernels import fused_dw_mosaic as fm
 
 TOKENS = (16384, 4096, 1024)
@@ -103,15 +104,11 @@ def build_mgpu_gemm(fields: dict):
   return build
 
 
-# Under the interpreter (--smoke): one block of small tiles (132 simulated blocks take minutes).
-SMOKE_CONFIG = fm.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=16, num_sms=1)
-
-
 def resolve_config(x, dy, w, slots, *, interpret: bool, overrides: Optional[dict] = None):
-  """The tiling a ``mosaic*`` row runs: the default for these operands (``SMOKE_CONFIG`` under
-  the interpreter) with ``overrides`` (``--configs``) replaced; one that does not fit raises,
-  naming why."""
-  base = SMOKE_CONFIG if interpret else fm.default_config(x, dy, w, slots)
+  """The tiling a ``mosaic*`` row runs: the default for these operands (under the interpreter,
+  ``check_mosaic_gpu.smoke_tiling``) with ``overrides`` (``--configs``) replaced; one that does
+  not fit raises, naming why."""
+  base = check_mosaic_gpu.smoke_tiling() if interpret else fm.default_config(x, dy, w, slots)
   config = dataclasses.replace(base, **(overrides or {}))
   ok, why = fm.supports(x, dy, w, slots, config)
   if not ok:
@@ -158,9 +155,9 @@ def bench_shape(t: int, k: int, n: int, impls: Sequence[str], *, interpret: bool
     row = bench.measure(impl, builders[impl], p, reference, timing)
     if impl.startswith("mosaic"):
       try:
-        from experiments.check_mosaic_gpu import _cfg_text  # pylint: disable=g-import-not-at-top
-        row["config"] = _cfg_text(resolve_config(p.x, p.dy, p.w0, p.rule.init_slots(p.w0), interpret=interpret,
-                                                 overrides=_overrides(impl, configs)))
+        used = resolve_config(p.x, p.dy, p.w0, p.rule.init_slots(p.w0), interpret=interpret,
+                              overrides=_overrides(impl, configs))
+        row["config"] = check_mosaic_gpu.cfg_text(used)
       except ValueError:
         pass  # the row's error says why
     rows.append(row)

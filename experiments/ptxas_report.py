@@ -179,7 +179,7 @@ def markdown(info: dict, rows: Sequence[dict]) -> str:
     cells = ["-" if c is None else str(c) for c in cells]
     status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')[:80]}"
     variant = f" `{r['variant']}`" if r.get("variant") else ""
-    out.append(f"| {r['storage']} | {r['tokens']} | {check_mosaic_gpu._cfg_text(r['config'])}{variant} | "
+    out.append(f"| {r['storage']} | {r['tokens']} | {check_mosaic_gpu.cfg_text(r['config'])}{variant} | "
                f"{status} | " + " | ".join(cells) + " |")
   with_sass = [r for r in rows if "sass_instructions" in r]
   if with_sass:

@@ -581,11 +581,11 @@ def test_check_script_sweep_configs_lower_for_cuda(state_dtype):
   try:
     for cfg in check._sweep_configs(fm, state_dtype):
       cfg = dataclasses.replace(cfg, num_sms=132)
-      assert fm.supports(x, dy, w, slots, cfg)[0], check._cfg_text(cfg)
+      assert fm.supports(x, dy, w, slots, cfg)[0], check.cfg_text(cfg)
       kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update, config=cfg))
       text = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0))).lower(
           lowering_platforms=("cuda",)).as_text()
-      assert "mosaic_gpu" in text, check._cfg_text(cfg)
+      assert "mosaic_gpu" in text, check.cfg_text(cfg)
   finally:
     fm._SMEM_BUDGET_BYTES = saved
 
@@ -1033,26 +1033,19 @@ def test_check_script_quick_configs_fit_their_cases(monkeypatch):
   assert checked >= 10, checked
 
 
-def test_cluster_n_multicasts_x_and_says_what_it_needs(monkeypatch):
+def test_cluster_n_multicasts_x_and_says_what_it_needs():
   """cluster_n=2 (pairs of blocks sharing each x block): the Mosaic GPU module lowered for sm_90
   has a multicast TMA load and remote (mapa) barrier arrivals, and the kernel without it has
   neither; what it cannot take is refused, naming the value (the interpreter cannot run it, so
   its correctness is the GPU's --quick)."""
-  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+  from experiments import barrier_count  # pylint: disable=g-import-not-at-top
 
   rule = _rules()["adamw"]
   x, dy, w = _sds((1024, 4096), BF16), _sds((1024, 4096), BF16), _sds((4096, 4096), BF16)
   base = dataclasses.replace(fm.default_config(x, dy, w, (w, w)), num_sms=132)
-  modules = []
-  real = mgpu_core._run_serde_pass
-  monkeypatch.setattr(mgpu_core, "_run_serde_pass", lambda m, **kw: modules.append(str(m)) or real(m, **kw))
-  for cluster_n in (1, 2):
-    cfg = dataclasses.replace(base, cluster_n=cluster_n)
-    assert fm.supports(x, dy, w, (w, w), cfg) == (True, "")
-    kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update, config=cfg))
-    with skip_if_cuda_lowering_needs_a_gpu():
-      kernel.trace(x, dy, w, (w, w), rule.scalars(jnp.int32(0))).lower(lowering_platforms=("cuda",))
-  plain, clustered = modules[-2], modules[-1]
+  assert fm.supports(x, dy, w, (w, w), dataclasses.replace(base, cluster_n=2)) == (True, "")
+  with skip_if_cuda_lowering_needs_a_gpu():
+    plain, clustered = (barrier_count.lowered_module("bfloat16", 1024, cluster_n=c)[0] for c in (1, 2))
   assert "multicast_mask" not in plain and "mapa" not in plain
   assert clustered.count("multicast_mask") >= 1 and "mapa" in clustered
   # What it cannot take.
