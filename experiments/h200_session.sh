@@ -63,7 +63,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -121,6 +121,22 @@ case "$part" in
     # cluster_n=2 (new, CPU-lowered only) must be correct first: --quick leads with it.
     step quick 130 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
     step main_loop 240 python -m experiments.main_loop --out "$work/main_loop" --configs '[{"cluster_n": 2}]'
+    ;;
+  cluster)
+    # cluster_n=2 was correct (mosaic_cluster/quick: 24/24) and took the main loop alone at
+    # T=16384 from 0.876 to 0.734 ms (cuBLAS 0.719), but the kernel only from 0.795 to 0.790:
+    # where does the kernel's time go with clusters (profile: main loop vs epilogue per tile),
+    # and does another epilogue/ring setting let the kernel keep the main loop's gain?
+    base='"schedule": "pingpong", "max_concurrent_steps": 5, "epi_n": 32, "epi_l2_lookahead": 0, "l2_prefetch_steps": 0, "mma_in_flight": true, "no_auto_barriers": true'
+    step prof 110 python -m experiments.profile_mosaic --out "$work/prof" --no-traces \
+      --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base}"
+    step prof_cl2 110 python -m experiments.profile_mosaic --out "$work/prof_cl2" --no-traces \
+      --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base, \"cluster_n\": 2}"
+    cl='[{"cluster_n": 2}, {"cluster_n": 2, "max_concurrent_steps": 4}, {"cluster_n": 2, "max_concurrent_steps": 6}, {"cluster_n": 2, "epi_n": 64}, {"cluster_n": 2, "grid_tile_width": 16}, {"cluster_n": 2, "grid_minor_dim": "m"}]'
+    step cl_bf16 170 python -m experiments.main_loop --out "$work/cl_bf16" --tokens 16384 4096 \
+      --impls xla_gemm mosaic_main_loop mosaic --configs "$cl"
+    step cl_f32 130 python -m experiments.main_loop --out "$work/cl_f32" --tokens 16384 4096 --state-dtype float32 \
+      --impls xla_gemm mosaic_main_loop mosaic --configs '[{"cluster_n": 2}, {"cluster_n": 2, "max_concurrent_steps": 3}, {"cluster_n": 2, "grid_tile_width": 16}]'
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
