@@ -44,8 +44,8 @@ OLD_TIMING_NOTE = ("Mean of 5 steps after one warm-up step (bench_models before 
                    "(bench_models_nb_defaults, with the next kernel defaults) kept their ratios: "
                    "Llama-3.1-8B FORGE 0.95x optax either way. qwen3-0.6b and qwen3-1.7b were re-timed "
                    "the new way with the 64-row small-grid default (bench_models_small_nb*): FORGE "
-                   "1.05x and 1.00x optax, from 1.15x and 1.09x (Triton) before; the others are not "
-                   "re-checked yet.")
+                   "1.05x and 1.00x optax (before, the old way: qwen3-0.6b 1.15x with the Mosaic kernel, "
+                   "qwen3-1.7b 1.09x with Triton); the others are not re-checked yet.")
 MODEL_ORDER = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-14b")
 IMPL_ORDER = ("optax", "optax_unrolled", "optax_clip", "forge", "forge_mosaic", "forge_triton", "forge_unrolled",
               "forge_triton_unrolled", "forge_xla", "forge_int8", "forge_int8_xla",
