@@ -8,24 +8,25 @@
 # bench_models_nb_defaults, mosaic_profile_diagnose/long_t) and the epilogue's diagnostic profiles
 # at T=1024 (mosaic_profile_diagnose/epilogue_1024).
 #
-# Next (session 8), in this order:
-#   bash experiments/h200_session.sh mainloop   # ~6 min: cluster_n=2 (clusters of two blocks, x
-#                                               #   multicast: new) correct? then the kernel's main
-#                                               #   loop (skip_compute) with and without clusters
-#                                               #   against cuBLAS and jax's Hopper GEMM with 128x256
-#                                               #   and 128x128 tiles and clusters: is the 8% gap to
-#                                               #   cuBLAS at T=16384 the tile's L2 traffic?
-#                                               #   (experiments/main_loop.py says why)
-#   bash experiments/h200_session.sh ring       # ~5 min: at T=1024 the W/state stream alone per
-#                                               #   ring config (deeper ring, L2 prefetch, wide sub-tile)
-#                                               #   If cluster_n=2 is correct and faster: sweep and
-#                                               #   timing with it (kernel part), then make it default.
-#   bash experiments/h200_session.sh small_models # ~5 min: qwen3-0.6b and qwen3-1.7b whole steps with
-#                                               #   the small-grid defaults (FORGE was 1.15x optax on
-#                                               #   qwen3-0.6b with 128-row tiles and the old timing)
-#   bash experiments/h200_session.sh sass       # then unrolled8b, models, convergence (below)
+# Session 8 (2026-11-30) ran mainloop and cluster (results/h200/mosaic_cluster*: cluster_n=2
+# correct, no faster), convergence (results/h200/convergence_fp32_b8) and qwen3-0.6b / 1.7b whole
+# steps (bench_models_small_nb*).
+#
+# Next (session 9), in this order:
+#   bash experiments/h200_session.sh cluster_profile # ~3 min: profiles of the 4-stage kernel with
+#                                               #   and without clusters at T=16384 (5 stages leave
+#                                               #   no shared memory for the profiler): does the
+#                                               #   cluster's lockstep stall the main loop?
+#   bash experiments/h200_session.sh ring       # ~5 min: at T=1024 the W/state stream per ring config
+#   bash experiments/h200_session.sh capacity   # <10 min: Llama-3.1-8B's largest batch with the
+#                                               #   lean loss (the capacity table used optax's loss)
+#   bash experiments/h200_session.sh unrolled8b # then models (qwen3-14b with the Mosaic kernel), sass
 #
 # Parts run before (kept to repeat them):
+#   bash experiments/h200_session.sh mainloop   # ~2.5 min: --quick (leads with cluster_n=2), then
+#                                               #   experiments.main_loop with and without clusters
+#   bash experiments/h200_session.sh cluster    # ~2.5 min: cluster settings at T = 16384 and 4096
+#                                               #   (its 5-stage profiles do not fit shared memory)
 #   bash experiments/h200_session.sh defaults   # <10 min: the defaults correct, then timed
 #                                               #   (bf16 at every T; bf16 and fp32 at small shapes)
 #   bash experiments/h200_session.sh defaults2  # <10 min: fp32 timing, 8B rows, T=16384 main loop
@@ -63,7 +64,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|capacity|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -137,6 +138,19 @@ case "$part" in
       --impls xla_gemm mosaic_main_loop mosaic --configs "$cl"
     step cl_f32 130 python -m experiments.main_loop --out "$work/cl_f32" --tokens 16384 4096 --state-dtype float32 \
       --impls xla_gemm mosaic_main_loop mosaic --configs '[{"cluster_n": 2}, {"cluster_n": 2, "max_concurrent_steps": 3}, {"cluster_n": 2, "grid_tile_width": 16}]'
+    ;;
+  cluster_profile)
+    base='"schedule": "pingpong", "max_concurrent_steps": 4, "epi_n": 32, "epi_l2_lookahead": 0, "l2_prefetch_steps": 0, "mma_in_flight": true, "no_auto_barriers": true'
+    step prof 110 python -m experiments.profile_mosaic --out "$work/prof" --no-traces \
+      --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base}"
+    step prof_cl2 110 python -m experiments.profile_mosaic --out "$work/prof_cl2" --no-traces \
+      --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base, \"cluster_n\": 2}"
+    ;;
+  capacity)
+    # The capacity table (results/h200/capacity) used optax's cross-entropy; the lean loss
+    # (models.cross_entropy, the default since) cut FORGE's step at 32x1024 by 7.8 GiB compile-only.
+    step capacity 570 python -m experiments.bench_models --out "$work/capacity" --capacity \
+      --models llama-3.1-8b --impls optax_clip,forge --tokens 1024 --max-batch 64 --time-budget 520 --steps 1
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):

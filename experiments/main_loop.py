@@ -34,6 +34,16 @@ If ``mgpu_gemm_m`` is as slow as ``mosaic_main_loop`` and ``mgpu_gemm`` /
 the fix is a wider tile per block (clusters with multicast of ``x``, since one
 warpgroup cannot hold a 128x256 accumulator next to the epilogue).
 
+Measured on the H200 (2026-11-30, results/h200/mosaic_cluster/, bf16, T=16384,
+4096x4096): ``xla_gemm`` 0.719 ms, ``mgpu_gemm`` 0.716, ``mgpu_gemm_m`` 0.770
+(our tile size costs the plain GEMM 7%), ``mgpu_gemm_cluster`` 0.704;
+``mosaic_main_loop`` 0.876, with ``cluster_n=2`` 0.734; ``mosaic`` 0.795, with
+``cluster_n=2`` 0.790. The clusters recover the stream but not the kernel.
+``mosaic_main_loop`` is not the main loop alone: ``skip_compute`` issues the
+epilogue's W/state loads and stores back to back, with no arithmetic between
+them, and in these runs took longer than the whole kernel (in an earlier
+harness, ``profile_mosaic``, 0.794 against the kernel's 0.830).
+
     PYTHONPATH=$PWD python -m experiments.main_loop --out $OUT            # GPU (~2 min)
     PYTHONPATH=$PWD python -m experiments.main_loop --tokens 16384 4096 --shapes 4096x4096
     PYTHONPATH=$PWD python -m experiments.main_loop --tokens 1024 --impls xla_gemm mosaic_main_loop \
