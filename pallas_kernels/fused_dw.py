@@ -560,6 +560,13 @@ def fused_dw_update(
 # ----------------------------------------------------------------------------
 
 
+def _index_after(index: Array, written: Array) -> Array:
+  """``index`` unchanged, with a data dependency on ``written`` (an exact zero added)."""
+  token = written.reshape(-1)[0].astype(jnp.float32)
+  zero = jnp.where(jnp.isfinite(token), token, 0.0) * 0.0  # 0.0 or -0.0: XLA cannot fold it
+  return index + zero.astype(index.dtype)
+
+
 def fused_dw_update_reference(
     x: Array,
     dy: Array,
@@ -617,6 +624,7 @@ def fused_dw_update_reference(
   if any(c.needs_bits for c in codecs):
     key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
     bits = numerics.element_bits(key, numerics.matrix_index(g.shape))
+  n_w = len(codecs[0].col_divisors())
   new_parts, i = [], 0
   for j, (c, value) in enumerate(zip(codecs, (w32 + u, *new))):
     m = len(c.col_divisors())
@@ -624,10 +632,20 @@ def fused_dw_update_reference(
     new_parts += c.encode(value, tuple(p.dtype for p in parts_l[i : i + m]), bits_j)
     i += m
   if layer is not None:
-    new_parts = [
-        jax.lax.dynamic_update_index_in_dim(p, q.astype(p.dtype), layer_i32, 0)
-        for p, q in zip(parts, new_parts)
-    ]
+    # The weight's update reads the old slots (its step needs their new
+    # values), and nothing orders that read before the slots' in-place
+    # updates: XLA then protects every slot stack with copies, twice per layer
+    # inside a ScannedStack's backward loop (XLA:CPU, fp32 AdamW: 8 stack-sized
+    # copies in a 2-weight stack, step temporaries 2.1x the state's size).
+    # The slots are written at an index that depends on the written weight,
+    # so every read of the old slots comes first.
+    def update(parts_, new_, index):
+      return [jax.lax.dynamic_update_index_in_dim(p, q.astype(p.dtype), index, 0)
+              for p, q in zip(parts_, new_)]
+
+    new_w_parts = update(parts[:n_w], new_parts[:n_w], layer_i32)
+    new_parts = new_w_parts + update(parts[n_w:], new_parts[n_w:],
+                                     _index_after(layer_i32, new_w_parts[0]))
   new_w, new_slots = _rebuild(codecs, new_parts)
   norm = jnp.sum(g * g) if compute_grad_sq_norm else None
   return new_w, new_slots, norm
