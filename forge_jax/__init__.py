@@ -12,8 +12,8 @@ Public API:
   :class:`ForgeOptimizer`, a real ``optax.GradientTransformationExtraArgs``
   that also carries its :class:`ElementwiseRule` for the kernels.
 * :func:`fused_linear_update`: one layer's weight update from ``x`` and ``dy``
-  without materializing ``dW`` (backends ``"pallas"``, ``"interpret"``,
-  ``"xla"``, ``"auto"``).
+  without materializing ``dW`` (backends ``"mosaic"``, ``"pallas"``,
+  ``"interpret"``, ``"mosaic_interpret"``, ``"xla"``, ``"auto"``).
 * :class:`Dense`: a Flax linen Dense whose backward pass updates its kernel
   and optimizer state in place; :class:`TrainState` and :func:`train_step`
   run a whole in-place training step.

@@ -96,10 +96,29 @@ def init_kernel_state(optimizer, kernel) -> KernelState:
 
 
 _FUSED_BACKWARD = contextvars.ContextVar("forge_fused_backward", default=False)
+# Within fused_backward(): the kernels whose backward pass was traced, as
+# kernel_stream(module path) of the forge_jax.Dense. A ScannedStack's
+# layers record (stacked, stream of the path within the block) here and the
+# stack turns those into the streams of their full paths.
+_UPDATED: contextvars.ContextVar = contextvars.ContextVar("forge_updated", default=None)
+
+
+def kernel_stream(path) -> int:
+  """A forge_jax.Dense's stochastic-rounding stream: a hash of its module path."""
+  return zlib.crc32("/".join(path).encode())
+
+
+def _mark_updated(key) -> None:
+  updated = _UPDATED.get()
+  if updated is not None:
+    updated.add(key)
+
+
+_EXPECTED_OPTIMIZER: contextvars.ContextVar = contextvars.ContextVar("forge_optimizer", default=None)
 
 
 @contextlib.contextmanager
-def fused_backward():
+def fused_backward(optimizer=None):
   """Allows the backward pass of FORGE layers to be traced in this scope.
 
   :func:`forge_jax.train_step` opens it around its VJP. A FORGE layer's
@@ -109,12 +128,37 @@ def fused_backward():
   returned "gradients" would silently compute nonsense; outside this scope the
   backward pass raises instead. Open it yourself only in a custom training
   step that overwrites FORGE kernels with their cotangents exactly once.
+
+  With ``optimizer`` (the one that updates the other parameters and advances
+  the FORGE counts), a FORGE layer built with a different rule or precision
+  raises. Yields the set of the layers whose backward pass ran, as
+  :func:`kernel_stream` of their module paths.
   """
   token = _FUSED_BACKWARD.set(True)
+  updated = set()
+  token_updated = _UPDATED.set(updated)
+  token_opt = _EXPECTED_OPTIMIZER.set(optimizer)
   try:
-    yield
+    yield updated
   finally:
+    _EXPECTED_OPTIMIZER.reset(token_opt)
+    _UPDATED.reset(token_updated)
     _FUSED_BACKWARD.reset(token)
+
+
+def _check_optimizer(optimizer) -> None:
+  expected = _EXPECTED_OPTIMIZER.get()
+  if expected is None:
+    return
+  ours = _optimizers.as_forge_optimizer(optimizer)
+  if ours.rule != expected.rule or ours.precision != expected.precision:
+    raise ValueError(
+        f"a forge_jax.Dense was built with the optimizer {ours.rule} ({ours.precision}), but "
+        f"train_step's TrainState has {expected.rule} ({expected.precision}). The FORGE layer "
+        "runs its own optimizer inside its backward pass while the TrainState's updates every "
+        "other parameter and advances the counts: pass the same optimizer to the model and to "
+        "TrainState.create."
+    )
 
 
 def _check_fused_backward_allowed():
@@ -153,6 +197,8 @@ def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, strea
 
 def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, stream, res, dy):
   _check_fused_backward_allowed()
+  _check_optimizer(optimizer)
+  _mark_updated(stream)
   x, kernel, kstate = res
   dx = jax.lax.dot_general(
       dy, kernel.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
@@ -187,6 +233,8 @@ def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, confi
 
 def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, config, stream, res, dy):
   _check_fused_backward_allowed()
+  _check_optimizer(optimizer)
+  _mark_updated(("stacked", stream))
   x, kernels, kstates, layer = res
   w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
   dx = jax.lax.dot_general(
@@ -259,7 +307,7 @@ class Dense(nn.Module):
       ).value
       # The stochastic-rounding stream of this weight: a hash of its path
       # (layers of a ScannedStack share it and differ by layer index).
-      stream = zlib.crc32("/".join(self.scope.path).encode())
+      stream = kernel_stream(self.scope.path)
       static = (self.optimizer, dtype, self.precision, self.backend, self.decay, self.tile_config, stream)
       raw_kernel = self.scope.get_variable("params", "kernel")
       raw_state = self.scope.get_variable(FORGE_STATE, "kernel")

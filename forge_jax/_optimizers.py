@@ -105,7 +105,10 @@ def _make(
     ]
     return rule.state_cls(jnp.zeros([], jnp.int32), *slots)
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, *, forge_decay_mask=None, **extra_args):
+    # forge_decay_mask: the decay mask of `params`, computed by the caller
+    # (forge_jax.train_step evaluates a callable mask on the full params, as
+    # optax would, and passes it here for the parameters FORGE does not manage).
     del extra_args
     if rule.uses_weight and params is None:
       raise ValueError(
@@ -124,7 +127,7 @@ def _make(
       params = jax.tree.map(lambda _: None, updates)
       decay = jax.tree.map(lambda _: False, updates)
     else:
-      decay = opt.decay_mask(params)
+      decay = opt.decay_mask(params) if forge_decay_mask is None else forge_decay_mask
     treedef = jax.tree.structure(updates)
     g_leaves = treedef.flatten_up_to(updates)
     p_leaves = treedef.flatten_up_to(params)

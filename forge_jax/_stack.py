@@ -66,8 +66,8 @@ def _zeros_ct(x):
   return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
-def _stack_vjp(block_apply: Callable, length: int):
-  """The custom-VJP function of a whole stack, for one block structure."""
+def _stack_vjp(block_apply: Callable, length: int, path: tuple = ()):
+  """The custom-VJP function of a whole stack (at module ``path``), for one block structure."""
 
   @jax.custom_vjp
   def run(params, forge, x, args):
@@ -108,7 +108,15 @@ def _stack_vjp(block_apply: Callable, length: int):
           {p: _dense.StackSlice(st, l) for p, st in zip(managed, states)})
       x_l = jax.lax.dynamic_index_in_dim(xs, l, keepdims=False)
       _, vjp_fn = jax.vjp(lambda p, f, x: block_apply(p, f, x, args), p_l, f_l, x_l)
+      updated = _dense._UPDATED.get()
+      before = set(updated) if updated is not None else set()
       ct_p, ct_f, dx = vjp_fn(dx)
+      if updated is not None:
+        # The layers whose backward pass ran, under their full paths (see
+        # forge_jax.train_step, which refuses kernels that got none).
+        ran = updated - before
+        updated.update(_dense.kernel_stream((*path, "layers", *p[:-1])) for p in managed
+                       if ("stacked", _dense.kernel_stream(p[:-1])) in ran)
       ct_p, ct_f = _dense.flat_variables(ct_p), _dense.flat_variables(ct_f)
       # A FORGE kernel's cotangent is its new (stacked) value; its state's is
       # the new state stack (counts untouched: train_step advances them once).
@@ -201,4 +209,4 @@ class ScannedStack(nn.Module):
       y, _ = _Body(block_factory).apply({"params": p, FORGE_STATE: f}, x_l, *args_l)
       return y
 
-    return _stack_vjp(block_apply, self.length)(params, forge, x, tuple(args))
+    return _stack_vjp(block_apply, self.length, tuple(self.scope.path))(params, forge, x, tuple(args))

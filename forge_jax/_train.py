@@ -79,10 +79,13 @@ class TrainState(struct.PyTreeNode):
   def create(cls, apply_fn: Callable, variables: Any, optimizer) -> "TrainState":
     """Builds the state from ``model.init(...)``'s variables.
 
+    Variables without a ``"forge_state"`` collection (a model without FORGE
+    layers) give a state whose every parameter is trained by the optimizer's
+    optax form. ``optimizer`` must be the one the model's FORGE layers were
+    built with (``train_step`` raises otherwise).
+
     Raises:
-      ValueError: if the variables hold no ``"forge_state"`` (initialize the
-        model with its FORGE layers given the optimizer), or if the
-        optimizer's weight-decay mask excludes a FORGE kernel.
+      ValueError: if the optimizer's weight-decay mask excludes a FORGE kernel.
     """
     optimizer = _optimizers.as_forge_optimizer(optimizer)
     variables = _dense.unfreeze(variables)
@@ -123,6 +126,21 @@ def _check_decay_mask(optimizer, params, paths):
     )
 
 
+def _check_all_updated(paths, updated) -> None:
+  """A FORGE kernel is rewritten with its cotangent: one whose backward pass never ran (its
+  output does not reach the loss) would come back as zeros, weight and state."""
+  missing = sorted("/".join(p) for p in paths if _dense.kernel_stream(p[:-1]) not in updated)
+  if missing:
+    raise ValueError(
+        f"FORGE kernels {missing} got no backward pass in this step: their output does not "
+        "reach the loss (a layer the loss does not use, or one behind jax.lax.stop_gradient). "
+        "FORGE updates a kernel inside its backward pass and writes the result where the "
+        "gradient goes, so without one the weight and its optimizer state would be "
+        "overwritten with zeros. Use flax.linen.Dense (trained by the optimizer's optax "
+        "form, or frozen with its mask) for layers that are frozen or unused in some steps."
+    )
+
+
 def _tree_sq_norm(tree) -> jax.Array:
   leaves = [x for x in jax.tree.leaves(tree) if x is not None]
   return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.zeros((), jnp.float32))
@@ -143,14 +161,20 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
   else:
     loss, vjp_fn = jax.vjp(loss_of, state.params, forge_view)
     aux = None
-  with _dense.fused_backward():
+  with _dense.fused_backward(state.optimizer) as updated:
     ct_params, ct_forge = vjp_fn(jnp.ones_like(loss))
+  _check_all_updated(paths, updated)
   ct_forge = _lowp.from_float_view(ct_forge)
 
   # FORGE kernels: the cotangent is the new kernel (already updated in place).
   new_managed, grads_rest = _split(ct_params, paths)
   _, params_rest = _split(state.params, paths)
-  updates, opt_state = state.optimizer.update(grads_rest, state.opt_state, params_rest)
+  # A callable mask sees the whole params (FORGE kernels included), as with optax; the
+  # parameters optax updates here are that mask's values at their paths.
+  extra = {}
+  if state.optimizer.mask is not None:
+    extra["forge_decay_mask"] = _split(state.optimizer.decay_mask(state.params), paths)[1]
+  updates, opt_state = state.optimizer.update(grads_rest, state.opt_state, params_rest, **extra)
   params_rest = optax.apply_updates(params_rest, updates)
   new_params = _merge(params_rest, new_managed)
 

@@ -3,6 +3,7 @@
 import functools
 import re
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -158,6 +159,17 @@ def test_transformer_matches_optax(case, scan):
   _run_parity(lambda opt: Transformer(opt, scan=scan), _batches((2, 6, 8), (2, 6, 4)), name, kwargs)
 
 
+def _matrices_only(params):
+  # A mask that reads every leaf (flax's path_aware_map visits them all), as users write them.
+  return flax.traverse_util.path_aware_map(lambda path, x: x.ndim > 1, params)
+
+
+def test_callable_mask_matches_optax():
+  """A callable weight-decay mask sees the whole params, FORGE kernels included, as in optax."""
+  kwargs = dict(learning_rate=1e-2, weight_decay=0.5, mask=_matrices_only)
+  _run_parity(MLP, _batches((16, 8), (16, 4)), "adamw", kwargs)
+
+
 def _copies(hlo_text):
   return [l.strip() for l in hlo_text.splitlines() if re.search(r"= \S+ copy\(", l)]
 
@@ -175,6 +187,90 @@ def test_unrolled_train_step_is_in_place():
   stats = compiled.memory_analysis()
   batch_bytes = sum(x.nbytes for x in jax.tree.leaves(batch))
   assert stats.alias_size_in_bytes == stats.argument_size_in_bytes - batch_bytes
+
+
+@pytest.mark.parametrize("case", [OPTIMIZERS[0], OPTIMIZERS[4], OPTIMIZERS[6]], ids=["adamw", "rmsprop_c_m", "sgd_nesterov"])
+def test_scanned_train_step_is_in_place(case):
+  """The stacked weights and states of a ScannedStack are updated in place by the xla
+  backend: no stack-sized copies in the compiled step (XLA:CPU added two per stacked
+  slot per layer before the slots' writes were ordered after the weight's)."""
+  name, kwargs = case
+  opt = getattr(forge_jax, name)(**kwargs)
+  model = Transformer(opt, layers=3, scan=True)
+  batch = _batches((2, 6, 8), (2, 6, 4))[0]
+  variables = model.init(jax.random.PRNGKey(0), batch["x"])
+  state = forge_jax.TrainState.create(model.apply, variables, opt)
+  compiled = forge_jax.train_step.lower(state, batch, functools.partial(_mse, model.apply)).compile()
+  stacks = {f"[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(state.forge_state) if x.ndim == 3}
+  assert len(stacks) == 4  # qkv, o, up, down
+  bad = [c for c in _copies(compiled.as_text()) if any(s + "{" in c.split(" copy(")[0] for s in stacks)]
+  assert not bad, "copies of stacked FORGE weight/state buffers:\n" + "\n".join(bad)
+  stats = compiled.memory_analysis()
+  batch_bytes = sum(x.nbytes for x in jax.tree.leaves(batch))
+  assert stats.alias_size_in_bytes == stats.argument_size_in_bytes - batch_bytes
+
+
+class _TwoHeads(nn.Module):
+  opt: object = None
+
+  @nn.compact
+  def __call__(self, x, use_b=True, stop_b=False):
+    a = _dense(self.opt, 4, "a")(x)
+    b = _dense(self.opt, 4, "b")(x)
+    if stop_b:
+      b = jax.lax.stop_gradient(b)
+    return a + b if use_b else a
+
+
+class _BlockWithDeadBranch(nn.Module):
+  opt: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    _dense(self.opt, 8, "dead", use_bias=False)(x)  # its output never reaches the block's
+    return x + _dense(self.opt, 8, "live", use_bias=False)(x)
+
+
+def _mse_kw(apply_fn, kw, variables, batch):
+  return jnp.mean((apply_fn(variables, batch["x"], **kw) - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("kw", [dict(use_b=False), dict(stop_b=True)], ids=["unused", "stop_gradient"])
+def test_kernel_without_backward_pass_is_an_error(kw):
+  """A FORGE kernel is rewritten with its cotangent: without a backward pass it would come
+  back as zeros (weight and state), so train_step refuses it, naming the layer."""
+  opt = forge_jax.adamw(1e-2)
+  model = _TwoHeads(opt)
+  batch = _batches((4, 8), (4, 4))[0]
+  state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), opt)
+  with pytest.raises(ValueError, match=r"\['b/kernel'\] got no backward pass"):
+    forge_jax.train_step(state, batch, lambda v, b: _mse_kw(model.apply, kw, v, b))
+  new_state, _ = forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))  # both used
+  assert float(jnp.abs(new_state.params["b"]["kernel"]).sum()) > 0
+
+
+def test_stacked_kernel_without_backward_pass_is_an_error():
+  opt = forge_jax.adamw(1e-2)
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return forge_jax.ScannedStack(functools.partial(_BlockWithDeadBranch, opt), 2, name="stack")(x)
+
+  model = Stack()
+  batch = _batches((4, 8), (4, 8))[0]
+  state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), opt)
+  with pytest.raises(ValueError, match=r"\['stack/layers/block/dead/kernel'\] got no backward pass"):
+    forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
+
+
+def test_model_and_state_with_different_optimizers_is_an_error():
+  model = MLP(forge_jax.adamw(1e-2))
+  batch = _batches((16, 8), (16, 4))[0]
+  state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]),
+                                      forge_jax.adamw(1e-3))
+  with pytest.raises(ValueError, match="pass the same optimizer to the model and to TrainState.create"):
+    forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
 
 
 def test_weight_used_twice_is_an_error():
