@@ -181,6 +181,15 @@ def _run_backend(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
         backend, x, dy, w, slots, scalars, update_fn, layer=layer, config=config,
         compute_grad_sq_norm=compute_grad_sq_norm, rounding=rounding,
     )
+  if config is not None and type(config).__name__ not in ("TileConfig", "MosaicTileConfig"):
+    raise ValueError(
+        f"config={config!r} is not a tile configuration: pass "
+        "pallas_kernels.fused_dw.TileConfig (backends 'pallas', 'interpret'), "
+        "pallas_kernels.fused_dw_mosaic.MosaicTileConfig (the Mosaic backends) or None."
+    )
+  if backend in ("pallas", "interpret") and config is not None and not isinstance(config, _fused_dw.TileConfig):
+    raise ValueError(f"config={config!r} is not a TileConfig: backend={backend!r} takes "
+                     "pallas_kernels.fused_dw.TileConfig or None.")
   if backend == "xla":
     return _fused_dw.fused_dw_update_reference(
         x, dy, w, slots, scalars, update_fn, layer=layer,
@@ -198,6 +207,14 @@ def _check_inputs(x, dy, w, state, rule, layer):
   if w.ndim != w_ndim:
     what = "a [K, N] weight" if layer is None else "stacked [L, K, N] weights with `layer`"
     raise ValueError(f"expected {what}, got w of shape {w.shape}.")
+  if layer is not None:
+    try:
+      index = int(layer)
+    except (TypeError, jax.errors.ConcretizationTypeError):  # traced: clamped, see the docstring
+      index = 0
+    if not 0 <= index < w.shape[0]:
+      raise ValueError(f"layer={index} is out of range for {w.shape[0]} stacked weights "
+                       f"(w {w.shape}): pass 0 <= layer < {w.shape[0]}.")
   k, n = w.shape[-2:]
   if x.ndim < 2 or dy.ndim < 2:
     raise ValueError(
@@ -270,13 +287,17 @@ def fused_linear_update(
       XLA's dot + fused update measured faster than both kernels, and off GPUs).
     layer: int32 scalar index into stacked ``w`` and slots. The returned
       ``count`` is then left unchanged: advance it once per step, after the
-      last layer.
+      last layer. A concrete index outside ``[0, L)`` is an error; a traced
+      one is clamped into it (as ``lax.dynamic_index_in_dim`` does).
     after: an array that must be computed before ``w`` is overwritten, e.g.
       ``dX = dY @ W.T``, which reads the old weight. The update is made to
       depend on one element of it, so XLA orders every read of the old weight
       first and can update ``w`` in place instead of protecting it with a copy
       (``lax.optimization_barrier`` alone does not order it on every backend).
-    decay: apply weight decay to this weight (the optimizer's ``mask``).
+    decay: apply weight decay to this weight. The optimizer's ``mask``
+      describes a params tree and is not consulted here; ``forge_jax.Dense``
+      passes its ``decay`` attribute (``TrainState.create`` checks that the
+      mask does not exclude a FORGE kernel).
     config: the kernel's tile configuration (``None``: per-shape default):
       a ``TileConfig`` for ``"pallas"``/``"interpret"``, a
       ``MosaicTileConfig`` for the Mosaic backends.

@@ -25,6 +25,7 @@ from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import numerics
 from pallas_kernels.numerics import QuantMap, QuantizedArray
@@ -68,7 +69,7 @@ class Precision:
       index): reproducible and independent of tiling. float32 weights are
       stored exactly (no rounding to choose). Other dtypes: ValueError.
     state_dtype: ``None`` (the optimizer's default), a float dtype for every
-      slot (e.g. ``"bfloat16"``), or ``"int8"``.
+      slot (e.g. ``"bfloat16"``), or ``"int8"`` (or ``jnp.int8``): block-quantized.
     block_size: values per float32 scale of int8 states (a power of two);
       blocks run along the last axis, which must be a multiple of it.
     signed_map: the int8 map of signed slots (first moments, traces).
@@ -92,6 +93,12 @@ class Precision:
       raise ValueError(
           f"weight_rounding={self.weight_rounding!r} must be one of {WEIGHT_ROUNDINGS}."
       )
+    if self.state_dtype is not None and not isinstance(self.state_dtype, str):
+      try:
+        if jnp.dtype(self.state_dtype) == jnp.int8:  # jnp.int8 means the int8 codec
+          object.__setattr__(self, "state_dtype", "int8")
+      except TypeError:
+        pass
     if self.state_dtype is not None and self.state_dtype != "int8":
       try:
         dtype = jnp.dtype(self.state_dtype)
@@ -103,6 +110,10 @@ class Precision:
             "'bfloat16', 'float32') or 'int8'."
         )
       object.__setattr__(self, "state_dtype", dtype)
+    for name in ("block_size", "min_quantized_size", "seed"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be an int.")
     if self.block_size < 1 or self.block_size & (self.block_size - 1):
       raise ValueError(f"block_size={self.block_size} must be a power of two (64 by default).")
     if self.signed_map.signed is not True or self.unsigned_map.signed is not False:

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import forge_jax
+from pallas_kernels import fused_dw_mosaic
 
 # Optimizer cases: (id, forge/optax name, kwargs).
 OPTIMIZERS = [
@@ -151,6 +152,9 @@ def test_stacked_layer_updates_one_slice():
     np.testing.assert_array_equal(new_w[l], w[l])
     np.testing.assert_array_equal(new_state.nu[l], state.nu[l])
   assert int(new_state.count) == 0  # advanced by the caller once per step
+  for bad in (4, -1):  # a concrete index outside [0, L) is refused, not clamped
+    with pytest.raises(ValueError, match=f"layer={bad} is out of range for 4 stacked weights"):
+      forge_jax.fused_linear_update(x, dy, w, state, opt, backend="xla", layer=jnp.int32(bad))
 
 
 def test_errors():
@@ -173,6 +177,11 @@ def test_errors():
     forge_jax.fused_linear_update(x, dy, w, state, opt, backend="cuda")
   with pytest.raises(ValueError, match="stacked"):
     forge_jax.fused_linear_update(x, dy, w, state, opt, backend="xla", layer=jnp.int32(0))
+  with pytest.raises(ValueError, match="is not a tile configuration"):
+    forge_jax.fused_linear_update(x, dy, w, state, opt, backend="xla", config="garbage")
+  with pytest.raises(ValueError, match="is not a TileConfig: backend='interpret'"):
+    forge_jax.fused_linear_update(x, dy, w, state, opt, backend="interpret",
+                                  config=fused_dw_mosaic.MosaicTileConfig())
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="needs a GPU"):
       forge_jax.fused_linear_update(x, dy, w, state, opt, backend="pallas")

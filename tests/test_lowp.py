@@ -52,12 +52,19 @@ def _inputs(seed, t, k, n, w_dtype=BF16):
         (dict(state_dtype="int4"), "state_dtype='int4' must be None, a float dtype"),
         (dict(state_dtype=jnp.int32), "must be None, a float dtype"),
         (dict(block_size=48), "block_size=48 must be a power of two"),
+        (dict(block_size=64.0), "block_size=64.0 must be an int"),
+        (dict(min_quantized_size=None), "min_quantized_size=None must be an int"),
         (dict(unsigned_map=nm.QuantMap("linear", signed=True)), "unsigned_map=.* an unsigned one"),
     ],
 )
 def test_precision_rejects_bad_values(kwargs, match):
   with pytest.raises(ValueError, match=match):
     P(**kwargs)
+
+
+def test_precision_takes_the_int8_dtype_for_the_int8_codec():
+  assert P(state_dtype=jnp.int8) == P(state_dtype="int8")
+  assert P(state_dtype=jnp.int8).state_dtype == "int8"
 
 
 def test_optimizer_errors_name_the_conflict_and_the_fix():

@@ -93,3 +93,21 @@ def test_restore_into_another_model_is_an_error(tmp_path):
   like = forge_jax.TrainState.create(other.apply, other.init(jax.random.PRNGKey(0), tokens), opt)
   with pytest.raises(ValueError, match="does not match"):
     forge_jax.restore_train_state(tmp_path / "ckpt", like)
+
+
+def test_restore_into_other_dtypes_is_an_error(tmp_path):
+  """orbax casts a stored array to the target's dtype; a bfloat16 model restored from a
+  float32 checkpoint would resume silently changed, so the dtypes are compared first."""
+  opt = forge_jax.sgd(1e-2, momentum=0.9)
+  tokens = jnp.ones((1, 8), jnp.int32)
+
+  def state(param_dtype):
+    cfg = models.get_config("tiny-llama", linear="forge", remat="full", param_dtype=param_dtype)
+    model = models.CausalLM(cfg, optimizer=opt)
+    return forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), tokens), opt)
+
+  forge_jax.save_train_state(tmp_path / "ckpt", state("float32"))
+  with pytest.raises(ValueError, match=r"holds other dtypes .*stored float32, expected bfloat16"):
+    forge_jax.restore_train_state(tmp_path / "ckpt", state("bfloat16"))
+  restored = forge_jax.restore_train_state(tmp_path / "ckpt", state("float32"))
+  assert int(restored.step) == 0
