@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -206,7 +207,15 @@ class ScannedStack(nn.Module):
     block_factory = self.block
 
     def block_apply(p, f, x_l, args_l):
-      y, _ = _Body(block_factory).apply({"params": p, FORGE_STATE: f}, x_l, *args_l)
+      try:
+        y, _ = _Body(block_factory).apply({"params": p, FORGE_STATE: f}, x_l, *args_l)
+      except flax.errors.InvalidRngError as e:
+        raise ValueError(
+            f"a block of ScannedStack {'/'.join(self.scope.path)} draws random numbers "
+            "(dropout?). Its FORGE path runs the blocks without RNGs, because the backward "
+            "pass recomputes each block and would need the same random bits again: make the "
+            "block deterministic while training with FORGE, or unroll the layers."
+        ) from e
       return y
 
     return _stack_vjp(block_apply, self.length, tuple(self.scope.path))(params, forge, x, tuple(args))

@@ -273,6 +273,31 @@ def test_model_and_state_with_different_optimizers_is_an_error():
     forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
 
 
+def test_scanned_block_with_dropout_is_an_error():
+  opt = forge_jax.adamw(1e-2)
+
+  class DropoutBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + nn.Dropout(0.1, deterministic=False)(_dense(opt, 8, "l")(x))
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return forge_jax.ScannedStack(DropoutBlock, 2, name="stack")(x)
+
+  model = Stack()
+  x = jnp.ones((4, 8))
+  variables = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, x)
+  state = forge_jax.TrainState.create(model.apply, variables, opt)
+
+  def loss(v, b):
+    return jnp.mean(model.apply(v, b, rngs={"dropout": jax.random.PRNGKey(2)}) ** 2)
+
+  with pytest.raises(ValueError, match="a block of ScannedStack stack draws random numbers"):
+    forge_jax.train_step(state, x, loss)
+
+
 def test_weight_used_twice_is_an_error():
   opt = forge_jax.sgd(1e-2)
 
