@@ -20,6 +20,11 @@
 #   bash experiments/h200_session.sh ring       # ~5 min: at T=1024 the W/state stream per ring config
 #   bash experiments/h200_session.sh capacity   # <10 min: Llama-3.1-8B's largest batch with the
 #                                               #   lean loss (the capacity table used optax's loss)
+#   bash experiments/h200_session.sh xla_route  # ~6 min: the "xla" backend's stacks (int8 states'
+#                                               #   route) after the slot-write ordering fix of
+#                                               #   2026-11-30 (XLA:CPU copied every stacked slot
+#                                               #   twice per layer): stack-sized copies in the
+#                                               #   compiled GPU step, then Llama-3.1-8B steps
 #   bash experiments/h200_session.sh unrolled8b # then models (qwen3-14b with the Mosaic kernel), sass
 #
 # Parts run before (kept to repeat them):
@@ -64,7 +69,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|capacity|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -151,6 +156,13 @@ case "$part" in
     # (models.cross_entropy, the default since) cut FORGE's step at 32x1024 by 7.8 GiB compile-only.
     step capacity 570 python -m experiments.bench_models --out "$work/capacity" --capacity \
       --models llama-3.1-8b --impls optax_clip,forge --tokens 1024 --max-batch 64 --time-budget 520 --steps 1
+    ;;
+  xla_route)
+    step hlo 200 python -m experiments.memory_analysis --model llama-3.1-8b --impls forge_xla,forge_int8,forge \
+      --batch 1 --tokens 1024 --hlo --out "$work/hlo"
+    rm -rf "$work/hlo/hlo"  # the HLO text (hundreds of MB); the counts are in memory_analysis.json
+    step models 330 python -m experiments.bench_models --out "$work/models" --models llama-3.1-8b \
+      --impls optax,forge_xla,forge_int8,forge --timeout 150
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
