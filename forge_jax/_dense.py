@@ -103,9 +103,25 @@ _FUSED_BACKWARD = contextvars.ContextVar("forge_fused_backward", default=False)
 _UPDATED: contextvars.ContextVar = contextvars.ContextVar("forge_updated", default=None)
 
 
+# The module path of the block a ScannedStack is applying (its layers have
+# paths relative to the block): prefixed to its layers' paths, so that every
+# FORGE kernel's stream is the hash of its full path.
+_PATH_PREFIX: contextvars.ContextVar = contextvars.ContextVar("forge_path_prefix", default=())
+
+
 def kernel_stream(path) -> int:
   """A forge_jax.Dense's stochastic-rounding stream: a hash of its module path."""
   return zlib.crc32("/".join(path).encode())
+
+
+@contextlib.contextmanager
+def path_prefix(prefix: tuple):
+  """Within it, forge_jax.Dense layers take their streams from ``prefix`` + their paths."""
+  token = _PATH_PREFIX.set(tuple(prefix))
+  try:
+    yield
+  finally:
+    _PATH_PREFIX.reset(token)
 
 
 def _mark_updated(key) -> None:
@@ -307,7 +323,7 @@ class Dense(nn.Module):
       ).value
       # The stochastic-rounding stream of this weight: a hash of its path
       # (layers of a ScannedStack share it and differ by layer index).
-      stream = kernel_stream(self.scope.path)
+      stream = kernel_stream((*_PATH_PREFIX.get(), *self.scope.path))
       static = (self.optimizer, dtype, self.precision, self.backend, self.decay, self.tile_config, stream)
       raw_kernel = self.scope.get_variable("params", "kernel")
       raw_state = self.scope.get_variable(FORGE_STATE, "kernel")

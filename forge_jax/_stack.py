@@ -67,8 +67,9 @@ def _zeros_ct(x):
   return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
-def _stack_vjp(block_apply: Callable, length: int, path: tuple = ()):
-  """The custom-VJP function of a whole stack (at module ``path``), for one block structure."""
+def _stack_vjp(block_apply: Callable, length: int, prefix: tuple = ()):
+  """The custom-VJP function of a whole stack, for one block structure (``prefix``: the
+  module path of its blocks' variables, ``<stack path>/layers``)."""
 
   @jax.custom_vjp
   def run(params, forge, x, args):
@@ -116,8 +117,8 @@ def _stack_vjp(block_apply: Callable, length: int, path: tuple = ()):
         # The layers whose backward pass ran, under their full paths (see
         # forge_jax.train_step, which refuses kernels that got none).
         ran = updated - before
-        updated.update(_dense.kernel_stream((*path, "layers", *p[:-1])) for p in managed
-                       if ("stacked", _dense.kernel_stream(p[:-1])) in ran)
+        full = [_dense.kernel_stream((*prefix, *p[:-1])) for p in managed]
+        updated.update(s for s in full if ("stacked", s) in ran)
       ct_p, ct_f = _dense.flat_variables(ct_p), _dense.flat_variables(ct_f)
       # A FORGE kernel's cotangent is its new (stacked) value; its state's is
       # the new state stack (counts untouched: train_step advances them once).
@@ -206,9 +207,14 @@ class ScannedStack(nn.Module):
     forge = variables[FORGE_STATE]["layers"]
     block_factory = self.block
 
+    # The blocks' FORGE kernels take their streams from their full paths (two stacks
+    # of the same block draw independent rounding bits).
+    prefix = (*_dense._PATH_PREFIX.get(), *self.scope.path, "layers")
+
     def block_apply(p, f, x_l, args_l):
       try:
-        y, _ = _Body(block_factory).apply({"params": p, FORGE_STATE: f}, x_l, *args_l)
+        with _dense.path_prefix(prefix):
+          y, _ = _Body(block_factory).apply({"params": p, FORGE_STATE: f}, x_l, *args_l)
       except flax.errors.InvalidRngError as e:
         raise ValueError(
             f"a block of ScannedStack {'/'.join(self.scope.path)} draws random numbers "
@@ -218,4 +224,4 @@ class ScannedStack(nn.Module):
         ) from e
       return y
 
-    return _stack_vjp(block_apply, self.length, tuple(self.scope.path))(params, forge, x, tuple(args))
+    return _stack_vjp(block_apply, self.length, prefix)(params, forge, x, tuple(args))

@@ -298,6 +298,33 @@ def test_scanned_block_with_dropout_is_an_error():
     forge_jax.train_step(state, x, loss)
 
 
+def test_two_stacks_of_one_block_draw_independent_rounding_streams():
+  """A FORGE kernel's stochastic-rounding stream hashes its full path, also inside a
+  ScannedStack (whose blocks run as modules of their own): two stacks of the same block
+  differ."""
+  from forge_jax import _dense  # pylint: disable=g-import-not-at-top
+  opt = forge_jax.adamw(1e-2)
+
+  class Two(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = forge_jax.ScannedStack(functools.partial(_BlockWithDeadBranch, opt), 2, name="enc")(x)
+      return forge_jax.ScannedStack(functools.partial(_BlockWithDeadBranch, opt), 2, name="dec")(x)
+
+  model = Two()
+  x = jnp.ones((4, 8))
+  variables = model.init(jax.random.PRNGKey(0), x)
+  state = forge_jax.TrainState.create(model.apply, variables, opt)
+  with forge_jax.fused_backward(opt) as updated:
+    _, vjp_fn = jax.vjp(lambda p, f: jnp.sum(model.apply({"params": p, "forge_state": f}, x)),
+                        state.params, state.forge_state)
+    vjp_fn(jnp.ones(()))
+  streams = {name: _dense.kernel_stream((name, "layers", "block", "live")) for name in ("enc", "dec")}
+  assert streams["enc"] != streams["dec"]
+  assert {("stacked", s) for s in streams.values()} <= updated  # each ran under its own stream
+  assert set(streams.values()) <= updated  # and was credited to its full path
+
+
 def test_weight_used_twice_is_an_error():
   opt = forge_jax.sgd(1e-2)
 
