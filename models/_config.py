@@ -39,9 +39,11 @@ BLOCK_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 class RopeScaling:
   """Llama-3.1's ``"llama3"`` rotary frequency scaling (HF ``rope_scaling``).
 
-  Wavelengths longer than ``original_max_position_embeddings / low_freq_factor``
-  are divided by ``factor``; those shorter than ``... / high_freq_factor`` are
-  kept; the band between is interpolated smoothly.
+  Frequencies whose wavelengths are longer than
+  ``original_max_position_embeddings / low_freq_factor`` are divided by
+  ``factor`` (their wavelengths stretched by it); those with wavelengths
+  shorter than ``... / high_freq_factor`` are kept; the band between is
+  interpolated smoothly.
   """
 
   factor: float = 8.0
@@ -126,9 +128,24 @@ class ModelConfig:
     _check_choice("attention", self.attention, ATTENTION_IMPLS)
     for field in ("param_dtype", "dtype"):
       value = getattr(self, field)
-      if not isinstance(value, str) or not jnp.issubdtype(jnp.dtype(value), jnp.floating):
+      try:
+        ok = isinstance(value, str) and jnp.issubdtype(jnp.dtype(value), jnp.floating)
+      except TypeError:  # not a dtype name at all, e.g. 'bf16'
+        ok = False
+      if not ok:
         raise ValueError(
             f"{field}={value!r} must be the name of a float dtype, e.g. 'float32' or 'bfloat16'")
+      if jnp.dtype(value).itemsize > 4 and not jax.config.jax_enable_x64:
+        raise ValueError(f"{field}={value!r} needs jax_enable_x64 (without it jax computes and "
+                         "stores float32): use 'float32' or enable x64")
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim"):
+      if getattr(self, field) < 1:
+        raise ValueError(f"{field}={getattr(self, field)} must be at least 1")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None or a models.RopeScaling "
+                       "(e.g. RopeScaling(factor=8.0)); a HF rope_scaling dict is read by "
+                       "models.config_from_hf")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "

@@ -32,8 +32,17 @@ def _log_sum_exp(logits: jax.Array) -> jax.Array:
   return peak[..., 0] + jnp.log(jnp.sum(jnp.exp(x - peak), axis=-1))
 
 
+def _valid(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  return (labels >= 0) & (labels < logits.shape[-1])
+
+
 def _picked(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  return jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0].astype(_F32)
+  """``logits[label]`` in float32; NaN for an id outside ``[0, V)`` (negative ones included:
+  no wrap-around, and the backward below agrees)."""
+  valid = _valid(logits, labels)
+  safe = jnp.where(valid, labels, 0)
+  picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0].astype(_F32)
+  return jnp.where(valid, picked, jnp.nan)
 
 
 @jax.custom_vjp
@@ -52,6 +61,7 @@ def _mean_nll_bwd(res, g):
   prob = jnp.exp(logits.astype(_F32) - lse[..., None])
   vocab = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
   grad = jnp.where(vocab == labels[..., None], prob - 1.0, prob) * scale
+  grad = jnp.where(_valid(logits, labels)[..., None], grad, jnp.nan)  # as the value: NaN
   return grad.astype(logits.dtype), None
 
 
@@ -64,8 +74,10 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   Args:
     logits: ``[..., V]`` in any float dtype (bf16 from a bf16 model); not
       upcast as a whole.
-    labels: integer class ids of shape ``logits.shape[:-1]``, in ``[0, V)``
-      (out-of-range ids are not checked inside ``jit``).
+    labels: integer class ids of shape ``logits.shape[:-1]``, in ``[0, V)``.
+      Outside ``jit`` an id outside it (a negative ignore id such as -100
+      included) raises; inside ``jit`` it makes the loss and its gradient
+      NaN (no masking: pass only real next-token ids).
 
   Returns:
     A float32 scalar: ``mean(logsumexp(logits) - logits[label])``, as
@@ -83,4 +95,11 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
         f"cross_entropy: labels of shape {tuple(labels.shape)} do not match logits "
         f"{tuple(logits.shape)} (expected {tuple(logits.shape[:-1])}, one id per position)"
     )
+  try:  # concrete labels (outside jit): check the ids
+    low, high = int(jnp.min(labels)), int(jnp.max(labels))
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    low, high = 0, 0
+  if low < 0 or high >= logits.shape[-1]:
+    raise ValueError(f"cross_entropy: label ids range over [{low}, {high}], outside the vocabulary "
+                     f"[0, {logits.shape[-1]}): pass next-token ids (no ignore ids such as -100)")
   return _mean_nll(logits, labels.astype(jnp.int32))

@@ -159,6 +159,11 @@ class CausalLM(nn.Module):
       positions_BxL: RoPE positions; ``0 .. L-1`` per row by default.
     """
     cfg = self.cfg
+    if jnp.ndim(tokens_BxL) != 2:
+      raise ValueError(f"tokens_BxL has shape {jnp.shape(tokens_BxL)}: pass [batch, length] ids")
+    if positions_BxL is not None and jnp.shape(positions_BxL) != jnp.shape(tokens_BxL):
+      raise ValueError(f"positions_BxL has shape {jnp.shape(positions_BxL)}, tokens_BxL "
+                       f"{jnp.shape(tokens_BxL)}: pass one position per token ([batch, length])")
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=jnp.dtype(cfg.dtype),
                      param_dtype=jnp.dtype(cfg.param_dtype),
                      embedding_init=nn.initializers.normal(stddev=cfg.init_std),

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
+from flax import traverse_util
 from safetensors.numpy import save_file
 
 from models._config import ModelConfig, RopeScaling
@@ -244,6 +245,10 @@ def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig,
                        f"expected {entry.shape} for {_describe(cfg)}")
     return np.ascontiguousarray(cast(array))
 
+  written = {e.path for e in _global_entries(cfg)}
+  for e in _layer_entries(cfg):
+    written.update({layer_path(cfg, 0) + e.path} if cfg.scan_layers else
+                   {layer_path(cfg, i) + e.path for i in range(cfg.num_layers)})
   out = {e.name: to_hf(e, e.name, np.asarray(_get(params, e.path, cfg)))
          for e in _global_entries(cfg)}
   for e in _layer_entries(cfg):
@@ -260,6 +265,11 @@ def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig,
     for i, array in enumerate(layers):
       name = e.name.format(i=i)
       out[name] = to_hf(e, name, array)
+  extra = sorted("/".join(p) for p in traverse_util.flatten_dict(params) if p not in written)
+  if extra:
+    raise ValueError(
+        f"params hold {extra} that {_describe(cfg)} (attention_bias={cfg.attention_bias}) "
+        "does not write: they would be lost. Save with the config the model was trained with.")
   return out
 
 
@@ -290,7 +300,8 @@ def save_checkpoint(path: str | pathlib.Path, cfg: ModelConfig, params: Mapping[
   """Writes ``config.json`` and the weights in the HF layout.
 
   Args:
-    path: output directory (created if needed; files of the same names are overwritten).
+    path: output directory (created if needed; a checkpoint's weights already there,
+      single-file or sharded, are replaced).
     cfg: the model's config.
     params: the ``params`` collection of ``CausalLM(cfg)``.
     dtype: dtype of the written tensors, e.g. ``"bfloat16"``; default: as stored.
@@ -301,9 +312,14 @@ def save_checkpoint(path: str | pathlib.Path, cfg: ModelConfig, params: Mapping[
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   tensors = params_to_hf(params, cfg, dtype)
-  hf = {**(base_config or {}), **config_to_hf(cfg)}
+  # The base config's rope and dtype keys in either transformers spelling would
+  # contradict (and, for transformers 5's, override) the ones written here.
+  base = {k: v for k, v in (base_config or {}).items() if k not in _DERIVED_KEYS}
+  hf = {**base, **config_to_hf(cfg)}
   if dtype is not None:
     hf["torch_dtype"] = dtype
+  hf["dtype"] = hf["torch_dtype"]  # transformers 5's name
+  _remove_weights(path)  # a layout written before would shadow (or mix with) this one
   (path / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
   metadata = {"format": "pt"}  # transformers refuses safetensors files without it.
   if max_shard_bytes is None:
@@ -322,6 +338,19 @@ def save_checkpoint(path: str | pathlib.Path, cfg: ModelConfig, params: Mapping[
   total_size = sum(a.nbytes for a in tensors.values())
   index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
   (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+_DERIVED_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
+
+
+def _remove_weights(path: pathlib.Path) -> None:
+  """Deletes the weight files of a checkpoint at ``path`` (single file, index and shards)."""
+  if (path / INDEX_NAME).is_file():
+    for name in set(json.loads((path / INDEX_NAME).read_text()).get("weight_map", {}).values()):
+      (path / name).unlink(missing_ok=True)
+    (path / INDEX_NAME).unlink()
+  for stale in [path / WEIGHTS_NAME, *path.glob("model-*-of-*.safetensors")]:
+    stale.unlink(missing_ok=True)
 
 
 class _LazyTensors(Mapping):

@@ -495,3 +495,65 @@ def test_cross_entropy_errors():
     models.cross_entropy(logits, jnp.zeros((2, 3)))
   with pytest.raises(TypeError, match="float array"):
     models.cross_entropy(jnp.zeros((2, 3, 10), jnp.int32), jnp.zeros((2, 3), jnp.int32))
+
+
+def test_saving_again_replaces_the_other_layout(tmp_path):
+  """A sharded save over a single-file one (and back) leaves only the new weights: the old
+  file would be read first by transformers (model.safetensors) or by us (the index)."""
+  cfg, params = _init("tiny-llama")
+  other = jax.tree.map(lambda a: a + 1, params)
+  models.save_checkpoint(tmp_path, cfg, params)
+  models.save_checkpoint(tmp_path, cfg, other, max_shard_bytes=40_000)
+  assert not (tmp_path / hf_io.WEIGHTS_NAME).exists()
+  _, loaded = models.load_checkpoint(tmp_path)
+  np.testing.assert_array_equal(loaded["embed_tokens"]["embedding"], other["embed_tokens"]["embedding"])
+  models.save_checkpoint(tmp_path, cfg, params)
+  assert not (tmp_path / hf_io.INDEX_NAME).exists() and not list(tmp_path.glob("model-*-of-*"))
+  _, loaded = models.load_checkpoint(tmp_path)
+  np.testing.assert_array_equal(loaded["embed_tokens"]["embedding"], params["embed_tokens"]["embedding"])
+
+
+def test_saving_params_the_config_does_not_write_is_an_error(tmp_path):
+  cfg, params = _init("tiny-llama")  # untied: has an lm_head
+  with pytest.raises(ValueError, match=r"params hold \['lm_head/kernel'\] .* would be lost"):
+    models.save_checkpoint(tmp_path, dataclasses.replace(cfg, tie_word_embeddings=True), params)
+
+
+def test_base_config_rope_and_dtype_keys_do_not_override_the_written_ones(tmp_path):
+  cfg, params = _init("tiny-llama")
+  base = {"bos_token_id": 7, "dtype": "float32", "rope_theta": 1.0,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 1.0}}
+  models.save_checkpoint(tmp_path, cfg, params, dtype="bfloat16", base_config=base)
+  written = json.loads((tmp_path / hf_io.CONFIG_NAME).read_text())
+  assert written["bos_token_id"] == 7 and "rope_parameters" not in written
+  assert written["dtype"] == written["torch_dtype"] == "bfloat16"
+  loaded_cfg, _ = models.load_checkpoint(tmp_path)
+  assert loaded_cfg.rope_theta == cfg.rope_theta and loaded_cfg.rope_scaling == cfg.rope_scaling
+
+
+def test_cross_entropy_refuses_ids_outside_the_vocabulary():
+  logits = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 11))
+  labels = jnp.array([[1, 2, 3], [4, 5, -1]])
+  with pytest.raises(ValueError, match=r"label ids range over \[-1, 5\], outside the vocabulary"):
+    models.cross_entropy(logits, labels)
+  # Under jit value and gradient agree: NaN (no wrap-around of -1 to the last class).
+  value, grad = jax.jit(jax.value_and_grad(models.cross_entropy))(logits, labels)
+  assert np.isnan(float(value)) and bool(jnp.isnan(grad).all(axis=-1)[1, 2])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(num_kv_heads=0), "num_kv_heads=0 must be at least 1"),
+    (dict(dtype="bf16"), "dtype='bf16' must be the name of a float dtype"),
+    (dict(param_dtype="float64"), "needs jax_enable_x64"),
+    (dict(rope_scaling={"factor": 8.0}), "must be None or a models.RopeScaling"),
+])
+def test_config_errors_name_the_value(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    models.get_config("tiny-llama", **overrides)
+
+
+def test_positions_of_another_shape_are_an_error():
+  cfg, params = _init("tiny-llama")
+  tokens = jnp.ones((2, 5), jnp.int32)
+  with pytest.raises(ValueError, match=r"positions_BxL has shape \(5,\)"):
+    models.CausalLM(cfg).apply({"params": params}, tokens, jnp.arange(5))
