@@ -115,11 +115,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--in-process", action="store_true", help="run both in this process (peak memory is shared)")
   a("--progress", action=argparse.BooleanOptionalAction, default=None,
     help="progress bars (default: when stderr is a terminal)")
-  a("--smoke", action="store_true", help="a tiny CPU run in seconds: " + json.dumps(SMOKE))
+  a("--smoke", action="store_true",
+    help="a tiny CPU run in seconds; these defaults, which other flags override: " + json.dumps(SMOKE))
+  if p.parse_args(argv).smoke:
+    p.set_defaults(**SMOKE)
   args = p.parse_args(argv)
-  if args.smoke:
-    for k, v in SMOKE.items():
-      setattr(args, k, v)
   if args.progress is None:
     args.progress = sys.stderr.isatty()
   return args
@@ -161,11 +161,32 @@ def _summary_of(run_dir: pathlib.Path):
   return json.loads(path.read_text()) if path.exists() else None
 
 
+def _check_same_run(args: argparse.Namespace, name: str, run_dir: pathlib.Path) -> None:
+  """A finished run is reused only if these arguments would have trained it."""
+  theirs = json.loads((run_dir / "config.json").read_text())["trajectory"]
+  mine = train.parse_args(train_argv(args, name, resume=True))
+  diff = {k: (theirs.get(k), getattr(mine, k)) for k in train.TRAJECTORY_KEYS
+          if theirs.get(k) != getattr(mine, k)}
+  if diff:
+    raise ValueError(f"{run_dir} holds a finished run with other arguments (saved, given): {diff}. "
+                     "Use another --out for these settings.")
+
+
+def check_runs(args: argparse.Namespace) -> None:
+  """Every run's arguments, checked before the first one trains."""
+  for name in args.runs.split(","):
+    if name not in RUNS:
+      raise ValueError(f"--runs: {name!r} is not one of {', '.join(RUNS)}")
+  for name in (["pretrain"] if args.pretrain_steps else []) + args.runs.split(","):
+    train.check_args(train.parse_args(train_argv(args, name, resume=False)))
+
+
 def run_one(args: argparse.Namespace, name: str, data) -> dict:
   """One run (reused when finished, resumed when not); returns its summary."""
   run_dir = pathlib.Path(args.out) / name
   done = _summary_of(run_dir)
   if done and done.get("complete"):
+    _check_same_run(args, name, run_dir)
     print(f"{name}: reusing the finished run in {run_dir}")
     return done
   argv = train_argv(args, name, resume=(run_dir / "config.json").exists())
@@ -266,6 +287,7 @@ def main(argv=None) -> dict:
       raise SystemExit("usage: python -m experiments.convergence --report-from RESULTS_DIR")
     return report_from(pathlib.Path(argv[1]))
   args = parse_args(argv)
+  check_runs(args)
   command = "python -m experiments.convergence " + " ".join(sys.argv[1:] if argv is None else argv)
   # No jax backend in this process unless it trains here: on a GPU it would
   # reserve memory that the runs' own processes need.
@@ -279,8 +301,6 @@ def main(argv=None) -> dict:
       print("pretrain: stopped before the end; run the same command again to continue")
       return {"complete": False}
   for name in args.runs.split(","):
-    if name not in RUNS:
-      raise ValueError(f"--runs: {name!r} is not one of {', '.join(RUNS)}")
     s = run_one(args, name, data)
     if not s or not s.get("complete"):
       print(f"{name}: stopped before the end; run the same command again to continue")

@@ -121,7 +121,8 @@ def split_files(paths: tuple[str, ...], eval_fraction: float) -> tuple[list[int]
   file is held out (the lowest hash) and at least one kept.
   """
   if len(paths) < 2:
-    raise ValueError(f"need at least 2 files for a held-out split, got {len(paths)}")
+    raise ValueError(f"need at least 2 files for a held-out split, got {len(paths)}: the "
+                     "corpus is too small (raise --corpus-bytes, or 0 for the whole stdlib)")
   hashes = [_path_hash(p) for p in paths]
   cut = int(eval_fraction * 2**64)
   held = [i for i, h in enumerate(hashes) if h < cut]

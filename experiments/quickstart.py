@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--model", default="tiny-qwen3")
   p.add_argument("--set", action="append", default=None, metavar="FIELD=VALUE",
-                 help=f"ModelConfig overrides (default: {' '.join(MODEL)})")
+                 help=f"ModelConfig overrides, replacing the quickstart's own for tiny-qwen3 "
+                      f"({' '.join(MODEL)}; other --model presets have none)")
   p.add_argument("--tokenizer", default="bytes", choices=data_lib.TOKENIZERS)
   p.add_argument("--corpus-bytes", type=int, default=0, help="0: the whole stdlib")
   p.add_argument("--eval-every", type=int, default=50)
@@ -57,15 +58,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out", default="runs/quickstart")
   p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
   args = p.parse_args(argv)
-  if args.set is None:
-    args.set = list(MODEL)
+  if args.set is None:  # the quickstart's model: tiny-qwen3 widened; other presets as they are
+    args.set = list(MODEL) if args.model == "tiny-qwen3" else []
   return args
 
 
 def train_args(args: argparse.Namespace, impl: str) -> argparse.Namespace:
   argv = ["--impl", impl, "--model", args.model, "--optimizer", args.optimizer,
           "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-          "--lr", str(args.lr), "--warmup", str(max(1, args.steps // 10)),
+          "--lr", str(args.lr), "--warmup", str(min(max(1, args.steps // 10), args.steps - 1)),
           "--tokenizer", args.tokenizer, "--corpus-bytes", str(args.corpus_bytes),
           "--eval-every", str(args.eval_every), "--eval-batches", "4",
           "--out", os.path.join(args.out, impl),

@@ -145,6 +145,12 @@ def check_args(args: argparse.Namespace) -> None:
   if args.steps < 1 or args.batch < 1 or args.seq < 1:
     raise ValueError(f"--steps, --batch and --seq must be positive, got {args.steps}, "
                      f"{args.batch}, {args.seq}")
+  for flag, value, low in (("--log-every", args.log_every, 1), ("--eval-batches", args.eval_batches, 1),
+                           ("--keep-ckpts", args.keep_ckpts, 1), ("--warmup", args.warmup, 0),
+                           ("--stop-at", args.stop_at, 0), ("--eval-every", args.eval_every, 0),
+                           ("--ckpt-every", args.ckpt_every, 0)):
+    if value < low:
+      raise ValueError(f"{flag} {value} must be at least {low}")
 
 
 def _parse_value(text: str) -> Any:
@@ -157,11 +163,21 @@ def _parse_value(text: str) -> Any:
 def model_config(args: argparse.Namespace, vocab_size: int) -> models.ModelConfig:
   """The preset with the run's switches; the vocabulary is the tokenizer's, rounded up to 128."""
   overrides = {}
+  own_flags = {"linear": "--impl", "remat": "--remat", "scan_layers": "--scan/--no-scan",
+               "dtype": "--dtype", "param_dtype": "--param-dtype", "attention": "--attention",
+               "vocab_size": "--vocab-size (the tokenizer's, rounded up to 128)"}
+  fields = {f.name for f in dataclasses.fields(models.ModelConfig)}
   for item in args.set:
     field, sep, value = item.partition("=")
+    field = field.strip()
     if not sep:
       raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
-    overrides[field.strip()] = _parse_value(value.strip())
+    if field in own_flags:
+      raise ValueError(f"--set {field}=...: this field is set by {own_flags[field]}")
+    if field not in fields:
+      raise ValueError(f"--set {field}=...: ModelConfig has no field {field!r}; its fields are "
+                       f"{', '.join(sorted(fields - set(own_flags)))}")
+    overrides[field] = _parse_value(value.strip())
   return models.get_config(
       args.model, linear="forge" if args.impl == "forge" else "flax", remat=args.remat,
       scan_layers=args.scan, dtype=args.dtype, param_dtype=args.param_dtype,
@@ -345,6 +361,11 @@ def _restore(trainer: Trainer, out: pathlib.Path, resume: bool):
   """(state, first step): the newest checkpoint's with ``resume``, else a fresh state at 0."""
   found = latest_checkpoint(out) if resume else None
   if not found:
+    if resume and (out / "log.jsonl").exists():
+      raise ValueError(
+          f"--resume: {out} holds a run but no checkpoint to continue from (it ran with "
+          "--ckpt-every 0 and was stopped before its end?): starting again would overwrite its "
+          "log. Use another --out, or delete this one.")
     return trainer.init_state(), 0
   start, path = found
   # Restored into shapes only: a materialized fresh state would double peak memory.
@@ -382,6 +403,10 @@ def _run(args: argparse.Namespace, data: Optional[data_lib.TokenData]) -> dict:
   lrs = np.asarray(jax.jit(jax.vmap(lr_schedule(args)))(jnp.arange(args.steps)))
   _write_config(args, out)  # only once the run is known to build
   state, start = _restore(trainer, out, args.resume)
+  if start >= args.steps and (out / "summary.json").exists():
+    print(f"{out}: the run is complete ({start} of {args.steps} steps); its summary is unchanged",
+          file=sys.stderr)
+    return json.loads((out / "summary.json").read_text())
   log = runlog.RunLog(out / "log.jsonl", start)
   log.write({"event": "start", "step": start, "resumed_from": start or None, "impl": args.impl,
              "data": data.info, "model": dataclasses.asdict(trainer.cfg),

@@ -180,6 +180,8 @@ def test_convergence_smoke_writes_curves_gaps_control_and_plot(tmp_path, cache, 
   capsys.readouterr()
   convergence.main(["--smoke", "--out", str(out), "--data-cache", cache])  # finished runs are reused
   assert capsys.readouterr().out.count("reusing the finished run") == len(convergence.RUNS) + 1
+  with pytest.raises(ValueError, match=r"holds a finished run with other arguments .*'lr': \(0.003, 0.01\)"):
+    convergence.main(["--smoke", "--lr", "0.01", "--out", str(out), "--data-cache", cache])
   # The gap tables can be rebuilt from the stored curves alone (no training).
   (out / "convergence.md").unlink()
   rebuilt = convergence.main(["--report-from", str(out)])
@@ -194,3 +196,44 @@ def test_gap_windows():
   got = plots.gap_windows(steps, gap)
   assert [(w["from_step"], w["to_step"]) for w in got] == [(1, 50), (51, 100), (101, 120)]
   assert [w["mean_abs_gap"] for w in got] == [24.5, 74.5, 109.5]
+
+
+def test_cli_refuses_bad_numbers_and_misplaced_set_fields():
+  for flag, value in (("--log-every", "0"), ("--eval-batches", "0"), ("--keep-ckpts", "0"),
+                      ("--warmup", "-5"), ("--stop-at", "-1")):
+    with pytest.raises(ValueError, match=f"{flag} {value} must be at least"):
+      train.check_args(train.parse_args(["--impl", "optax", flag, value]))
+  args = train.parse_args(["--impl", "optax", "--set", "dtype=bfloat16"])
+  with pytest.raises(ValueError, match="this field is set by --dtype"):
+    train.model_config(args, 256)
+  args = train.parse_args(["--impl", "optax", "--set", "foo=1"])
+  with pytest.raises(ValueError, match="ModelConfig has no field 'foo'"):
+    train.model_config(args, 256)
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path, cache):
+  """--resume of a run stopped without a checkpoint would start again and overwrite its log."""
+  out = tmp_path / "run"
+  argv = _argv("optax", out, cache)
+  argv[argv.index("--ckpt-every") + 1] = "0"
+  train.run(train.parse_args(argv + ["--stop-at", "2"]))  # an early stop checkpoints...
+  for ckpt in (out / "ckpt").iterdir():  # ...so take it away: a run killed before any
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(ckpt)
+  with pytest.raises(ValueError, match="no checkpoint to continue from"):
+    train.run(train.parse_args(argv + ["--resume"]))
+
+
+def test_resume_of_a_finished_run_keeps_its_summary(straight, cache):
+  before = json.loads((straight["optax"] / "summary.json").read_text())
+  again = train.run(train.parse_args(_argv("optax", straight["optax"], cache, "--resume")))
+  assert again == before == json.loads((straight["optax"] / "summary.json").read_text())
+
+
+def test_convergence_checks_every_run_first_and_smoke_yields_to_flags(tmp_path):
+  with pytest.raises(ValueError, match="--runs: 'optx' is not one of"):
+    convergence.check_runs(convergence.parse_args(["--smoke", "--runs", "forge,optx"]))
+  with pytest.raises(ValueError, match="--warmup 4 must be below --steps 3"):
+    convergence.check_runs(convergence.parse_args(["--smoke", "--steps", "3", "--warmup", "4"]))
+  args = convergence.parse_args(["--smoke", "--steps", "30", "--lr", "0.01"])
+  assert (args.steps, args.lr, args.batch) == (30, 0.01, convergence.SMOKE["batch"])
