@@ -158,7 +158,9 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
         x, dy, w, slots, scalars, update_fn, layer=layer, config=cfg,
         compute_grad_sq_norm=compute_grad_sq_norm, interpret=interpret, **(rounding or {}),
     )
-  fallback = "xla" if backend == "mosaic_interpret" else "pallas"
+  # The Triton kernel takes float32 and bfloat16 inputs only (float16 goes to XLA).
+  triton_dtypes = all(a.dtype in (jnp.float32, jnp.bfloat16) for a in (x, dy))
+  fallback = "xla" if backend == "mosaic_interpret" or not triton_dtypes else "pallas"
   if not auto and (backend, reason) not in _FALLBACK_WARNED:
     _FALLBACK_WARNED.add((backend, reason))
     warnings.warn(
@@ -216,6 +218,8 @@ def _check_inputs(x, dy, w, state, rule, layer):
       raise ValueError(f"layer={index} is out of range for {w.shape[0]} stacked weights "
                        f"(w {w.shape}): pass 0 <= layer < {w.shape[0]}.")
   k, n = w.shape[-2:]
+  if k == 0 or n == 0:
+    raise ValueError(f"w has shape {w.shape}: a linear layer needs K, N >= 1.")
   if x.ndim < 2 or dy.ndim < 2:
     raise ValueError(
         f"x and dy need a token axis: got x {x.shape} and dy {dy.shape}; "
@@ -334,9 +338,15 @@ def fused_linear_update(
   rounding = dict(weight_codec=weight_codec, seed=numerics.stream_seed(precision.seed, stream), step=count)
   # int8 codes may arrive as their float view (see forge_jax.train_step).
   slots = tuple(_lowp.from_float_view(s) for s in state[1:])
+  for name, q in zip(rule.slot_names, slots):
+    if isinstance(q, numerics.QuantizedArray):
+      _fused_dw._check_quantized(q, f"state.{name}")  # pylint: disable=protected-access
+  resolved = _resolve_backend(backend, any(isinstance(q, numerics.QuantizedArray) for q in slots),
+                              stochastic_weights=weight_codec.needs_bits)
+  if x2.shape[0] == 0:
+    resolved = "xla"  # no tokens: dW = 0, the decay-only step (the kernels need a tile of tokens)
   new_w, new_slots, sq = _run_backend(
-      _resolve_backend(backend, any(isinstance(q, numerics.QuantizedArray) for q in slots),
-                       stochastic_weights=weight_codec.needs_bits),
+      resolved,
       x2, dy2, w, slots, scalars, update_fn,
       layer=layer, config=config, compute_grad_sq_norm=return_grad_sq_norm, rounding=rounding,
   )

@@ -1,5 +1,6 @@
 """fused_linear_update equals optax applied to g = x.T @ dy, on every backend."""
 
+import dataclasses
 import functools
 
 import jax
@@ -185,3 +186,44 @@ def test_errors():
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="needs a GPU"):
       forge_jax.fused_linear_update(x, dy, w, state, opt, backend="pallas")
+
+
+def test_float16_inputs_on_a_gpu_without_the_mosaic_kernel_go_to_xla(monkeypatch):
+  """"auto" falls back from the Mosaic kernel to the Triton one, which takes float32 and
+  bfloat16 inputs only: float16 x/dy go to "xla" instead of failing (traced as on a
+  non-Hopper GPU)."""
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  monkeypatch.setattr(fused_dw_mosaic, "_device_problem", lambda: "needs a Hopper GPU (test)")
+  opt = forge_jax.adamw(1e-2)
+  x, dy, w = jnp.ones((64, 64), jnp.float16), jnp.ones((64, 128), jnp.float16), jnp.ones((64, 128))
+  out = jax.eval_shape(lambda *a: forge_jax.fused_linear_update(*a, opt, backend="auto"),
+                       x, dy, w, opt.init(w))
+  assert out[0].shape == w.shape
+  with pytest.raises(ValueError, match="float32 or bfloat16"):  # the Triton kernel itself says so
+    jax.eval_shape(lambda *a: forge_jax.fused_linear_update(*a, opt, backend="pallas"),
+                   x, dy, w, opt.init(w))
+
+
+def test_no_tokens_is_the_decay_only_step_and_empty_weights_are_refused():
+  opt = forge_jax.adamw(1e-2, weight_decay=0.1)
+  w = jnp.ones((64, 128))
+  x, dy = jnp.zeros((0, 64), jnp.bfloat16), jnp.zeros((0, 128), jnp.bfloat16)
+  want, _ = forge_jax.fused_linear_update(x, dy, w, opt.init(w), opt, backend="xla")
+  got, _ = forge_jax.fused_linear_update(x, dy, w, opt.init(w), opt, backend="interpret")
+  np.testing.assert_array_equal(got, want)
+  assert float(want[0, 0]) < 1.0  # decayed
+  with pytest.raises(ValueError, match=r"w has shape \(0, 128\): a linear layer needs K, N >= 1"):
+    forge_jax.fused_linear_update(jnp.zeros((4, 0)), jnp.zeros((4, 128)), jnp.ones((0, 128)),
+                                  opt.init(jnp.ones((0, 128))), opt, backend="xla")
+
+
+def test_int8_state_with_wrong_scale_shape_is_named_on_every_backend():
+  opt = forge_jax.adamw(1e-2, precision=forge_jax.Precision(state_dtype="int8", min_quantized_size=0))
+  w = jnp.ones((64, 128))
+  state = opt.init(w)
+  bad = state._replace(mu=dataclasses.replace(state.mu, scale=state.mu.scale[:, :1]))
+  x, dy = jnp.ones((8, 64)), jnp.ones((8, 128))
+  for backend in ("xla", "interpret"):
+    with pytest.raises(ValueError, match=r"scale.shape=\(64, 1\) must be \(64, 2\)"):
+      forge_jax.fused_linear_update(x, dy, w, bad, opt, backend=backend)
