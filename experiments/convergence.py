@@ -165,8 +165,10 @@ def _check_same_run(args: argparse.Namespace, name: str, run_dir: pathlib.Path) 
   """A finished run is reused only if these arguments would have trained it."""
   theirs = json.loads((run_dir / "config.json").read_text())["trajectory"]
   mine = train.parse_args(train_argv(args, name, resume=True))
+  # init_from is the pretraining run's export under --out: its spelling may differ
+  # (a relative --out, a moved folder); the pretraining run itself is checked by name.
   diff = {k: (theirs.get(k), getattr(mine, k)) for k in train.TRAJECTORY_KEYS
-          if theirs.get(k) != getattr(mine, k)}
+          if k != "init_from" and theirs.get(k) != getattr(mine, k)}
   if diff:
     raise ValueError(f"{run_dir} holds a finished run with other arguments (saved, given): {diff}. "
                      "Use another --out for these settings.")

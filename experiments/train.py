@@ -357,15 +357,20 @@ def evaluate(trainer: Trainer, state, batches) -> float:
   return float(np.mean(jax.device_get(losses)))
 
 
+def _complete_summary(out: pathlib.Path) -> Optional[dict]:
+  """The summary of a finished run in ``out``, else None."""
+  path = out / "summary.json"
+  summary = json.loads(path.read_text()) if path.exists() else None
+  return summary if summary and summary.get("complete") else None
+
+
 def _restore(trainer: Trainer, out: pathlib.Path, resume: bool):
   """(state, first step): the newest checkpoint's with ``resume``, else a fresh state at 0."""
   found = latest_checkpoint(out) if resume else None
   if not found:
     if resume and (out / "log.jsonl").exists():
-      raise ValueError(
-          f"--resume: {out} holds a run but no checkpoint to continue from (it ran with "
-          "--ckpt-every 0 and was stopped before its end?): starting again would overwrite its "
-          "log. Use another --out, or delete this one.")
+      print(f"--resume: {out} has no checkpoint (--ckpt-every 0 and no --time-limit?): "
+            "starting again from step 0; its log is rewritten", file=sys.stderr)
     return trainer.init_state(), 0
   start, path = found
   # Restored into shapes only: a materialized fresh state would double peak memory.
@@ -402,11 +407,17 @@ def _run(args: argparse.Namespace, data: Optional[data_lib.TokenData]) -> dict:
   # Every step's learning rate in one call (eagerly, each call would compile).
   lrs = np.asarray(jax.jit(jax.vmap(lr_schedule(args)))(jnp.arange(args.steps)))
   _write_config(args, out)  # only once the run is known to build
+  done = _complete_summary(out) if args.resume else None
+  if done is not None and not args.save_hf:
+    print(f"{out}: the run is complete; its summary is unchanged", file=sys.stderr)
+    return done
   state, start = _restore(trainer, out, args.resume)
-  if start >= args.steps and (out / "summary.json").exists():
-    print(f"{out}: the run is complete ({start} of {args.steps} steps); its summary is unchanged",
-          file=sys.stderr)
-    return json.loads((out / "summary.json").read_text())
+  if done is not None:  # complete, and --save-hf asks for its weights
+    if start < args.steps:
+      raise ValueError(f"--save-hf: {out} holds a complete run but not its final checkpoint "
+                       "(run it with --ckpt-every or --time-limit to keep one)")
+    models.save_checkpoint(args.save_hf, trainer.cfg, jax.device_get(state.params))
+    return done | {"saved_hf": args.save_hf}
   log = runlog.RunLog(out / "log.jsonl", start)
   log.write({"event": "start", "step": start, "resumed_from": start or None, "impl": args.impl,
              "data": data.info, "model": dataclasses.asdict(trainer.cfg),

@@ -54,6 +54,7 @@ from forge_jax._rules import RMSPropState
 from forge_jax._rules import SGDMomentumState
 from forge_jax._rules import SGDState
 from forge_jax._stack import ScannedStack
+from forge_jax._train import NoBackwardPassWarning
 from forge_jax._train import TrainState
 from forge_jax._train import train_step
 from pallas_kernels.numerics import QuantMap
@@ -73,6 +74,7 @@ __all__ = [
     "ElementwiseRule",
     "ForgeOptimizer",
     "LionState",
+    "NoBackwardPassWarning",
     "Precision",
     "QuantMap",
     "QuantizedArray",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import zlib
 from typing import Any, Callable, NamedTuple, Optional
@@ -162,12 +163,22 @@ def fused_backward(optimizer=None):
     _FUSED_BACKWARD.reset(token)
 
 
+def _same_rule(a, b) -> bool:
+  """Equal rules, where schedules (functions, equal only to themselves) may differ."""
+  if type(a) is not type(b):
+    return False
+  if not dataclasses.is_dataclass(a):
+    return a == b
+  return all(callable(x) or x == y for x, y in
+             ((getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)))
+
+
 def _check_optimizer(optimizer) -> None:
   expected = _EXPECTED_OPTIMIZER.get()
   if expected is None:
     return
   ours = _optimizers.as_forge_optimizer(optimizer)
-  if ours.rule != expected.rule or ours.precision != expected.precision:
+  if not _same_rule(ours.rule, expected.rule) or ours.precision != expected.precision:
     raise ValueError(
         f"a forge_jax.Dense was built with the optimizer {ours.rule} ({ours.precision}), but "
         f"train_step's TrainState has {expected.rule} ({expected.precision}). The FORGE layer "

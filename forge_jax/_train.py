@@ -10,6 +10,7 @@ metrics. The state is donated, so the whole update happens in place.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -126,19 +127,26 @@ def _check_decay_mask(optimizer, params, paths):
     )
 
 
+class NoBackwardPassWarning(UserWarning):
+  """FORGE kernels whose backward pass was not seen while train_step was traced."""
+
+
 def _check_all_updated(paths, updated) -> None:
   """A FORGE kernel is rewritten with its cotangent: one whose backward pass never ran (its
-  output does not reach the loss) would come back as zeros, weight and state."""
+  output does not reach the loss) comes back as zeros, weight and state. The backward
+  passes are seen as they are traced; one that jax reuses from a cache (a jax.jit'd or
+  jax.checkpoint'ed function inside the loss, traced before) is not, so this warns."""
   missing = sorted("/".join(p) for p in paths if _dense.kernel_stream(p[:-1]) not in updated)
   if missing:
-    raise ValueError(
-        f"FORGE kernels {missing} got no backward pass in this step: their output does not "
-        "reach the loss (a layer the loss does not use, or one behind jax.lax.stop_gradient). "
-        "FORGE updates a kernel inside its backward pass and writes the result where the "
-        "gradient goes, so without one the weight and its optimizer state would be "
-        "overwritten with zeros. Use flax.linen.Dense (trained by the optimizer's optax "
-        "form, or frozen with its mask) for layers that are frozen or unused in some steps."
-    )
+    warnings.warn(
+        f"no backward pass of FORGE kernels {missing} was traced in this step. If their output "
+        "does not reach the loss (a layer the loss does not use, or one behind "
+        "jax.lax.stop_gradient), train_step overwrites them and their optimizer states with "
+        "zeros: FORGE updates a kernel inside its backward pass and writes the result where the "
+        "gradient goes. Use flax.linen.Dense for layers that are frozen or unused in some steps. "
+        "(A backward pass that jax reused from a cache, e.g. of a jax.jit'd apply inside the "
+        "loss, is not seen here: then the layers were trained and this warning is spurious.)",
+        NoBackwardPassWarning, stacklevel=4)
 
 
 def _tree_sq_norm(tree) -> jax.Array:

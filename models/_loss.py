@@ -96,7 +96,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
         f"{tuple(logits.shape)} (expected {tuple(logits.shape[:-1])}, one id per position)"
     )
   try:  # concrete labels (outside jit): check the ids
-    low, high = int(jnp.min(labels)), int(jnp.max(labels))
+    low, high = (int(jnp.min(labels)), int(jnp.max(labels))) if labels.size else (0, 0)
   except (TypeError, jax.errors.ConcretizationTypeError):
     low, high = 0, 0
   if low < 0 or high >= logits.shape[-1]:

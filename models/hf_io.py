@@ -347,7 +347,9 @@ def _remove_weights(path: pathlib.Path) -> None:
   """Deletes the weight files of a checkpoint at ``path`` (single file, index and shards)."""
   if (path / INDEX_NAME).is_file():
     for name in set(json.loads((path / INDEX_NAME).read_text()).get("weight_map", {}).values()):
-      (path / name).unlink(missing_ok=True)
+      # Only the index's own shard files: bare .safetensors names in this directory.
+      if pathlib.PurePath(name).name == name and name.endswith(".safetensors"):
+        (path / name).unlink(missing_ok=True)
     (path / INDEX_NAME).unlink()
   for stale in [path / WEIGHTS_NAME, *path.glob("model-*-of-*.safetensors")]:
     stale.unlink(missing_ok=True)

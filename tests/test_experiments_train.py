@@ -211,23 +211,30 @@ def test_cli_refuses_bad_numbers_and_misplaced_set_fields():
     train.model_config(args, 256)
 
 
-def test_resume_without_a_checkpoint_is_an_error(tmp_path, cache):
-  """--resume of a run stopped without a checkpoint would start again and overwrite its log."""
+def test_resume_without_a_checkpoint_starts_again_and_says_so(tmp_path, cache, capsys):
+  """A run stopped without a checkpoint cannot continue: --resume starts it again (as the
+  convergence script's "run the same command again" needs), and says so."""
   out = tmp_path / "run"
   argv = _argv("optax", out, cache)
   argv[argv.index("--ckpt-every") + 1] = "0"
   train.run(train.parse_args(argv + ["--stop-at", "2"]))  # an early stop checkpoints...
-  for ckpt in (out / "ckpt").iterdir():  # ...so take it away: a run killed before any
-    import shutil  # pylint: disable=g-import-not-at-top
-    shutil.rmtree(ckpt)
-  with pytest.raises(ValueError, match="no checkpoint to continue from"):
-    train.run(train.parse_args(argv + ["--resume"]))
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.rmtree(out / "ckpt")  # ...so take it away: as a run killed before any
+  capsys.readouterr()
+  summary = train.run(train.parse_args(argv + ["--resume"]))
+  assert "has no checkpoint" in capsys.readouterr().err
+  assert summary["complete"] and summary["resumed_from"] is None
 
 
-def test_resume_of_a_finished_run_keeps_its_summary(straight, cache):
+def test_resume_of_a_finished_run_keeps_its_summary_and_can_export(straight, cache, tmp_path):
   before = json.loads((straight["optax"] / "summary.json").read_text())
   again = train.run(train.parse_args(_argv("optax", straight["optax"], cache, "--resume")))
   assert again == before == json.loads((straight["optax"] / "summary.json").read_text())
+  export = tmp_path / "hf"  # --save-hf of a finished run writes its final weights
+  again = train.run(train.parse_args(_argv("optax", straight["optax"], cache, "--resume",
+                                           "--save-hf", str(export))))
+  assert again["saved_hf"] == str(export) and (export / "model.safetensors").exists()
+  assert json.loads((straight["optax"] / "summary.json").read_text()) == before
 
 
 def test_convergence_checks_every_run_first_and_smoke_yields_to_flags(tmp_path):

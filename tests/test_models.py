@@ -557,3 +557,18 @@ def test_positions_of_another_shape_are_an_error():
   tokens = jnp.ones((2, 5), jnp.int32)
   with pytest.raises(ValueError, match=r"positions_BxL has shape \(5,\)"):
     models.CausalLM(cfg).apply({"params": params}, tokens, jnp.arange(5))
+
+
+def test_saving_removes_only_the_index_own_shards(tmp_path):
+  cfg, params = _init("tiny-llama")
+  models.save_checkpoint(tmp_path / "ckpt", cfg, params, max_shard_bytes=40_000)
+  index = json.loads((tmp_path / "ckpt" / hf_io.INDEX_NAME).read_text())
+  index["weight_map"]["x"] = "../notes.txt"  # a hand-edited index naming a file outside
+  (tmp_path / "ckpt" / hf_io.INDEX_NAME).write_text(json.dumps(index))
+  (tmp_path / "notes.txt").write_text("keep me")
+  models.save_checkpoint(tmp_path / "ckpt", cfg, params)
+  assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_cross_entropy_of_no_labels_is_nan_not_an_error():
+  assert np.isnan(float(models.cross_entropy(jnp.zeros((0, 11)), jnp.zeros((0,), jnp.int32))))
