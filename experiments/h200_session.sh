@@ -83,6 +83,15 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a limit, logs to $work/NA
   tail -n 3 "$work/$name.log"
 }
 
+profile_pair() {  # profile_pair STAGES: bf16 AdamW at T=16384, the bf16 long-T tiling with
+  # STAGES stages, profiled without (prof) and with (prof_cl2) clusters of two blocks
+  local base="\"schedule\": \"pingpong\", \"max_concurrent_steps\": $1, \"epi_n\": 32, \"epi_l2_lookahead\": 0, \"l2_prefetch_steps\": 0, \"mma_in_flight\": true, \"no_auto_barriers\": true"
+  step prof 110 python -m experiments.profile_mosaic --out "$work/prof" --no-traces \
+    --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base}"
+  step prof_cl2 110 python -m experiments.profile_mosaic --out "$work/prof_cl2" --no-traces \
+    --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base, \"cluster_n\": 2}"
+}
+
 case "$part" in
   quick)
     step quick 170 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
@@ -133,11 +142,7 @@ case "$part" in
     # T=16384 from 0.876 to 0.734 ms (cuBLAS 0.719), but the kernel only from 0.795 to 0.790:
     # where does the kernel's time go with clusters (profile: main loop vs epilogue per tile),
     # and does another epilogue/ring setting let the kernel keep the main loop's gain?
-    base='"schedule": "pingpong", "max_concurrent_steps": 5, "epi_n": 32, "epi_l2_lookahead": 0, "l2_prefetch_steps": 0, "mma_in_flight": true, "no_auto_barriers": true'
-    step prof 110 python -m experiments.profile_mosaic --out "$work/prof" --no-traces \
-      --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base}"
-    step prof_cl2 110 python -m experiments.profile_mosaic --out "$work/prof_cl2" --no-traces \
-      --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base, \"cluster_n\": 2}"
+    profile_pair 5
     cl='[{"cluster_n": 2}, {"cluster_n": 2, "max_concurrent_steps": 4}, {"cluster_n": 2, "max_concurrent_steps": 6}, {"cluster_n": 2, "epi_n": 64}, {"cluster_n": 2, "grid_tile_width": 16}, {"cluster_n": 2, "grid_minor_dim": "m"}]'
     step cl_bf16 170 python -m experiments.main_loop --out "$work/cl_bf16" --tokens 16384 4096 \
       --impls xla_gemm mosaic_main_loop mosaic --configs "$cl"
@@ -145,11 +150,7 @@ case "$part" in
       --impls xla_gemm mosaic_main_loop mosaic --configs '[{"cluster_n": 2}, {"cluster_n": 2, "max_concurrent_steps": 3}, {"cluster_n": 2, "grid_tile_width": 16}]'
     ;;
   cluster_profile)
-    base='"schedule": "pingpong", "max_concurrent_steps": 4, "epi_n": 32, "epi_l2_lookahead": 0, "l2_prefetch_steps": 0, "mma_in_flight": true, "no_auto_barriers": true'
-    step prof 110 python -m experiments.profile_mosaic --out "$work/prof" --no-traces \
-      --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base}"
-    step prof_cl2 110 python -m experiments.profile_mosaic --out "$work/prof_cl2" --no-traces \
-      --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base, \"cluster_n\": 2}"
+    profile_pair 4
     ;;
   capacity)
     # The capacity table (results/h200/capacity) used optax's cross-entropy; the lean loss

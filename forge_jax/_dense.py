@@ -98,9 +98,8 @@ def init_kernel_state(optimizer, kernel) -> KernelState:
 
 _FUSED_BACKWARD = contextvars.ContextVar("forge_fused_backward", default=False)
 # Within fused_backward(): the kernels whose backward pass was traced, as
-# kernel_stream(module path) of the forge_jax.Dense. A ScannedStack's
-# layers record (stacked, stream of the path within the block) here and the
-# stack turns those into the streams of their full paths.
+# kernel_stream(full module path) of the forge_jax.Dense (inside a ScannedStack
+# too: see _PATH_PREFIX).
 _UPDATED: contextvars.ContextVar = contextvars.ContextVar("forge_updated", default=None)
 
 
@@ -261,7 +260,7 @@ def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, confi
 def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, config, stream, res, dy):
   _check_fused_backward_allowed()
   _check_optimizer(optimizer)
-  _mark_updated(("stacked", stream))
+  _mark_updated(stream)
   x, kernels, kstates, layer = res
   w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
   dx = jax.lax.dot_general(

@@ -248,10 +248,8 @@ def _check_inputs(x, dy, w, state, rule, layer):
 
 def _order_after(scalars, after):
   """``scalars`` with a data dependency on ``after`` and unchanged values."""
-  token = jnp.ravel(after)[0].astype(jnp.float32)
-  zero = jnp.where(jnp.isfinite(token), token, 0.0) * 0.0  # exactly 0.0
   leaves, treedef = jax.tree.flatten(scalars)
-  return jax.tree.unflatten(treedef, [leaves[0] + zero, *leaves[1:]])
+  return jax.tree.unflatten(treedef, [leaves[0] + _fused_dw.zero_after(after), *leaves[1:]])
 
 
 def fused_linear_update(

@@ -67,9 +67,8 @@ def _zeros_ct(x):
   return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
-def _stack_vjp(block_apply: Callable, length: int, prefix: tuple = ()):
-  """The custom-VJP function of a whole stack, for one block structure (``prefix``: the
-  module path of its blocks' variables, ``<stack path>/layers``)."""
+def _stack_vjp(block_apply: Callable, length: int):
+  """The custom-VJP function of a whole stack, for one block structure."""
 
   @jax.custom_vjp
   def run(params, forge, x, args):
@@ -110,15 +109,7 @@ def _stack_vjp(block_apply: Callable, length: int, prefix: tuple = ()):
           {p: _dense.StackSlice(st, l) for p, st in zip(managed, states)})
       x_l = jax.lax.dynamic_index_in_dim(xs, l, keepdims=False)
       _, vjp_fn = jax.vjp(lambda p, f, x: block_apply(p, f, x, args), p_l, f_l, x_l)
-      updated = _dense._UPDATED.get()
-      before = set(updated) if updated is not None else set()
       ct_p, ct_f, dx = vjp_fn(dx)
-      if updated is not None:
-        # The layers whose backward pass ran, under their full paths (see
-        # forge_jax.train_step, which refuses kernels that got none).
-        ran = updated - before
-        full = [_dense.kernel_stream((*prefix, *p[:-1])) for p in managed]
-        updated.update(s for s in full if ("stacked", s) in ran)
       ct_p, ct_f = _dense.flat_variables(ct_p), _dense.flat_variables(ct_f)
       # A FORGE kernel's cotangent is its new (stacked) value; its state's is
       # the new state stack (counts untouched: train_step advances them once).
@@ -207,8 +198,9 @@ class ScannedStack(nn.Module):
     forge = variables[FORGE_STATE]["layers"]
     block_factory = self.block
 
-    # The blocks' FORGE kernels take their streams from their full paths (two stacks
-    # of the same block draw independent rounding bits).
+    # The blocks' FORGE kernels take their streams from their full paths: two stacks
+    # of the same block draw independent rounding bits, and train_step sees which
+    # kernels' backward passes ran under the paths of their variables.
     prefix = (*_dense._PATH_PREFIX.get(), *self.scope.path, "layers")
 
     def block_apply(p, f, x_l, args_l):
@@ -224,4 +216,4 @@ class ScannedStack(nn.Module):
         ) from e
       return y
 
-    return _stack_vjp(block_apply, self.length, prefix)(params, forge, x, tuple(args))
+    return _stack_vjp(block_apply, self.length)(params, forge, x, tuple(args))

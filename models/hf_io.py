@@ -29,8 +29,8 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
 from flax import traverse_util
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models._config import ModelConfig, RopeScaling

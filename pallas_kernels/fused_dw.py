@@ -560,11 +560,12 @@ def fused_dw_update(
 # ----------------------------------------------------------------------------
 
 
-def _index_after(index: Array, written: Array) -> Array:
-  """``index`` unchanged, with a data dependency on ``written`` (an exact zero added)."""
-  token = written.reshape(-1)[0].astype(jnp.float32)
-  zero = jnp.where(jnp.isfinite(token), token, 0.0) * 0.0  # 0.0 or -0.0: XLA cannot fold it
-  return index + zero.astype(index.dtype)
+def zero_after(x: Array) -> Array:
+  """A float32 zero (0.0 or -0.0) computed from one element of ``x``: adding it to a value
+  orders that value's consumers after ``x`` without changing it (XLA cannot fold it away,
+  and ``lax.optimization_barrier`` alone does not order on every backend)."""
+  token = jnp.ravel(x)[0].astype(jnp.float32)
+  return jnp.where(jnp.isfinite(token), token, 0.0) * 0.0
 
 
 def fused_dw_update_reference(
@@ -645,7 +646,7 @@ def fused_dw_update_reference(
 
     new_w_parts = update(parts[:n_w], new_parts[:n_w], layer_i32)
     new_parts = new_w_parts + update(parts[n_w:], new_parts[n_w:],
-                                     _index_after(layer_i32, new_w_parts[0]))
+                                     layer_i32 + zero_after(new_w_parts[0]).astype(jnp.int32))
   new_w, new_slots = _rebuild(codecs, new_parts)
   norm = jnp.sum(g * g) if compute_grad_sq_norm else None
   return new_w, new_slots, norm
