@@ -252,3 +252,11 @@ def test_main_loop_script_runs_and_its_gemm_configs_lower(tmp_path, monkeypatch)
       text = jax.jit(lambda a, b: hm.matmul(a, b, None, config)).trace(a, b).lower(  # pylint: disable=cell-var-from-loop
           lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text, name
+
+
+def test_stack_copies_script_counts_no_copies_after_the_ordering_fix(tmp_path):
+  from experiments import stack_copies  # pylint: disable=g-import-not-at-top
+  assert stack_copies.main(["--out", str(tmp_path), "--layers", "2", "--optimizers", "adamw", "sgd_momentum"]) == 0
+  rows = json.loads((tmp_path / "stack_copies.json").read_text())["rows"]
+  assert [(r["optimizer"], r["stack_copies"]) for r in rows] == [("adamw", 0), ("sgd_momentum", 0)]
+  assert all(r["temp_bytes"] > 0 and r["state_bytes"] > 0 for r in rows)
