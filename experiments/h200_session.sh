@@ -69,7 +69,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -170,6 +170,17 @@ case "$part" in
     rm -rf "$work/hlo/hlo"  # the HLO text (hundreds of MB); the counts are in memory_analysis.json
     step models 330 python -m experiments.bench_models --out "$work/models" --models llama-3.1-8b \
       --impls optax,forge_xla,forge_int8,forge --timeout 150
+    ;;
+  capacity64)
+    # capacity's FORGE run at 64x1024 ran out of its time budget (44 s left), not memory: that batch
+    # alone, then the ring part's T=1024 configs.
+    step forge64 200 python -m experiments.bench_models --out "$work/forge64" --models llama-3.1-8b \
+      --impls forge --tokens 1024 --batch 64 --steps 1 --timeout 190
+    ring='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"l2_prefetch_steps": 8}, {"l2_prefetch_steps": 16}, {"epi_l2_lookahead": 2}, {"epi_slots": 1, "epi_n": 64}]'
+    step ring_bf16 150 python -m experiments.main_loop --out "$work/ring_bf16" --tokens 1024 \
+      --impls xla_gemm mosaic_main_loop mosaic --configs "$ring"
+    step ring_f32 150 python -m experiments.main_loop --out "$work/ring_f32" --tokens 1024 --state-dtype float32 \
+      --impls xla_gemm mosaic_main_loop mosaic --configs "$ring"
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
