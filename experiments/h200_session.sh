@@ -69,7 +69,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -181,6 +181,11 @@ case "$part" in
       --impls xla_gemm mosaic_main_loop mosaic --configs "$ring"
     step ring_f32 150 python -m experiments.main_loop --out "$work/ring_f32" --tokens 1024 --state-dtype float32 \
       --impls xla_gemm mosaic_main_loop mosaic --configs "$ring"
+    ;;
+  capacity48)
+    # Both OOM at 64x1024 and fit at 32x1024: which fits 48x1024?
+    step b48 330 python -m experiments.bench_models --out "$work/b48" --models llama-3.1-8b \
+      --impls optax_clip,forge --tokens 1024 --batch 48 --steps 1 --timeout 160
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
