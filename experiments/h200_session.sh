@@ -69,7 +69,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -186,6 +186,13 @@ case "$part" in
     # Both OOM at 64x1024 and fit at 32x1024: which fits 48x1024?
     step b48 330 python -m experiments.bench_models --out "$work/b48" --models llama-3.1-8b \
       --impls optax_clip,forge --tokens 1024 --batch 48 --steps 1 --timeout 160
+    ;;
+  extra)
+    # optax+clip between 32 (fits) and 48 (OOM); qwen3-4b's rows with device timing.
+    step b40 130 python -m experiments.bench_models --out "$work/b40" --models llama-3.1-8b \
+      --impls optax_clip --tokens 1024 --batch 40 --steps 1 --timeout 120
+    step models4b 230 python -m experiments.bench_models --out "$work/models4b" --models qwen3-4b \
+      --impls optax,optax_clip,forge --timeout 75
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
