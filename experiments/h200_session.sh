@@ -69,7 +69,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -193,6 +193,12 @@ case "$part" in
       --impls optax_clip --tokens 1024 --batch 40 --steps 1 --timeout 120
     step models4b 230 python -m experiments.bench_models --out "$work/models4b" --models qwen3-4b \
       --impls optax,optax_clip,forge --timeout 75
+    ;;
+  capacity_optaxloss)
+    # optax+clip OOMs at 40x1024 with the lean loss, which raised its step's temporaries at 32x1024
+    # (memory_analysis_b32_loss): does it fit 40 or 48 with optax's cross-entropy?
+    step optaxloss 230 python -m experiments.bench_models --out "$work/optaxloss" --models llama-3.1-8b \
+      --impls optax_clip --tokens 1024 --batch 40,48 --steps 1 --loss optax --timeout 110
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
