@@ -235,6 +235,22 @@ class Runner:
     self.start = time.monotonic()
     self.walls: list = []  # wall seconds of the rows so far: their median is the next row's estimate
     self.device = None
+    self._probed = False
+
+  def device_name(self) -> str:
+    """The device the rows ran on. If no row reported one (every row so far failed, e.g. OOM),
+    jax is asked once in a subprocess (this process never initialises a backend)."""
+    if self.device is None and not self._probed:
+      self._probed = True
+      probe = [sys.executable, "-c", "import jax; print(jax.devices()[0].device_kind)"]
+      try:
+        proc = subprocess.run(probe, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+      except subprocess.TimeoutExpired:
+        proc = None
+      if proc is not None and proc.returncode == 0 and proc.stdout.strip():
+        self.device = proc.stdout.strip().splitlines()[-1]
+    return self.device or "unknown"
 
   def elapsed(self) -> float:
     return time.monotonic() - self.start
@@ -268,6 +284,8 @@ class Runner:
           row = json.loads(line[4:])
       if row is None:
         row = {**base, "error": _error(proc.stderr, proc.returncode)}
+        if row["error"] == "OOM":
+          row["error_detail"] = _oom_detail(proc.stderr)
     row["wall_s"] = time.monotonic() - t0
     self.walls.append(row["wall_s"])
     self.device = self.device or row.get("device")
@@ -285,6 +303,15 @@ def _error(stderr: str, returncode: int) -> str:
   exc = [l for l in err if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", l)]
   line = (exc or err or [f"exit {returncode}"])[-1]
   return line[:300]
+
+
+def _oom_detail(stderr: str) -> str:
+  """The allocator's own line of an OOM (what it tried to allocate and against which limit), 300
+  characters: the ``OOM`` label alone cannot tell a batch that misses by 1 GiB from one that misses
+  by 50."""
+  lines = [l.strip() for l in stderr.splitlines()
+           if "RESOURCE_EXHAUSTED" in l or "out of memory" in l.lower()]
+  return (lines or [""])[0][:300]
 
 
 def _write(path: str, text: str) -> None:
@@ -516,7 +543,7 @@ def _table(args, impls, meta, runner):
         for impl in impls:
           rows.append(runner.run(model_name, impl, batch, tokens))
           print(json.dumps(rows[-1]), flush=True)
-          meta.update(device=runner.device or "unknown", elapsed_s=runner.elapsed())
+          meta.update(device=runner.device_name(), elapsed_s=runner.elapsed())
           _write(paths["json"], json.dumps({"meta": meta, "rows": rows}, indent=1))
           md = markdown(rows, meta)
           _write(paths["md"], md)
@@ -543,7 +570,7 @@ def _capacity(args, impls, meta, runner):
           results.append(summary)
         else:
           results[-1] = summary
-        meta.update(device=runner.device or "unknown", elapsed_s=runner.elapsed())
+        meta.update(device=runner.device_name(), elapsed_s=runner.elapsed())
         _write(paths["json"], json.dumps({"meta": meta, "results": results}, indent=1))
         md = capacity_markdown(results, meta)
         _write(paths["md"], md)

@@ -83,6 +83,8 @@ def test_time_budget_skips_rows_and_still_writes_results(tmp_path):
                      "optax_clip,forge_unrolled", "--time-budget", "0"])
   rows = json.loads((tmp_path / "bench_models.json").read_text())["rows"]
   assert len(rows) == 4 and all(r["error"] == bench_models.SKIPPED for r in rows)
+  # No row ran, so no worker reported the device: it is asked of jax (it read "unknown").
+  assert json.loads((tmp_path / "bench_models.json").read_text())["meta"]["device"] == "cpu"
   bench_models.main(["--out", str(tmp_path), *TINY, "--capacity", "--impls", "forge",
                      "--time-budget", "0"])
   s = json.loads((tmp_path / "capacity.json").read_text())["results"][0]
@@ -130,3 +132,14 @@ def test_memory_analysis_compares_the_losses(tmp_path):
   assert all("error" not in r for r in rows)
   with pytest.raises(SystemExit):
     memory_analysis.main(["--model", "tiny-qwen3", "--loss", "fast", "--out", str(tmp_path)])
+
+
+def test_oom_rows_keep_the_allocators_line():
+  stderr = ("2026-11-30 13:09:20 W external/xla/xla/tsl/framework/bfc_allocator.cc:501] Allocator "
+            "(GPU_0_bfc) ran out of memory trying to allocate 20.00GiB (rounded to 21474836480)\n"
+            "Traceback (most recent call last):\n"
+            "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+            "21474836480 bytes.\n")
+  assert bench_models._error(stderr, 1) == "OOM"
+  assert "20.00GiB" in bench_models._oom_detail(stderr)
+  assert bench_models._oom_detail("ValueError: bad shape") == ""
