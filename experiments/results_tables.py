@@ -45,7 +45,9 @@ OLD_TIMING_NOTE = ("Mean of 5 steps after one warm-up step (bench_models before 
                    "Llama-3.1-8B FORGE 0.95x optax either way. qwen3-0.6b and qwen3-1.7b were re-timed "
                    "the new way with the 64-row small-grid default (bench_models_small_nb*): FORGE "
                    "1.05x and 1.00x optax (before, the old way: qwen3-0.6b 1.15x with the Mosaic kernel, "
-                   "qwen3-1.7b 1.09x with Triton); the others are not re-checked yet.")
+                   "qwen3-1.7b 1.09x with Triton), and qwen3-4b (bench_models_4b_nb): FORGE 0.98x optax "
+                   "(1.10x with Triton, the old way); the qwen3-14b FORGE row with the Mosaic kernel "
+                   "(bench_models_14b_mosaic) has no optax row to compare with (optax runs out of memory).")
 MODEL_ORDER = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-14b")
 IMPL_ORDER = ("optax", "optax_unrolled", "optax_clip", "forge", "forge_mosaic", "forge_triton", "forge_unrolled",
               "forge_triton_unrolled", "forge_xla", "forge_int8", "forge_int8_xla",
