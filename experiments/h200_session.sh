@@ -12,22 +12,23 @@
 # correct, no faster), convergence (results/h200/convergence_fp32_b8) and qwen3-0.6b / 1.7b whole
 # steps (bench_models_small_nb*).
 #
-# Next (session 9), in this order:
-#   bash experiments/h200_session.sh cluster_profile # ~3 min: profiles of the 4-stage kernel with
-#                                               #   and without clusters at T=16384 (5 stages leave
-#                                               #   no shared memory for the profiler): does the
-#                                               #   cluster's lockstep stall the main loop?
-#   bash experiments/h200_session.sh ring       # ~5 min: at T=1024 the W/state stream per ring config
-#   bash experiments/h200_session.sh capacity   # <10 min: Llama-3.1-8B's largest batch with the
-#                                               #   lean loss (the capacity table used optax's loss)
-#   bash experiments/h200_session.sh xla_route  # ~6 min: the "xla" backend's stacks (int8 states'
-#                                               #   route) after the slot-write ordering fix of
-#                                               #   2026-11-30 (XLA:CPU copied every stacked slot
-#                                               #   twice per layer): stack-sized copies in the
-#                                               #   compiled GPU step, then Llama-3.1-8B steps
-#   bash experiments/h200_session.sh unrolled8b # then models (qwen3-14b with the Mosaic kernel), sass
+# Session 9 (2026-11-30) ran xla_route (results/h200/xla_route_hlo, bench_models_xla_route),
+# unrolled8b (bench_models_unrolled8b), large (bench_models_14b_mosaic, mosaic_cluster_profile4),
+# capacity, capacity64, capacity48, extra and capacity_optaxloss (results/h200/capacity_lean,
+# bench_models_4b_nb, mosaic_ring_1024).
+#
+# Next (session 10): the cells of issue #8's grid still empty, in this order:
+#   bash experiments/h200_session.sh batch8_small   # <9 min: 8x1024 rows, qwen3-0.6b/1.7b/4b, optax,
+#                                                   #   optax_clip, forge; optax_clip at 40x1024 again
+#                                                   #   (its OOM was early: the allocator's line now kept)
+#   bash experiments/h200_session.sh batch8_large   # <10 min: 8x1024 rows, qwen3-8b, llama-3.1-8b, qwen3-14b
+#   bash experiments/h200_session.sh grid_unrolled  # <10 min: unrolled rows, qwen3-1.7b and qwen3-4b
+#   bash experiments/h200_session.sh grid_unrolled_large  # <10 min: unrolled rows, qwen3-8b; qwen3-14b FORGE
 #
 # Parts run before (kept to repeat them):
+#   bash experiments/h200_session.sh xla_route|unrolled8b|large|capacity|capacity64|capacity48|extra|capacity_optaxloss
+#                                               # session 9's parts (each case below says what it runs)
+#   bash experiments/h200_session.sh cluster_profile|ring   # 4-stage cluster profiles; T=1024 ring configs
 #   bash experiments/h200_session.sh mainloop   # ~2.5 min: --quick (leads with cluster_n=2), then
 #                                               #   experiments.main_loop with and without clusters
 #   bash experiments/h200_session.sh cluster    # ~2.5 min: cluster settings at T = 16384 and 4096
@@ -69,7 +70,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|batch8_small|batch8_large|grid_unrolled|grid_unrolled_large|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -199,6 +200,24 @@ case "$part" in
     # (memory_analysis_b32_loss): does it fit 40 or 48 with optax's cross-entropy?
     step optaxloss 230 python -m experiments.bench_models --out "$work/optaxloss" --models llama-3.1-8b \
       --impls optax_clip --tokens 1024 --batch 40,48 --steps 1 --loss optax --timeout 110
+    ;;
+  batch8_small)
+    step batch8_small 420 python -m experiments.bench_models --out "$work/batch8_small" \
+      --models qwen3-0.6b,qwen3-1.7b,qwen3-4b --impls optax,optax_clip,forge --batch 8 --timeout 90
+    step b40 120 python -m experiments.bench_models --out "$work/b40" --models llama-3.1-8b \
+      --impls optax_clip --tokens 1024 --batch 40 --steps 1 --timeout 110
+    ;;
+  batch8_large)
+    step batch8_large 570 python -m experiments.bench_models --out "$work/batch8_large" \
+      --models qwen3-8b,llama-3.1-8b,qwen3-14b --impls optax,optax_clip,forge --batch 8 --timeout 100
+    ;;
+  grid_unrolled)
+    step grid_unrolled 575 python -m experiments.bench_models --out "$work/grid_unrolled" \
+      --models qwen3-1.7b,qwen3-4b --impls optax_unrolled,forge_unrolled --timeout 140
+    ;;
+  grid_unrolled_large)
+    step grid_unrolled_large 575 python -m experiments.bench_models --out "$work/grid_unrolled_large" \
+      --models qwen3-8b,qwen3-14b --impls optax_unrolled,forge_unrolled --timeout 190
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
