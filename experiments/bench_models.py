@@ -170,11 +170,19 @@ def optax_baseline(base: str, loss_fn):
   return tx, step
 
 
-def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
-           attention: str, steps: int, loss: str = "lean") -> dict:
+def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
+               attention: str, loss: str = "lean"):
+  """``(row, step, carry)``: one row's model, initialised state and compiled step.
+
+  ``step(state) -> (state, metrics)`` runs one training step on random tokens
+  (the state is donated); ``carry`` is the ``(state, metrics)`` of a first step,
+  so ``step(carry[0])`` chains. ``row`` holds the row's settings,
+  ``init_peak_gib``, ``xla_step_gib`` and ``compile_and_first_s``. Shared by
+  :func:`worker` and ``experiments.profile_step``.
+  """
   import jax
 
-  from experiments import _timing, runlog
+  from experiments import runlog
 
   import forge_jax
   import models
@@ -202,17 +210,26 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   if opt is not None:
     state = forge_jax.TrainState.create(model.apply, variables, opt)
     compiled = forge_jax.train_step.lower(state, data, loss_fn).compile()
-    step = lambda s: compiled(s, data)
   else:
     tx, optax_step = optax_baseline(base, loss_fn)
     state = (variables["params"], tx.init(variables["params"]))
     compiled = optax_step.lower(state, data).compile()
-    step = lambda s: compiled(s, data)
+  step = lambda s: compiled(s, data)
   # XLA's plan for one step: arguments + outputs - donated + temporaries.
   row["xla_step_gib"] = runlog.xla_memory(compiled).get("step_gib", float("nan"))
-  state, metrics = step(state)
-  jax.block_until_ready(state)
+  carry = step(state)
+  jax.block_until_ready(carry)
   row["compile_and_first_s"] = time.perf_counter() - t0
+  return row, step, carry
+
+
+def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
+           attention: str, steps: int, loss: str = "lean") -> dict:
+  import jax
+
+  from experiments import _timing
+
+  row, step, (state, metrics) = build_step(model_name, impl, batch, tokens, dtype, attention, loss)
   # Device time: `steps` steps back to back, blocked once, median of 3 repeats,
   # after 3 warm-up steps. (Until 2026-11-30 this was one warm-up step and the mean
   # of 5 steps, which read forge_unrolled on qwen3-0.6b as 32.0 ms where this

@@ -24,6 +24,9 @@
 #   bash experiments/h200_session.sh batch8_large   # <10 min: 8x1024 rows, qwen3-8b, llama-3.1-8b, qwen3-14b
 #   bash experiments/h200_session.sh grid_unrolled  # <10 min: unrolled rows, qwen3-1.7b and qwen3-4b
 #   bash experiments/h200_session.sh grid_unrolled_large  # <10 min: unrolled rows, qwen3-8b; qwen3-14b FORGE
+#   bash experiments/h200_session.sh profile_steps  # <10 min: experiments.profile_step (new, CPU-tested):
+#                                                   #   Llama-3.1-8B's kernels by class for optax, forge,
+#                                                   #   forge_xla, forge_int8; then the unrolled steps
 #
 # Parts run before (kept to repeat them):
 #   bash experiments/h200_session.sh xla_route|unrolled8b|large|capacity|capacity64|capacity48|extra|capacity_optaxloss
@@ -70,7 +73,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|batch8_small|batch8_large|grid_unrolled|grid_unrolled_large|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|batch8_small|batch8_large|grid_unrolled|grid_unrolled_large|profile_steps|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -218,6 +221,14 @@ case "$part" in
   grid_unrolled_large)
     step grid_unrolled_large 575 python -m experiments.bench_models --out "$work/grid_unrolled_large" \
       --models qwen3-8b,qwen3-14b --impls optax_unrolled,forge_unrolled --timeout 190
+    ;;
+  profile_steps)
+    # Where the "xla" route's 46 ms over the kernel's step go, and the int8 route's 66 ms
+    # (bench_models_xla_route): kernels by class, side by side; then unrolled vs scanned optax.
+    step xla 330 python -m experiments.profile_step --out "$work/xla" --model llama-3.1-8b \
+      --impls optax,forge,forge_xla,forge_int8 --timeout 80
+    step unrolled 250 python -m experiments.profile_step --out "$work/unrolled" --model llama-3.1-8b \
+      --impls optax_unrolled,forge_unrolled --timeout 240
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
