@@ -148,6 +148,13 @@ def _peak_gib(jax) -> float:
   return stats.get("peak_bytes_in_use", float("nan")) / 2**30
 
 
+def _limit_gib(jax) -> float:
+  """The allocator's limit: what "OOM" is measured against (jax's default: a fraction of the
+  device's memory, ``XLA_PYTHON_CLIENT_MEM_FRACTION``), NaN where the backend does not say."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("bytes_limit", float("nan")) / 2**30
+
+
 def optax_baseline(base: str, loss_fn):
   """``(tx, step)``: the optax baseline's transformation and its donated jit step.
 
@@ -171,14 +178,17 @@ def optax_baseline(base: str, loss_fn):
 
 
 def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
-               attention: str, loss: str = "lean"):
+               attention: str, loss: str = "lean", on_compiled=None):
   """``(row, step, carry)``: one row's model, initialised state and compiled step.
 
   ``step(state) -> (state, metrics)`` runs one training step on random tokens
   (the state is donated); ``carry`` is the ``(state, metrics)`` of a first step,
   so ``step(carry[0])`` chains. ``row`` holds the row's settings,
-  ``init_peak_gib``, ``xla_step_gib`` and ``compile_and_first_s``. Shared by
-  :func:`worker` and ``experiments.profile_step``.
+  ``init_peak_gib``, ``xla_step_gib``, ``limit_gib`` and ``compile_and_first_s``.
+  ``on_compiled(row)`` is called once the step is compiled, before it first runs
+  (the worker reports XLA's plan then, so that a step that runs out of memory
+  still says how much it planned). Shared by :func:`worker` and
+  ``experiments.profile_step``.
   """
   import jax
 
@@ -217,6 +227,9 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   step = lambda s: compiled(s, data)
   # XLA's plan for one step: arguments + outputs - donated + temporaries.
   row["xla_step_gib"] = runlog.xla_memory(compiled).get("step_gib", float("nan"))
+  row["limit_gib"] = _limit_gib(jax)
+  if on_compiled is not None:
+    on_compiled(row)
   carry = step(state)
   jax.block_until_ready(carry)
   row["compile_and_first_s"] = time.perf_counter() - t0
@@ -229,7 +242,12 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
 
   from experiments import _timing
 
-  row, step, (state, metrics) = build_step(model_name, impl, batch, tokens, dtype, attention, loss)
+  def plan(row):  # read by Runner.run if the worker dies before its ROW line
+    print(PLAN + json.dumps({k: row[k] for k in ("init_peak_gib", "xla_step_gib", "limit_gib")}),
+          flush=True)
+
+  row, step, (state, metrics) = build_step(model_name, impl, batch, tokens, dtype, attention, loss,
+                                           on_compiled=plan)
   # Device time: `steps` steps back to back, blocked once, median of 3 repeats,
   # after 3 warm-up steps. (Until 2026-11-30 this was one warm-up step and the mean
   # of 5 steps, which read forge_unrolled on qwen3-0.6b as 32.0 ms where this
@@ -252,6 +270,7 @@ class Runner:
     self.start = time.monotonic()
     self.walls: list = []  # wall seconds of the rows so far: their median is the next row's estimate
     self.device = None
+    self.limit = float("nan")  # the allocator's limit the rows report (GiB)
     self._probed = False
 
   def device_name(self) -> str:
@@ -287,25 +306,25 @@ class Runner:
            "--models", model_name, "--tokens", str(tokens), "--batch", str(batch),
            "--dtype", args.dtype, "--attention", args.attention, "--steps", str(args.steps),
            "--loss", args.loss]
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env = worker_env(args.mem_fraction)
     t0 = time.monotonic()
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
       cut = " (time budget)" if timeout < args.timeout else ""
-      row = {**base, "error": f"timeout {timeout}s{cut}"}
+      row = {**base, "error": f"timeout {timeout}s{cut}",
+             **parse_worker_output(e.stdout or "")[1]}
     else:
-      row = None
-      for line in proc.stdout.splitlines():
-        if line.startswith("ROW "):
-          row = json.loads(line[4:])
+      row, plan = parse_worker_output(proc.stdout)
       if row is None:
-        row = {**base, "error": _error(proc.stderr, proc.returncode)}
+        row = {**base, "error": _error(proc.stderr, proc.returncode), **plan}
         if row["error"] == "OOM":
           row["error_detail"] = _oom_detail(proc.stderr)
     row["wall_s"] = time.monotonic() - t0
     self.walls.append(row["wall_s"])
     self.device = self.device or row.get("device")
+    if _finite(row.get("limit_gib")):
+      self.limit = row["limit_gib"]
     return row
 
 
@@ -320,6 +339,33 @@ def _error(stderr: str, returncode: int) -> str:
   exc = [l for l in err if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", l)]
   line = (exc or err or [f"exit {returncode}"])[-1]
   return line[:300]
+
+
+PLAN = "PLAN "
+
+
+def worker_env(mem_fraction: float | None) -> dict:
+  """A worker's environment: no preallocation (each row's peak is its own), and the allocator's
+  limit as a fraction of the device's memory when ``mem_fraction`` is given (jax's default
+  otherwise)."""
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  if mem_fraction is not None:
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:g}"
+  return env
+
+
+def parse_worker_output(stdout) -> tuple[dict | None, dict]:
+  """``(row, plan)`` from a worker's stdout: its ``ROW`` (None if it died first) and its ``PLAN``
+  (XLA's planned step memory and the allocator's limit; empty if it died before compiling)."""
+  if isinstance(stdout, bytes):
+    stdout = stdout.decode(errors="replace")
+  row, plan = None, {}
+  for line in stdout.splitlines():
+    if line.startswith("ROW "):
+      row = json.loads(line[4:])
+    elif line.startswith(PLAN):
+      plan = json.loads(line[len(PLAN):])
+  return row, plan
 
 
 def _oom_detail(stderr: str) -> str:
@@ -372,7 +418,11 @@ def _settings(meta) -> list[str]:
        f"{meta['steps']} timed steps after compiling and one warm-up step (their mean); ") +
       "random weights and tokens; one process per row.  ",
       f"Time budget: {'none' if budget is None else f'{budget:g} s'}; elapsed "
-      f"{meta.get('elapsed_s', 0):.0f} s; worker timeout {meta['timeout_s']} s.",
+      f"{meta.get('elapsed_s', 0):.0f} s; worker timeout {meta['timeout_s']} s.  ",
+      "Allocator limit (what OOM means): "
+      + (f"{meta['limit_gib']:.1f} GiB" if _finite(meta.get("limit_gib")) else "not reported")
+      + (f" (XLA_PYTHON_CLIENT_MEM_FRACTION={meta['mem_fraction']:g})" if meta.get("mem_fraction")
+         else " (jax's default fraction of the device's memory)") + ".",
   ]
 
 
@@ -392,7 +442,10 @@ def markdown(rows, meta) -> str:
     head = f"| {r['model']} | {r['batch']}x{r['tokens']} | {r['impl']} | {layers} |"
     wall = f"{r['wall_s']:.0f}" if _finite(r.get("wall_s")) else ""
     if not _ok(r):
-      lines.append(f"{head} {_cell(r['error'])} | | | | | | | | {wall} |")
+      # A worker that compiled before it failed reported XLA's plan for the step.
+      init = _fmt(r["init_peak_gib"], ".2f") if "init_peak_gib" in r else ""
+      plan = _fmt(r["xla_step_gib"], ".2f") if "xla_step_gib" in r else ""
+      lines.append(f"{head} {_cell(r['error'])} | | {init} | {plan} | | | | | {wall} |")
       continue
     key = (r["model"], r["batch"], r["tokens"])
     clip = index.get((*key, "optax_clip"), {})
@@ -547,7 +600,7 @@ def _meta(args, argv) -> dict:
           "attention": args.attention, "remat": REMAT, "loss": args.loss, "steps": args.steps,
           "timing": TIMING,
           "timeout_s": args.timeout, "time_budget_s": args.time_budget,
-          "max_batch": args.max_batch}
+          "max_batch": args.max_batch, "mem_fraction": args.mem_fraction}
 
 
 def _table(args, impls, meta, runner):
@@ -560,7 +613,7 @@ def _table(args, impls, meta, runner):
         for impl in impls:
           rows.append(runner.run(model_name, impl, batch, tokens))
           print(json.dumps(rows[-1]), flush=True)
-          meta.update(device=runner.device_name(), elapsed_s=runner.elapsed())
+          meta.update(device=runner.device_name(), elapsed_s=runner.elapsed(), limit_gib=runner.limit)
           _write(paths["json"], json.dumps({"meta": meta, "rows": rows}, indent=1))
           md = markdown(rows, meta)
           _write(paths["md"], md)
@@ -587,7 +640,7 @@ def _capacity(args, impls, meta, runner):
           results.append(summary)
         else:
           results[-1] = summary
-        meta.update(device=runner.device_name(), elapsed_s=runner.elapsed())
+        meta.update(device=runner.device_name(), elapsed_s=runner.elapsed(), limit_gib=runner.limit)
         _write(paths["json"], json.dumps({"meta": meta, "results": results}, indent=1))
         md = capacity_markdown(results, meta)
         _write(paths["md"], md)
@@ -620,9 +673,15 @@ def main(argv=None):
   parser.add_argument("--capacity", action="store_true",
                       help="the largest batch per model and impl instead of the table")
   parser.add_argument("--max-batch", type=int, default=64)
+  parser.add_argument("--mem-fraction", type=float, default=None,
+                      help="XLA_PYTHON_CLIENT_MEM_FRACTION for the workers: the allocator's limit "
+                           "as a fraction of the device's memory (default: jax's); each row "
+                           "records the limit it ran under (limit_gib)")
   parser.add_argument("--worker")
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
+  if args.mem_fraction is not None and not 0 < args.mem_fraction <= 1:
+    parser.error(f"--mem-fraction must be in (0, 1] (got {args.mem_fraction})")
   if args.worker:
     row = worker(args.models, args.worker, int(args.batch), int(args.tokens), args.dtype,
                  args.attention, args.steps, args.loss)

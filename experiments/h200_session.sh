@@ -17,7 +17,14 @@
 # capacity, capacity64, capacity48, extra and capacity_optaxloss (results/h200/capacity_lean,
 # bench_models_4b_nb, mosaic_ring_1024).
 #
-# Next (session 10): the cells of issue #8's grid still empty, in this order:
+# Next (session 10), in this order:
+#   bash experiments/h200_session.sh limits         # <8 min: FIRST. The capacity claims were measured
+#                                                   #   under jax's default allocator limit (a fraction
+#                                                   #   of the device, never recorded). With 95% of it:
+#                                                   #   does optax fit qwen3-14b, and where do optax+clip
+#                                                   #   (OOM at 40x1024) and FORGE (48 fits, 64 OOM) stop?
+#                                                   #   Rows now record limit_gib and, on OOM, XLA's plan.
+# then the cells of issue #8's grid still empty:
 #   bash experiments/h200_session.sh batch8_small   # <9 min: 8x1024 rows, qwen3-0.6b/1.7b/4b, optax,
 #                                                   #   optax_clip, forge; optax_clip at 40x1024 again
 #                                                   #   (its OOM was early: the allocator's line now kept)
@@ -73,7 +80,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|batch8_small|batch8_large|grid_unrolled|grid_unrolled_large|profile_steps|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_large|profile_steps|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -203,6 +210,14 @@ case "$part" in
     # (memory_analysis_b32_loss): does it fit 40 or 48 with optax's cross-entropy?
     step optaxloss 230 python -m experiments.bench_models --out "$work/optaxloss" --models llama-3.1-8b \
       --impls optax_clip --tokens 1024 --batch 40,48 --steps 1 --loss optax --timeout 110
+    ;;
+  limits)
+    step default 100 python -m experiments.bench_models --out "$work/default" --models qwen3-0.6b \
+      --impls optax --timeout 90
+    step q14 200 python -m experiments.bench_models --out "$work/q14" --models qwen3-14b \
+      --impls optax,optax_clip --mem-fraction 0.95 --timeout 95
+    step l8 240 python -m experiments.bench_models --out "$work/l8" --models llama-3.1-8b \
+      --impls optax_clip,forge --batch 40,64 --steps 1 --mem-fraction 0.95 --timeout 115
     ;;
   batch8_small)
     step batch8_small 420 python -m experiments.bench_models --out "$work/batch8_small" \

@@ -247,7 +247,7 @@ def main(argv=None):
   rows = []
   for impl in impls:
     cmd = [sys.executable, "-m", "experiments.profile_step", "--worker", impl, *argv]
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env = bench_models.worker_env(None)
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:

@@ -45,6 +45,7 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
     assert r["scan"] == (r["impl"] != "forge_unrolled")
     assert math.isnan(r["peak_gib"])  # CPU: no memory_stats()
     assert r["loss_fn"] == "lean"
+    assert math.isnan(r["limit_gib"])  # CPU: no allocator limit reported
   meta = result["meta"]
   assert meta["device"] == "cpu" and meta["remat"] == "full" and meta["dtype"] == "bfloat16"
   assert meta["loss"] == "lean" and "loss lean (models.cross_entropy)" in (tmp_path / "bench_models.md").read_text()
@@ -53,6 +54,7 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
   assert "| vs optax_clip |" in md and "| vs optax |" in md
   assert "| tiny-qwen3 | 2x16 | forge_unrolled | unrolled |" in md
   assert "attention auto" in md and "remat full" in md
+  assert "Allocator limit (what OOM means): not reported (jax's default" in md
   if importlib.util.find_spec("matplotlib") is not None:
     assert (tmp_path / "bench_models.png").stat().st_size > 0
 
@@ -182,3 +184,29 @@ def test_profile_step_runs_and_finds_the_stacked_updates(tmp_path):
   assert "| class | optax | forge |" in md and "## forge: the 20 longest kernels" in md
   with pytest.raises(ValueError, match="Unknown implementation"):
     profile_step.main(["--out", str(tmp_path), "--impls", "forge,sgd"])
+
+
+def test_a_worker_that_dies_after_compiling_keeps_its_plan():
+  out = ('PLAN {"init_peak_gib": 14.9, "xla_step_gib": 91.4, "limit_gib": 125.8}\n'
+         "2026 W bfc_allocator.cc] ran out of memory\n")
+  row, plan = bench_models.parse_worker_output(out)
+  assert row is None and plan == {"init_peak_gib": 14.9, "xla_step_gib": 91.4, "limit_gib": 125.8}
+  row, plan = bench_models.parse_worker_output(out.encode() + b'ROW {"impl": "forge"}\n')
+  assert row == {"impl": "forge"} and plan["xla_step_gib"] == 91.4  # bytes: TimeoutExpired.stdout
+  assert bench_models.parse_worker_output("") == (None, {})
+  meta = {"command": "c", "date": "d", "device": "H200", "jax": "0.11.2", "dtype": "bfloat16",
+          "attention": "auto", "remat": "full", "loss": "lean", "steps": 5, "timing": "median3",
+          "timeout_s": 300, "time_budget_s": None, "limit_gib": 125.8, "mem_fraction": None}
+  oom = {"model": "llama-3.1-8b", "batch": 40, "tokens": 1024, "impl": "optax_clip", "scan": True,
+         "error": "OOM", "wall_s": 44.0, **plan}
+  md = bench_models.markdown([oom], meta)
+  assert "| llama-3.1-8b | 40x1024 | optax_clip | scanned | OOM | | 14.90 | 91.40 |" in md
+  assert "Allocator limit (what OOM means): 125.8 GiB (jax's default" in md
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in bench_models.markdown([oom], {**meta, "mem_fraction": 0.95})
+
+
+def test_mem_fraction_reaches_the_workers():
+  assert bench_models.worker_env(0.95)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
+  assert bench_models.worker_env(None)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  with pytest.raises(SystemExit):
+    bench_models.main(["--mem-fraction", "1.5"])
