@@ -31,6 +31,8 @@
 #   bash experiments/h200_session.sh batch8_large   # <10 min: 8x1024 rows, qwen3-8b, llama-3.1-8b, qwen3-14b
 #   bash experiments/h200_session.sh grid_unrolled  # <10 min: unrolled rows, qwen3-1.7b and qwen3-4b
 #   bash experiments/h200_session.sh grid_unrolled_large  # <10 min: unrolled rows, qwen3-8b; qwen3-14b FORGE
+#   bash experiments/h200_session.sh unrolled_diag  # <7 min: unrolled vs scanned Llama-3.1-8B at 2 and 4
+#                                                   #   layers: temporaries per layer, copies (GPU)
 #   bash experiments/h200_session.sh profile_steps  # <10 min: experiments.profile_step (new, CPU-tested):
 #                                                   #   Llama-3.1-8B's kernels by class for optax, forge,
 #                                                   #   forge_xla, forge_int8; then the unrolled steps
@@ -80,7 +82,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_large|profile_steps|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_large|unrolled_diag|profile_steps|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -236,6 +238,14 @@ case "$part" in
   grid_unrolled_large)
     step grid_unrolled_large 575 python -m experiments.bench_models --out "$work/grid_unrolled_large" \
       --models qwen3-8b,qwen3-14b --impls optax_unrolled,forge_unrolled --timeout 190
+    ;;
+  unrolled_diag)
+    # Unrolled Llama-3.1-8B steps hold ~3.4 GiB more temporaries than scanned FORGE (both optax and
+    # FORGE; bench_models_unrolled8b). On XLA:CPU (helper investigation, 2026-11-30) they grow 1.48
+    # GiB per layer in bf16: every layer's recomputed forward scheduled before the backward, plus
+    # W_up copies in FORGE. Per-layer slope, copies and their shapes on the GPU:
+    step diag 400 python -m experiments.diagnose_unrolled --out "$work/diag" --model llama-3.1-8b \
+      --layers 2 4 --impls forge optax --layouts scanned unrolled
     ;;
   profile_steps)
     # Where the "xla" route's 46 ms over the kernel's step go, and the int8 route's 66 ms

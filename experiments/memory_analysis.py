@@ -59,12 +59,13 @@ def stack_buffers(hlo: str, shapes) -> dict:
 
 
 def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo_dir=None,
-            loss: str = "lean") -> dict:
+            loss: str = "lean", layers: int | None = None) -> dict:
   base, scan = bench_models.parse_impl(impl)
   base, backend = bench_models.forge_backend(base)
   linear = "forge" if base.startswith("forge") else "flax"
+  cut = {} if layers is None else {"num_layers": layers}
   cfg = models.get_config(model_name, linear=linear, remat=bench_models.REMAT, scan_layers=scan,
-                          forge_backend=backend, param_dtype=dtype, dtype=dtype)
+                          forge_backend=backend, param_dtype=dtype, dtype=dtype, **cut)
   opt = bench_models._forge_optimizer(base)
   model = models.CausalLM(cfg, optimizer=opt)
   data = jax.ShapeDtypeStruct((batch, tokens + 1), jax.numpy.int32)
@@ -73,6 +74,7 @@ def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo
   variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.numpy.zeros((batch, tokens), "int32"))
   loss_fn = functools.partial(bench_models._loss, model.apply, kind=loss)
   row = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens, "dtype": dtype, "loss_fn": loss,
+         "layers": cfg.num_layers,
          "init": _sizes(init.memory_analysis()), "params_gib": _nbytes(variables["params"])}
   if opt is not None:
     state = jax.eval_shape(lambda v: forge_jax.TrainState.create(model.apply, v, opt), variables)
@@ -92,7 +94,7 @@ def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo
   if hlo_dir is not None:
     text = step.as_text()
     os.makedirs(hlo_dir, exist_ok=True)
-    with open(os.path.join(hlo_dir, f"{model_name}_{impl}_{loss}.hlo.txt"), "w") as f:
+    with open(os.path.join(hlo_dir, f"{model_name}_{impl}_{loss}_L{cfg.num_layers}.hlo.txt"), "w") as f:
       f.write(text)
     shapes = {tuple(x.shape) for x in jax.tree.leaves(variables["params"]) if x.ndim == 3}
     row["stack_buffers"] = stack_buffers(text, shapes)
@@ -109,25 +111,77 @@ def main(argv=None):
   parser.add_argument("--out", default=os.environ.get("OUT", "runs"))
   parser.add_argument("--hlo", action="store_true", help="write each step's HLO and count stack-sized buffers")
   parser.add_argument("--loss", default="lean", help="comma list of bench_models.LOSSES: each impl with each")
+  parser.add_argument("--layers", default=None,
+                      help="comma list of layer counts to cut the model to (default: its own); "
+                           "the markdown then gives each impl's temporaries per layer")
   args = parser.parse_args(argv)
+  layer_counts = [None] if args.layers is None else [int(l) for l in args.layers.split(",")]
+  if any(l is not None and l < 1 for l in layer_counts):
+    parser.error(f"--layers must be positive integers (got {args.layers})")
   os.makedirs(args.out, exist_ok=True)
   rows = []
   losses = args.loss.split(",")
   for kind in losses:
     if kind not in bench_models.LOSSES:
       parser.error(f"--loss {kind!r}: choose from {', '.join(bench_models.LOSSES)}")
-  for impl, kind in [(i, k) for i in args.impls.split(",") for k in losses]:
+  for impl, kind, layers in [(i, k, l) for i in args.impls.split(",") for k in losses
+                             for l in layer_counts]:
     try:
       rows.append(analyse(args.model, impl, args.batch, args.tokens, args.dtype,
-                          os.path.join(args.out, "hlo") if args.hlo else None, kind))
+                          os.path.join(args.out, "hlo") if args.hlo else None, kind, layers))
     except Exception as e:  # recorded, not fatal: the other impls still run
-      rows.append({"model": args.model, "impl": impl, "error": f"{type(e).__name__}: {e}"[:500]})
+      rows.append({"model": args.model, "impl": impl, "layers": layers,
+                   "error": f"{type(e).__name__}: {e}"[:500]})
     print(json.dumps(rows[-1]), flush=True)
     meta = {"command": "python -m experiments.memory_analysis " + " ".join(argv or sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     with open(os.path.join(args.out, "memory_analysis.json"), "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "memory_analysis.md"), "w") as f:
+      f.write(markdown(rows, meta))
+  return rows
+
+
+def per_layer(rows) -> list[dict]:
+  """Per (impl, loss): the step's temporaries (GiB) by layer count, and their rise per layer
+  between the smallest and largest count (least squares over all counts)."""
+  groups = collections.defaultdict(dict)
+  for r in rows:
+    if "error" not in r:
+      groups[(r["impl"], r["loss_fn"])][r["layers"]] = r["step"]["temp_gib"]
+  out = []
+  for (impl, loss), temps in groups.items():
+    ls = sorted(temps)
+    slope = const = float("nan")
+    if len(ls) > 1:
+      n, sx, sy = len(ls), sum(ls), sum(temps[l] for l in ls)
+      sxx, sxy = sum(l * l for l in ls), sum(l * temps[l] for l in ls)
+      slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+      const = (sy - slope * sx) / n
+    out.append({"impl": impl, "loss_fn": loss, "temp_gib": {l: temps[l] for l in ls},
+                "slope_gib_per_layer": slope, "constant_gib": const})
+  return out
+
+
+def markdown(rows, meta) -> str:
+  lines = ["# Compile-only memory analysis", "",
+           f"`{meta['command']}`; {meta['date']}; {meta['device']}; jax {meta['jax']}.", "",
+           "Temporaries of the compiled train step (XLA's `temp_size`), GiB, by layer count; "
+           "`per layer`: least-squares slope over the counts.", ""]
+  groups = per_layer(rows)
+  counts = sorted({l for g in groups for l in g["temp_gib"]})
+  lines += ["| impl | loss | " + " | ".join(f"L={l}" for l in counts) + " | per layer | constant |",
+            "|---|---|" + "---|" * (len(counts) + 2)]
+  fmt = lambda x: "" if x != x else f"{x:.3f}"
+  for g in groups:
+    cells = [fmt(g["temp_gib"].get(l, float("nan"))) for l in counts]
+    lines.append(f"| {g['impl']} | {g['loss_fn']} | " + " | ".join(cells)
+                 + f" | {fmt(g['slope_gib_per_layer'])} | {fmt(g['constant_gib'])} |")
+  for r in rows:
+    if "error" in r:
+      lines.append(f"\n* `{r['impl']}` L={r.get('layers')}: {r['error']}")
+  return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

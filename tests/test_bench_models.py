@@ -117,7 +117,7 @@ def test_memory_analysis_compiles_from_shapes_and_finds_the_state_aliased(tmp_pa
   for r in (forge, int8):
     # The donated state is reused for the outputs: everything aliased.
     assert abs(r["step"]["alias_gib"] - r["state_gib"]) < 1e-3 * r["state_gib"]
-    assert r["stack_buffers"] and (tmp_path / "hlo" / f"tiny-qwen3_{r['impl']}_lean.hlo.txt").exists()
+    assert r["stack_buffers"] and (tmp_path / "hlo" / f"tiny-qwen3_{r['impl']}_lean_L2.hlo.txt").exists()
   assert int8["forge_state_gib"] < 0.6 * forge["forge_state_gib"]
 
 
@@ -210,3 +210,19 @@ def test_mem_fraction_reaches_the_workers():
   assert bench_models.worker_env(None)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
   with pytest.raises(SystemExit):
     bench_models.main(["--mem-fraction", "1.5"])
+
+
+def test_memory_analysis_per_layer(tmp_path):
+  from experiments import memory_analysis
+  rows = memory_analysis.main(["--model", "tiny-llama", "--tokens", "16", "--impls", "forge_unrolled",
+                               "--layers", "1,3", "--out", str(tmp_path)])
+  assert [r["layers"] for r in rows] == [1, 3] and all("error" not in r for r in rows)
+  # An unrolled layer's params are arguments of the step: they grow with the layers.
+  assert rows[1]["state_gib"] > rows[0]["state_gib"]
+  assert "| forge_unrolled | lean |" in (tmp_path / "memory_analysis.md").read_text()
+  synthetic = [{"impl": "a", "loss_fn": "lean", "layers": l, "step": {"temp_gib": 2.0 + 0.5 * l}}
+               for l in (1, 2, 4, 8)]
+  (g,) = memory_analysis.per_layer(synthetic)
+  assert g["slope_gib_per_layer"] == pytest.approx(0.5) and g["constant_gib"] == pytest.approx(2.0)
+  with pytest.raises(SystemExit):
+    memory_analysis.main(["--layers", "0", "--out", str(tmp_path)])
