@@ -246,6 +246,13 @@ case "$part" in
     # W_up copies in FORGE. Per-layer slope, copies and their shapes on the GPU:
     step diag 400 python -m experiments.diagnose_unrolled --out "$work/diag" --model llama-3.1-8b \
       --layers 2 4 --impls forge optax --layouts scanned unrolled
+    # The "xla" route peaks 4.3 GiB above its state (forge_xla 49.16 vs 44.87 GiB; forge_int8 35.13 vs
+    # 30.85), 2.0 GiB beyond XLA's plan for the step. Our guess: GEMM autotuning at compile time
+    # allocating the LM head's float32 dW (2 GiB) for candidate and reference outputs while the state
+    # is resident. Without autotuning:
+    (export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
+     step noautotune 120 python -m experiments.bench_models --out "$work/noautotune" \
+       --models llama-3.1-8b --impls forge_xla --steps 1 --timeout 110)
     ;;
   profile_steps)
     # Where the "xla" route's 46 ms over the kernel's step go, and the int8 route's 66 ms
