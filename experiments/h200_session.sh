@@ -216,10 +216,10 @@ case "$part" in
   limits)
     step default 100 python -m experiments.bench_models --out "$work/default" --models qwen3-0.6b \
       --impls optax --timeout 90
-    step q14 200 python -m experiments.bench_models --out "$work/q14" --models qwen3-14b \
-      --impls optax,optax_clip --mem-fraction 0.95 --timeout 95
-    step l8 240 python -m experiments.bench_models --out "$work/l8" --models llama-3.1-8b \
-      --impls optax_clip,forge --batch 40,64 --steps 1 --mem-fraction 0.95 --timeout 115
+    step q14 180 python -m experiments.bench_models --out "$work/q14" --models qwen3-14b \
+      --impls optax,optax_clip --mem-fraction 0.95 --timeout 88
+    step l8 300 python -m experiments.bench_models --out "$work/l8" --models llama-3.1-8b \
+      --impls optax_clip,forge --batch 40,64 --steps 1 --mem-fraction 0.95 --timeout 74
     ;;
   batch8_small)
     step batch8_small 420 python -m experiments.bench_models --out "$work/batch8_small" \
