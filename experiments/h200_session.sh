@@ -218,8 +218,10 @@ case "$part" in
       --impls optax --timeout 90
     step q14 180 python -m experiments.bench_models --out "$work/q14" --models qwen3-14b \
       --impls optax,optax_clip --mem-fraction 0.95 --timeout 88
-    step l8 300 python -m experiments.bench_models --out "$work/l8" --models llama-3.1-8b \
-      --impls optax_clip,forge --batch 40,64 --steps 1 --mem-fraction 0.95 --timeout 74
+    step l8_optax 110 python -m experiments.bench_models --out "$work/l8_optax" --models llama-3.1-8b \
+      --impls optax_clip --batch 40 --steps 1 --mem-fraction 0.95 --timeout 100
+    step l8_forge 130 python -m experiments.bench_models --out "$work/l8_forge" --models llama-3.1-8b \
+      --impls forge --batch 64 --steps 1 --mem-fraction 0.95 --timeout 120
     ;;
   batch8_small)
     step batch8_small 420 python -m experiments.bench_models --out "$work/batch8_small" \
