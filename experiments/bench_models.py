@@ -280,7 +280,7 @@ class Runner:
       self._probed = True
       probe = [sys.executable, "-c", "import jax; print(jax.devices()[0].device_kind)"]
       try:
-        proc = subprocess.run(probe, capture_output=True, text=True, timeout=120,
+        proc = subprocess.run(probe, capture_output=True, text=True, timeout=60,
                               env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
       except subprocess.TimeoutExpired:
         proc = None
@@ -372,9 +372,12 @@ def _oom_detail(stderr: str) -> str:
   """The allocator's own line of an OOM (what it tried to allocate and against which limit), 300
   characters: the ``OOM`` label alone cannot tell a batch that misses by 1 GiB from one that misses
   by 50."""
-  lines = [l.strip() for l in stderr.splitlines()
-           if "RESOURCE_EXHAUSTED" in l or "out of memory" in l.lower()]
-  return (lines or [""])[0][:300]
+  lines = [l.strip() for l in stderr.splitlines()]
+  # The allocator's own line names the size; else the last error line (an earlier "out of
+  # memory" can be a warning that did not fail the run, e.g. from the autotuner).
+  alloc = [l for l in lines if "ran out of memory trying to allocate" in l]
+  exhausted = [l for l in lines if "RESOURCE_EXHAUSTED" in l or "out of memory" in l.lower()]
+  return (alloc[-1:] or exhausted[-1:] or [""])[0][:300]
 
 
 def _write(path: str, text: str) -> None:

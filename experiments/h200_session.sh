@@ -17,25 +17,26 @@
 # capacity, capacity64, capacity48, extra and capacity_optaxloss (results/h200/capacity_lean,
 # bench_models_4b_nb, mosaic_ring_1024).
 #
-# Next (session 10), in this order:
-#   bash experiments/h200_session.sh limits         # <8 min: FIRST. The capacity claims were measured
+# Next (session 10), in this order (step limits in brackets; a session has 30 device minutes):
+#   bash experiments/h200_session.sh limits         # [520 s] FIRST. The capacity claims were measured
 #                                                   #   under jax's default allocator limit (a fraction
-#                                                   #   of the device, never recorded). With 95% of it:
-#                                                   #   does optax fit qwen3-14b, and where do optax+clip
-#                                                   #   (OOM at 40x1024) and FORGE (48 fits, 64 OOM) stop?
-#                                                   #   Rows now record limit_gib and, on OOM, XLA's plan.
-# then the cells of issue #8's grid still empty:
-#   bash experiments/h200_session.sh batch8_small   # <9 min: 8x1024 rows, qwen3-0.6b/1.7b/4b, optax,
-#                                                   #   optax_clip, forge; optax_clip at 40x1024 again
-#                                                   #   (its OOM was early: the allocator's line now kept)
-#   bash experiments/h200_session.sh batch8_large   # <10 min: 8x1024 rows, qwen3-8b, llama-3.1-8b, qwen3-14b
-#   bash experiments/h200_session.sh grid_unrolled  # <10 min: unrolled rows, qwen3-1.7b and qwen3-4b
-#   bash experiments/h200_session.sh grid_unrolled_large  # <10 min: unrolled rows, qwen3-8b; qwen3-14b FORGE
-#   bash experiments/h200_session.sh unrolled_diag  # <7 min: unrolled vs scanned Llama-3.1-8B at 2 and 4
-#                                                   #   layers: temporaries per layer, copies (GPU)
-#   bash experiments/h200_session.sh profile_steps  # <10 min: experiments.profile_step (new, CPU-tested):
+#                                                   #   of the device, never recorded): the default
+#                                                   #   limit, then with 95%: does optax fit qwen3-14b,
+#                                                   #   optax+clip 40x1024 (OOM by default), FORGE
+#                                                   #   64x1024 (OOM by default)? Rows now record
+#                                                   #   limit_gib and, on OOM, XLA's plan.
+#   bash experiments/h200_session.sh unrolled_diag  # [520 s] unrolled vs scanned Llama-3.1-8B at 2 and 4
+#                                                   #   layers (XLA step GiB per row: the temporaries'
+#                                                   #   slope by hand), copies; forge_xla without autotuning
+#   bash experiments/h200_session.sh profile_steps  # [330 s] experiments.profile_step (new, CPU-tested):
 #                                                   #   Llama-3.1-8B's kernels by class for optax, forge,
-#                                                   #   forge_xla, forge_int8; then the unrolled steps
+#                                                   #   forge_xla, forge_int8
+# then (later sessions) issue #8's empty cells and the unrolled profiles:
+#   bash experiments/h200_session.sh batch8_small   # [540 s] 8x1024, qwen3-0.6b/1.7b/4b; optax_clip 40x1024
+#   bash experiments/h200_session.sh batch8_large   # [570 s] 8x1024, qwen3-8b, llama-3.1-8b, qwen3-14b
+#   bash experiments/h200_session.sh grid_unrolled|grid_unrolled_4b|grid_unrolled_8b  # [575 s each]
+#   bash experiments/h200_session.sh grid_unrolled_14b   # [400 s] FORGE only
+#   bash experiments/h200_session.sh profile_unrolled    # [570 s]
 #
 # Parts run before (kept to repeat them):
 #   bash experiments/h200_session.sh xla_route|unrolled8b|large|capacity|capacity64|capacity48|extra|capacity_optaxloss
@@ -82,7 +83,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_large|unrolled_diag|profile_steps|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -231,15 +232,27 @@ case "$part" in
     ;;
   batch8_large)
     step batch8_large 570 python -m experiments.bench_models --out "$work/batch8_large" \
-      --models qwen3-8b,llama-3.1-8b,qwen3-14b --impls optax,optax_clip,forge --batch 8 --timeout 100
+      --models qwen3-8b,llama-3.1-8b,qwen3-14b --impls optax,optax_clip,forge --batch 8 --timeout 100 \
+      --time-budget 555
     ;;
+  # Unrolled steps compile for 110-185 s on the H200 whatever the model's size: two rows a call.
+  # --time-budget records a row that would not fit as skipped instead of losing it to `timeout`.
   grid_unrolled)
     step grid_unrolled 575 python -m experiments.bench_models --out "$work/grid_unrolled" \
-      --models qwen3-1.7b,qwen3-4b --impls optax_unrolled,forge_unrolled --timeout 140
+      --models qwen3-1.7b --impls optax_unrolled,forge_unrolled --timeout 280 --time-budget 560
     ;;
-  grid_unrolled_large)
-    step grid_unrolled_large 575 python -m experiments.bench_models --out "$work/grid_unrolled_large" \
-      --models qwen3-8b,qwen3-14b --impls optax_unrolled,forge_unrolled --timeout 190
+  grid_unrolled_4b)
+    step grid_unrolled_4b 575 python -m experiments.bench_models --out "$work/grid_unrolled_4b" \
+      --models qwen3-4b --impls optax_unrolled,forge_unrolled --timeout 280 --time-budget 560
+    ;;
+  grid_unrolled_8b)
+    step grid_unrolled_8b 575 python -m experiments.bench_models --out "$work/grid_unrolled_8b" \
+      --models qwen3-8b --impls optax_unrolled,forge_unrolled --timeout 280 --time-budget 560
+    ;;
+  grid_unrolled_14b)
+    # optax runs out of memory on qwen3-14b even scanned: FORGE only.
+    step grid_unrolled_14b 400 python -m experiments.bench_models --out "$work/grid_unrolled_14b" \
+      --models qwen3-14b --impls forge_unrolled --timeout 390
     ;;
   unrolled_diag)
     # Unrolled Llama-3.1-8B steps hold ~3.4 GiB more temporaries than scanned FORGE (both optax and
@@ -259,10 +272,16 @@ case "$part" in
   profile_steps)
     # Where the "xla" route's 46 ms over the kernel's step go, and the int8 route's 66 ms
     # (bench_models_xla_route): kernels by class, side by side; then unrolled vs scanned optax.
+    # (CUDA-graph command buffers are off while profiling: launch overhead is not what this shows.)
     step xla 330 python -m experiments.profile_step --out "$work/xla" --model llama-3.1-8b \
       --impls optax,forge,forge_xla,forge_int8 --timeout 80
-    step unrolled 250 python -m experiments.profile_step --out "$work/unrolled" --model llama-3.1-8b \
-      --impls optax_unrolled,forge_unrolled --timeout 240
+    ;;
+  profile_unrolled)
+    # Unrolled 8B workers took 116 s (optax) and 143 s (forge) before profiling: one step each.
+    step optax_unrolled 270 python -m experiments.profile_step --out "$work/optax_unrolled" \
+      --model llama-3.1-8b --impls optax_unrolled --timeout 260
+    step forge_unrolled 300 python -m experiments.profile_step --out "$work/forge_unrolled" \
+      --model llama-3.1-8b --impls forge_unrolled --timeout 290
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):

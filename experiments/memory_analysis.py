@@ -130,7 +130,7 @@ def main(argv=None):
       rows.append(analyse(args.model, impl, args.batch, args.tokens, args.dtype,
                           os.path.join(args.out, "hlo") if args.hlo else None, kind, layers))
     except Exception as e:  # recorded, not fatal: the other impls still run
-      rows.append({"model": args.model, "impl": impl, "layers": layers,
+      rows.append({"model": args.model, "impl": impl, "layers": layers, "loss_fn": kind,
                    "error": f"{type(e).__name__}: {e}"[:500]})
     print(json.dumps(rows[-1]), flush=True)
     meta = {"command": "python -m experiments.memory_analysis " + " ".join(argv or sys.argv[1:]),
@@ -144,8 +144,8 @@ def main(argv=None):
 
 
 def per_layer(rows) -> list[dict]:
-  """Per (impl, loss): the step's temporaries (GiB) by layer count, and their rise per layer
-  between the smallest and largest count (least squares over all counts)."""
+  """Per (impl, loss): the step's temporaries (GiB) by layer count, and their rise per layer:
+  the least-squares slope over all counts (and its intercept)."""
   groups = collections.defaultdict(dict)
   for r in rows:
     if "error" not in r:
@@ -171,8 +171,9 @@ def markdown(rows, meta) -> str:
            "`per layer`: least-squares slope over the counts.", ""]
   groups = per_layer(rows)
   counts = sorted({l for g in groups for l in g["temp_gib"]})
-  lines += ["| impl | loss | " + " | ".join(f"L={l}" for l in counts) + " | per layer | constant |",
-            "|---|---|" + "---|" * (len(counts) + 2)]
+  if groups:
+    lines += ["| impl | loss | " + " | ".join(f"L={l}" for l in counts) + " | per layer | constant |",
+              "|---|---|" + "---|" * (len(counts) + 2)]
   fmt = lambda x: "" if x != x else f"{x:.3f}"
   for g in groups:
     cells = [fmt(g["temp_gib"].get(l, float("nan"))) for l in counts]

@@ -18,8 +18,14 @@ divided by the number of steps:
 Written for the questions the step tables leave open (``RESULTS.md``): what
 the ``"xla"`` backend's 46 ms over the kernel's step are, and why unrolled
 steps are faster than scanned ones. The profiled step time is longer than
-``bench_models``' (the profiler costs time); compare the classes, side by
-side, not the absolute figure against other runs.
+``bench_models``' (the profiler costs time, and XLA runs without CUDA-graph
+command buffers while a profiler session is active, unless
+``--xla_enable_command_buffers_during_profiling``): compare the classes, side
+by side, not the absolute figure against other runs, and do not read launch
+overhead from it. ``meta`` records ``XLA_FLAGS``.
+
+On a GPU only events with kernel, memcpy or memset details count (CUPTI's
+own overhead records, on a line of their own, do not).
 
     python -m experiments.profile_step --out $OUT --model llama-3.1-8b --impls optax,forge,forge_xla
 
@@ -52,11 +58,6 @@ CLASSES = (
 )
 OTHER_CUSTOM, OTHER = "other custom call", "other"
 CLASS_NAMES = tuple(c for c, _ in CLASSES) + (OTHER_CUSTOM, OTHER)
-# Lines of a GPU plane that XLA's profiler derives from the stream events (each
-# kernel would be counted twice) or that carry no kernels.
-_DERIVED_LINES = ("XLA Modules", "XLA Ops", "TensorFlow Ops", "TensorFlow Name Scope", "Steps",
-                  "Launch Stats", "Source", "XLA TraceMe", "Framework Ops", "Framework Name Scope",
-                  "Async XLA Ops")
 _HOST_MARKERS = ("ThreadpoolListener", "SlinkyThreadPool", "end: ")
 # XLA:CPU events that enclose other thunks' events (counted through those).
 _HOST_ENCLOSING = ("ThunkExecutor", "while", "conditional", "call")
@@ -77,29 +78,33 @@ def classify(name: str, hlo_op: str = "") -> str:
   return OTHER_CUSTOM if hlo_op.startswith("custom-call") else OTHER
 
 
+_DEVICE_WORK = ("kernel_details", "memcpy_details", "memset_details")
+
+
 def device_events(profile) -> tuple[str, list[Event]]:
   """``(source, events)``: the kernels of a ``jax.profiler.ProfileData``.
 
-  GPU: every stream line of the ``/device:*`` planes. Without a device plane
-  (CPU), the XLA:CPU client's thunk events, markers left out.
+  GPU: the events of the ``/device:*`` planes that carry kernel, memcpy or
+  memset details (CUPTI's overhead records and counters do not); if no event
+  carries them (another profiler format), every event of the ``Stream #``
+  lines. Without a device plane (CPU), the XLA:CPU client's thunk events,
+  markers and enclosing thunks left out.
   """
-  events = []
   planes = [p for p in profile.planes if p.name.startswith("/device:")]
   if planes:
     source = ",".join(p.name for p in planes)
-    lines = [l for p in planes for l in p.lines if l.name not in _DERIVED_LINES]
+    raw = [(l.name, e, dict(e.stats)) for p in planes for l in p.lines for e in l.events]
+    work = [(e, st) for _, e, st in raw if any(k in st for k in _DEVICE_WORK)]
+    if not work:
+      work = [(e, st) for name, e, st in raw if name.startswith("Stream #")]
+      source += " (Stream lines: no kernel details found)"
   else:
     source = "host (no device plane: XLA:CPU thunks)"
-    lines = [l for p in profile.planes if p.name.startswith("/host:") for l in p.lines
-             if "PjRtCpuClient" in l.name or "XLAEigen" in l.name]
-  skip = _HOST_MARKERS if planes else _HOST_MARKERS + _HOST_ENCLOSING
-  for line in lines:
-    for e in line.events:
-      if e.name.startswith(skip):
-        continue
-      stats = dict(e.stats)
-      events.append(Event(e.name, str(stats.get("hlo_op", "")), float(e.duration_ns)))
-  return source, events
+    skip = _HOST_MARKERS + _HOST_ENCLOSING
+    work = [(e, dict(e.stats)) for p in profile.planes if p.name.startswith("/host:")
+            for l in p.lines if "PjRtCpuClient" in l.name or "XLAEigen" in l.name
+            for e in l.events if not e.name.startswith(skip)]
+  return source, [Event(e.name, str(st.get("hlo_op", "")), float(e.duration_ns)) for e, st in work]
 
 
 def summarize(events: Iterable[Event], steps: int, top: int = 20) -> dict:
@@ -219,7 +224,7 @@ def main(argv=None):
   parser.add_argument("--tokens", type=int, default=1024)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--attention", default="auto")
-  parser.add_argument("--loss", default="lean")
+  parser.add_argument("--loss", default="lean", choices=("lean", "optax"))
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--timeout", type=int, default=300, help="seconds per implementation")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -243,7 +248,8 @@ def main(argv=None):
   meta = {"command": "python -m experiments.profile_step " + " ".join(argv),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": "unknown", "jax": importlib.metadata.version("jax"), "steps": args.steps,
-          "model": args.model, "batch": args.batch, "tokens": args.tokens, "dtype": args.dtype}
+          "model": args.model, "batch": args.batch, "tokens": args.tokens, "dtype": args.dtype,
+          "xla_flags": os.environ.get("XLA_FLAGS", "")}
   rows = []
   for impl in impls:
     cmd = [sys.executable, "-m", "experiments.profile_step", "--worker", impl, *argv]
@@ -260,12 +266,13 @@ def main(argv=None):
     if "device" in row:
       meta["device"] = row["device"]
     print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
-  with open(os.path.join(args.out, "profile_step.json"), "w") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=1)
-  md = markdown(rows, meta)
-  with open(os.path.join(args.out, "profile_step.md"), "w") as f:
-    f.write(md)
-  plot(rows, os.path.join(args.out, "profile_step.png"))
+    # Written after every implementation: a call cut short keeps the rows it finished.
+    with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    md = markdown(rows, meta)
+    with open(os.path.join(args.out, "profile_step.md"), "w") as f:
+      f.write(md)
+    plot(rows, os.path.join(args.out, "profile_step.png"))
   print(md)
   return rows
 
