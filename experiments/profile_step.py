@@ -129,6 +129,15 @@ def summarize(events: Iterable[Event], steps: int, top: int = 20) -> dict:
   }
 
 
+def _profile_data():
+  """``ProfileData``: public as ``jax.profiler.ProfileData`` (jax 0.10.2), else jaxlib's own."""
+  import jax
+  if hasattr(jax.profiler, "ProfileData"):
+    return jax.profiler.ProfileData
+  from jaxlib import _profile_data  # pylint: disable=import-outside-toplevel
+  return _profile_data.ProfileData
+
+
 def worker(model: str, impl: str, batch: int, tokens: int, dtype: str, attention: str, loss: str,
            steps: int, trace_dir: str) -> dict:
   import jax
@@ -149,7 +158,7 @@ def worker(model: str, impl: str, batch: int, tokens: int, dtype: str, attention
   paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
   if not paths:
     raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
-  source, events = device_events(jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime)))
+  source, events = device_events(_profile_data().from_file(max(paths, key=os.path.getmtime)))
   row["source"] = source
   row["steps"] = steps
   row.update(summarize(events, steps))
