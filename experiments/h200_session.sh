@@ -97,6 +97,14 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a limit, logs to $work/NA
   tail -n 3 "$work/$name.log"
 }
 
+if [ -n "${H200_DRY_RUN:-}" ]; then  # tests: record each step's command (fields split by \x1f)
+  step() {
+    shift 2
+    printf '%s\x1f' "$@" >> "$H200_DRY_RUN"
+    printf '\n' >> "$H200_DRY_RUN"
+  }
+fi
+
 profile_pair() {  # profile_pair STAGES: bf16 AdamW at T=16384, the bf16 long-T tiling with
   # STAGES stages, profiled without (prof) and with (prof_cl2) clusters of two blocks
   local base="\"schedule\": \"pingpong\", \"max_concurrent_steps\": $1, \"epi_n\": 32, \"epi_l2_lookahead\": 0, \"l2_prefetch_steps\": 0, \"mma_in_flight\": true, \"no_auto_barriers\": true"

@@ -260,3 +260,45 @@ def test_stack_copies_script_counts_no_copies_after_the_ordering_fix(tmp_path):
   rows = json.loads((tmp_path / "stack_copies.json").read_text())["rows"]
   assert [(r["optimizer"], r["stack_copies"]) for r in rows] == [("adamw", 0), ("sgd_momentum", 0)]
   assert all(r["temp_bytes"] > 0 and r["state_bytes"] > 0 for r in rows)
+
+
+class _Parsed(Exception):
+  """Raised in place of running a script once its arguments parsed."""
+
+
+def test_every_h200_session_command_parses(tmp_path, monkeypatch):
+  """Every command of every part of experiments/h200_session.sh is accepted by its script's
+  argument parser (a typo'd flag costs a device call otherwise). The script's dry run
+  (H200_DRY_RUN) records each step's command instead of running it."""
+  import argparse
+  import importlib
+  import os
+  import pathlib
+  import subprocess
+
+  script = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "h200_session.sh"
+  usage = re.search(r'usage: h200_session\.sh ([\w|]+)', script.read_text()).group(1)
+  parts = usage.split("|")
+  assert {"limits", "unrolled_diag", "profile_steps", "batch8_small", "grid_unrolled_14b"} <= set(parts)
+  real = argparse.ArgumentParser.parse_args
+
+  def parse_then_stop(self, args=None, namespace=None):
+    real(self, args, namespace)
+    raise _Parsed
+
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+  checked = 0
+  for part in parts:
+    log = tmp_path / f"{part}.cmds"
+    env = dict(os.environ, H200_DRY_RUN=str(log), OUT=str(tmp_path))
+    proc = subprocess.run(["bash", str(script), part], env=env, capture_output=True, text=True,
+                          cwd=script.parents[1])
+    assert proc.returncode == 0, (part, proc.stderr)
+    cmds = [l.split("\x1f")[:-1] for l in log.read_text().splitlines()]
+    assert cmds, f"part {part} runs no step"
+    for cmd in cmds:
+      assert cmd[:2] == ["python", "-m"] and cmd[2].startswith("experiments."), (part, cmd)
+      with pytest.raises(_Parsed):
+        importlib.import_module(cmd[2]).main(cmd[3:])
+      checked += 1
+  assert checked >= 2 * len(parts) - 10
