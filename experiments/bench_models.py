@@ -178,13 +178,14 @@ def optax_baseline(base: str, loss_fn):
 
 
 def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
-               attention: str, loss: str = "lean", on_compiled=None):
+               attention: str, loss: str = "lean", on_compiled=None, layers: int | None = None):
   """``(row, step, carry)``: one row's model, initialised state and compiled step.
 
   ``step(state) -> (state, metrics)`` runs one training step on random tokens
   (the state is donated); ``carry`` is the ``(state, metrics)`` of a first step,
   so ``step(carry[0])`` chains. ``row`` holds the row's settings,
   ``init_peak_gib``, ``xla_step_gib``, ``limit_gib`` and ``compile_and_first_s``.
+  ``layers`` cuts the model to that many layers (default: the preset's).
   ``on_compiled(row)`` is called once the step is compiled, before it first runs
   (the worker reports XLA's plan then, so that a step that runs out of memory
   still says how much it planned). Shared by :func:`worker` and
@@ -200,11 +201,12 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   base, scan = parse_impl(impl)
   base, backend = forge_backend(base)
   linear = "forge" if base.startswith("forge") else "flax"
+  cut = {} if layers is None else {"num_layers": layers}
   cfg = models.get_config(model_name, linear=linear, remat=REMAT, scan_layers=scan,
                           forge_backend=backend,
-                          param_dtype=dtype, dtype=dtype, attention=attention)
+                          param_dtype=dtype, dtype=dtype, attention=attention, **cut)
   row = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens, "dtype": dtype,
-         "scan": scan, "attention": attention, "remat": REMAT, "loss_fn": loss,
+         "layers": cfg.num_layers, "scan": scan, "attention": attention, "remat": REMAT, "loss_fn": loss,
          "forge_backend": backend if linear == "forge" else None, "params_b": cfg.num_params / 1e9,
          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   opt = _forge_optimizer(base)

@@ -36,7 +36,7 @@
 #   bash experiments/h200_session.sh batch8_large   # [570 s] 8x1024, qwen3-8b, llama-3.1-8b, qwen3-14b
 #   bash experiments/h200_session.sh grid_unrolled|grid_unrolled_4b|grid_unrolled_8b  # [575 s each]
 #   bash experiments/h200_session.sh grid_unrolled_14b   # [400 s] FORGE only
-#   bash experiments/h200_session.sh profile_unrolled    # [570 s]
+#   bash experiments/h200_session.sh profile_unrolled    # [480 s] 8 layers, scanned and unrolled
 #
 # Parts run before (kept to repeat them):
 #   bash experiments/h200_session.sh xla_route|unrolled8b|large|capacity|capacity64|capacity48|extra|capacity_optaxloss
@@ -285,11 +285,10 @@ case "$part" in
       --impls optax,forge,forge_xla,forge_int8 --timeout 80
     ;;
   profile_unrolled)
-    # Unrolled 8B workers took 116 s (optax) and 143 s (forge) before profiling: one step each.
-    step optax_unrolled 270 python -m experiments.profile_step --out "$work/optax_unrolled" \
-      --model llama-3.1-8b --impls optax_unrolled --timeout 260
-    step forge_unrolled 300 python -m experiments.profile_step --out "$work/forge_unrolled" \
-      --model llama-3.1-8b --impls forge_unrolled --timeout 290
+    # Llama-3.1-8B cut to 8 layers (unrolled 32-layer workers took 116-143 s before profiling):
+    # kernels by class, scanned and unrolled, side by side.
+    step profile_unrolled 480 python -m experiments.profile_step --out "$work/profile_unrolled" \
+      --model llama-3.1-8b --layers 8 --impls optax,optax_unrolled,forge,forge_unrolled --timeout 115
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):

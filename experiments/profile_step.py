@@ -139,12 +139,13 @@ def _profile_data():
 
 
 def worker(model: str, impl: str, batch: int, tokens: int, dtype: str, attention: str, loss: str,
-           steps: int, trace_dir: str) -> dict:
+           steps: int, trace_dir: str, layers: int | None = None) -> dict:
   import jax
 
   from experiments import bench_models
 
-  row, step, carry = bench_models.build_step(model, impl, batch, tokens, dtype, attention, loss)
+  row, step, carry = bench_models.build_step(model, impl, batch, tokens, dtype, attention, loss,
+                                             layers=layers)
   for _ in range(3):  # warm-up, as bench_models
     carry = step(carry[0])
   jax.block_until_ready(carry)
@@ -170,6 +171,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
   out = ["# Where a training step's device time goes", "",
          f"Command: `{meta['command']}`  ",
          f"Date: {meta['date']}; device {meta['device']}; jax {meta['jax']}.  ",
+         f"Model {meta['model']}" + (f" with {meta['layers']} layers" if meta.get("layers") else "")
+         + f", {meta['batch']}x{meta['tokens']} tokens, {meta['dtype']}; XLA_FLAGS "
+         f"`{meta.get('xla_flags') or '(none)'}`.  ",
          f"{meta['steps']} steps back to back under `jax.profiler.trace` after 3 warm-up steps, blocked "
          "once; per-step milliseconds of kernels summed per class (kernels on concurrent streams can "
          "sum to more than the step). `profiled step`: host clock over the traced steps / steps "
@@ -235,6 +239,9 @@ def main(argv=None):
   parser.add_argument("--attention", default="auto")
   parser.add_argument("--loss", default="lean", choices=("lean", "optax"))
   parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--layers", type=int, default=None,
+                      help="give the model this many layers (an unrolled 32-layer step compiles "
+                           "for minutes; per-layer kernels show at a few)")
   parser.add_argument("--timeout", type=int, default=300, help="seconds per implementation")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -242,13 +249,13 @@ def main(argv=None):
   impls = args.impls.split(",")
   for impl in impls:
     bench_models.parse_impl(impl)  # unknown names fail here, before any run
-  if args.steps < 1 or args.batch < 1 or args.tokens < 1:
-    raise SystemExit(f"--steps, --batch and --tokens must be >= 1 (got {args.steps}, {args.batch}, "
-                     f"{args.tokens})")
+  if args.steps < 1 or args.batch < 1 or args.tokens < 1 or (args.layers or 1) < 1:
+    raise SystemExit(f"--steps, --batch, --tokens and --layers must be >= 1 (got {args.steps}, "
+                     f"{args.batch}, {args.tokens}, {args.layers})")
   if args.worker:
     with tempfile.TemporaryDirectory() as d:
       row = worker(args.model, args.worker, args.batch, args.tokens, args.dtype, args.attention,
-                   args.loss, args.steps, d)
+                   args.loss, args.steps, d, args.layers)
     print("ROW " + json.dumps(row), flush=True)
     return row
 
@@ -257,7 +264,8 @@ def main(argv=None):
   meta = {"command": "python -m experiments.profile_step " + " ".join(argv),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": "unknown", "jax": importlib.metadata.version("jax"), "steps": args.steps,
-          "model": args.model, "batch": args.batch, "tokens": args.tokens, "dtype": args.dtype,
+          "model": args.model, "layers": args.layers, "batch": args.batch, "tokens": args.tokens,
+          "dtype": args.dtype,
           "xla_flags": os.environ.get("XLA_FLAGS", "")}
   rows = []
   for impl in impls:

@@ -172,8 +172,9 @@ def test_profile_step_classes():
 def test_profile_step_runs_and_finds_the_stacked_updates(tmp_path):
   from experiments import profile_step
   rows = profile_step.main(["--out", str(tmp_path), "--model", "tiny-qwen3", "--impls", "optax,forge",
-                            "--tokens", "16", "--steps", "2"])
+                            "--tokens", "16", "--steps", "2", "--layers", "3"])
   assert [r["impl"] for r in rows] == ["optax", "forge"]
+  assert all(r["layers"] == 3 for r in rows)  # the preset has 2
   for r in rows:
     assert "error" not in r, r
     assert r["device_busy_ms"] > 0 and r["profiled_step_ms"] > 0 and r["top"]
@@ -181,6 +182,7 @@ def test_profile_step_runs_and_finds_the_stacked_updates(tmp_path):
   assert rows[1]["classes"]["dynamic-update-slice"]["calls"] > 0
   md = (tmp_path / "profile_step.md").read_text()
   assert "| class | optax | forge |" in md and "## forge: the 20 longest kernels" in md
+  assert "Model tiny-qwen3 with 3 layers, 1x16 tokens" in md
   with pytest.raises(ValueError, match="Unknown implementation"):
     profile_step.main(["--out", str(tmp_path), "--impls", "forge,sgd"])
 
