@@ -143,16 +143,20 @@ def _forge_optimizer(base: str):
   return None
 
 
-def _peak_gib(jax) -> float:
+def _memory_gib(jax, key: str) -> float:
+  """A device memory statistic in GiB, NaN where the backend does not report it (CPU)."""
   stats = jax.devices()[0].memory_stats() or {}
-  return stats.get("peak_bytes_in_use", float("nan")) / 2**30
+  return stats.get(key, float("nan")) / 2**30
+
+
+def _peak_gib(jax) -> float:
+  return _memory_gib(jax, "peak_bytes_in_use")
 
 
 def _limit_gib(jax) -> float:
   """The allocator's limit: what "OOM" is measured against (jax's default: a fraction of the
-  device's memory, ``XLA_PYTHON_CLIENT_MEM_FRACTION``), NaN where the backend does not say."""
-  stats = jax.devices()[0].memory_stats() or {}
-  return stats.get("bytes_limit", float("nan")) / 2**30
+  device's memory, ``XLA_PYTHON_CLIENT_MEM_FRACTION``)."""
+  return _memory_gib(jax, "bytes_limit")
 
 
 def optax_baseline(base: str, loss_fn):

@@ -38,20 +38,15 @@ from experiments import _timing, runlog
 from experiments.bench_models import _forge_optimizer, _loss, optax_baseline
 
 IMPLS = ("forge", "optax")
-_COPY = re.compile(r"= (\w+\[[\d,]*\])(?:\{[^}]*\})? copy\(")
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "pred": 1,
           "s64": 8, "u64": 8, "f64": 8}
 
 
 def copies(hlo_text: str) -> list[tuple[str, int]]:
   """``(shape, bytes)`` of every ``copy`` instruction in an HLO module's text."""
-  out = []
-  for m in _COPY.finditer(hlo_text):
-    shape = m.group(1)
-    dtype, dims = shape.split("[")
-    dims = [int(d) for d in dims.rstrip("]").split(",") if d]
-    out.append((shape, int(np.prod(dims, dtype=np.int64)) * _BYTES.get(dtype, 4)))
-  return out
+  return [(f"{i.dtype}[{','.join(map(str, i.dims))}]",
+           int(np.prod(i.dims, dtype=np.int64)) * _BYTES.get(i.dtype, 4))
+          for i in runlog.hlo_instructions(hlo_text) if i.opcode == "copy"]
 
 
 def hlo_counts(hlo_text: str) -> dict:

@@ -21,7 +21,6 @@ import datetime
 import functools
 import json
 import os
-import re
 import sys
 import time
 
@@ -29,7 +28,7 @@ import jax
 
 import forge_jax
 import models
-from experiments import bench_models
+from experiments import bench_models, runlog
 
 GIB = 2**30
 
@@ -50,11 +49,9 @@ def _nbytes(tree) -> float:
 
 def stack_buffers(hlo: str, shapes) -> dict:
   """Counts of ``opcode`` for instructions whose result is one of ``shapes`` (any dtype)."""
-  dims = {",".join(map(str, s)) for s in shapes}
-  counts = collections.Counter()
-  for m in re.finditer(r"= (\w+)\[([\d,]+)\]\{[^}]*\} ([\w-]+)\(", hlo):
-    if m.group(2) in dims:
-      counts[f"{m.group(1)} {m.group(3)}"] += 1
+  shapes = {tuple(s) for s in shapes}
+  counts = collections.Counter(f"{i.dtype} {i.opcode}" for i in runlog.hlo_instructions(hlo)
+                               if i.dims in shapes)
   return dict(counts.most_common())
 
 

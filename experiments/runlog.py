@@ -6,13 +6,36 @@ import json
 import os
 import pathlib
 import platform
+import re
 import resource
 import shutil
-from typing import Optional
+from typing import Iterator, NamedTuple, Optional
 
 import jax
 
 import forge_jax
+
+
+class HloInstruction(NamedTuple):
+  dtype: str            # "f32", "bf16", ...
+  dims: tuple           # the result's shape
+  opcode: str           # "copy", "fusion", "dynamic-update-slice", ...
+  line: str             # the instruction's line, stripped
+
+
+# `%name = f32[3,64,128]{2,1,0} copy(...)`: instructions with an array result (tuples are left out).
+_INSTRUCTION = re.compile(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? ([\w-]+)\(")
+
+
+def hlo_instructions(hlo_text: str) -> Iterator[HloInstruction]:
+  """Every instruction with an array result in an HLO module's text: what the scripts that
+  look for copies or stack-sized buffers in a compiled step (diagnose_unrolled, memory_analysis,
+  stack_copies) read."""
+  for m in _INSTRUCTION.finditer(hlo_text):
+    start = hlo_text.rfind("\n", 0, m.start()) + 1
+    end = hlo_text.find("\n", m.end())
+    yield HloInstruction(m.group(1), tuple(int(d) for d in m.group(2).split(",") if d), m.group(3),
+                         hlo_text[start:end if end >= 0 else None].strip())
 
 
 def xla_memory(compiled) -> dict:

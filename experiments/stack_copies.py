@@ -19,7 +19,6 @@ any backend (the CPU numbers are XLA:CPU's).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from typing import Optional, Sequence
 
@@ -28,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import forge_jax
-from experiments import _timing
+from experiments import _timing, runlog
 
 OPTIMIZERS = {
     "adamw": "forge_jax.adamw(1e-3)",
@@ -64,10 +63,9 @@ def measure(opt_expr: str, layers: int, k: int, n: int, dtype: str) -> dict:
     return jnp.mean(state.apply_fn(variables, batch).astype(jnp.float32) ** 2)
 
   compiled = forge_jax.train_step.lower(state, x, loss_fn).compile()
-  stacks = {f"[{layers},{k},{n}]", f"[{layers},{n},{k}]"}
-  copies = [line.strip() for line in compiled.as_text().splitlines()
-            if re.search(r"= \w+\[[\d,]+\]\{[^}]*\} copy\(", line)
-            and any(s in line.split(" copy(")[0] for s in stacks)]
+  stacks = {(layers, k, n), (layers, n, k)}
+  copies = [i.line for i in runlog.hlo_instructions(compiled.as_text())
+            if i.opcode == "copy" and i.dims in stacks]
   stats = compiled.memory_analysis()
   return {"stack_copies": len(copies), "temp_bytes": int(stats.temp_size_in_bytes),
           "state_bytes": int(sum(a.nbytes for a in jax.tree.leaves((state.params, state.forge_state)))),
