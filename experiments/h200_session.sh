@@ -17,28 +17,19 @@
 # capacity, capacity64, capacity48, extra and capacity_optaxloss (results/h200/capacity_lean,
 # bench_models_4b_nb, mosaic_ring_1024).
 #
-# Next (session 10), in this order (step limits in brackets; a session has 30 device minutes):
-#   bash experiments/h200_session.sh limits         # [520 s] FIRST. The capacity claims were measured
-#                                                   #   under jax's default allocator limit (a fraction
-#                                                   #   of the device, never recorded): the default
-#                                                   #   limit, then with 95%: does optax fit qwen3-14b,
-#                                                   #   optax+clip 40x1024 (OOM by default), FORGE
-#                                                   #   64x1024 (OOM by default)? Rows now record
-#                                                   #   limit_gib and, on OOM, XLA's plan.
-#   bash experiments/h200_session.sh unrolled_diag  # [520 s] unrolled vs scanned Llama-3.1-8B at 2 and 4
-#                                                   #   layers (XLA step GiB per row: the temporaries'
-#                                                   #   slope by hand), copies; forge_xla without autotuning
-#   bash experiments/h200_session.sh profile_steps  # [330 s] experiments.profile_step (new, CPU-tested):
-#                                                   #   Llama-3.1-8B's kernels by class for optax, forge,
-#                                                   #   forge_xla, forge_int8
-# then (later sessions) issue #8's empty cells and the unrolled profiles:
-#   bash experiments/h200_session.sh batch8_small   # [540 s] 8x1024, qwen3-0.6b/1.7b/4b; optax_clip 40x1024
-#   bash experiments/h200_session.sh batch8_large   # [570 s] 8x1024, qwen3-8b, llama-3.1-8b, qwen3-14b
+# Session 10 (2026-11-30) ran limits, unrolled_diag, profile_steps, batch8_small, batch8_large,
+# grid_unrolled_14b and limits_more (results/h200/capacity_mem95, unrolled_diag_gpu, profile_steps,
+# bench_models_{batch8_small,batch8_large,unrolled_14b,14b_mem95,14b_b8_mem95}). limits_more's three
+# steps ran as two inline commands that session (the same commands and limits; the part was written
+# after), so its results sit under other names: bench_models_14b_b8_mem95 and capacity_mem95/.
+#
+# Next (session 11), issue #8's empty cells and the unrolled profiles:
 #   bash experiments/h200_session.sh grid_unrolled|grid_unrolled_4b|grid_unrolled_8b  # [575 s each]
-#   bash experiments/h200_session.sh grid_unrolled_14b   # [400 s] FORGE only
 #   bash experiments/h200_session.sh profile_unrolled    # [480 s] 8 layers, scanned and unrolled
 #
 # Parts run before (kept to repeat them):
+#   bash experiments/h200_session.sh limits|limits_more|unrolled_diag|profile_steps|batch8_small|batch8_large|grid_unrolled_14b
+#                                               # session 10's parts (each case below says what it runs)
 #   bash experiments/h200_session.sh xla_route|unrolled8b|large|capacity|capacity64|capacity48|extra|capacity_optaxloss
 #                                               # session 9's parts (each case below says what it runs)
 #   bash experiments/h200_session.sh cluster_profile|ring   # 4-stage cluster profiles; T=1024 ring configs
@@ -83,7 +74,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -231,6 +222,16 @@ case "$part" in
       --impls optax_clip --batch 40 --steps 1 --mem-fraction 0.95 --timeout 100
     step l8_forge 130 python -m experiments.bench_models --out "$work/l8_forge" --models llama-3.1-8b \
       --impls forge --batch 64 --steps 1 --mem-fraction 0.95 --timeout 120
+    ;;
+  limits_more)
+    # With 95% of the device (132.8 GiB): optax on qwen3-14b at 8x1024 (OOM under the default 104.9
+    # GiB); Llama-3.1-8B optax+clip at FORGE's default-limit maximum (64x1024), FORGE at 96x1024.
+    step q14_b8 300 python -m experiments.bench_models --out "$work/q14_b8" --models qwen3-14b \
+      --impls optax_clip,optax --batch 8 --steps 1 --mem-fraction 0.95 --timeout 140 --time-budget 290
+    step optax_clip_b64 290 python -m experiments.bench_models --out "$work/optax_clip_b64" \
+      --models llama-3.1-8b --impls optax_clip --batch 64 --steps 1 --mem-fraction 0.95 --timeout 130
+    step forge_b96 150 python -m experiments.bench_models --out "$work/forge_b96" \
+      --models llama-3.1-8b --impls forge --batch 96 --steps 1 --mem-fraction 0.95 --timeout 140
     ;;
   batch8_small)
     step batch8_small 420 python -m experiments.bench_models --out "$work/batch8_small" \
