@@ -312,7 +312,7 @@ class Runner:
            "--models", model_name, "--tokens", str(tokens), "--batch", str(batch),
            "--dtype", args.dtype, "--attention", args.attention, "--steps", str(args.steps),
            "--loss", args.loss]
-    env = worker_env(args.mem_fraction)
+    env = worker_env(args.mem_fraction, args.preallocate)
     t0 = time.monotonic()
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -350,11 +350,16 @@ def _error(stderr: str, returncode: int) -> str:
 PLAN = "PLAN "
 
 
-def worker_env(mem_fraction: float | None) -> dict:
-  """A worker's environment: no preallocation (each row's peak is its own), and the allocator's
-  limit as a fraction of the device's memory when ``mem_fraction`` is given (jax's default
-  otherwise)."""
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+def worker_env(mem_fraction: float | None, preallocate: bool = False) -> dict:
+  """A worker's environment: the allocator's limit as a fraction of the device's memory when
+  ``mem_fraction`` is given (jax's default otherwise); no preallocation unless ``preallocate``.
+
+  Either way a row's peak is its own (one process per row) and ``peak_bytes_in_use`` counts what
+  the step used. What differs is where an OOM falls: without preallocation the allocator grows
+  its pool region by region, and a request for XLA's temporaries (one contiguous buffer) can
+  fail below the limit (on the H200: optax+clip at 40x1024 asked for 44.5 GiB with 60 GiB of the
+  104.9 GiB limit unused). jax's default is to preallocate the whole limit as one region."""
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="true" if preallocate else "false")
   if mem_fraction is not None:
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:g}"
   return env
@@ -431,7 +436,10 @@ def _settings(meta) -> list[str]:
       "Allocator limit (what OOM means): "
       + (f"{meta['limit_gib']:.1f} GiB" if _finite(meta.get("limit_gib")) else "not reported")
       + (f" (XLA_PYTHON_CLIENT_MEM_FRACTION={meta['mem_fraction']:g})" if meta.get("mem_fraction")
-         else " (jax's default fraction of the device's memory)") + ".",
+         else " (jax's default fraction of the device's memory)")
+      + ("; the whole limit preallocated (jax's default)." if meta.get("preallocate") else
+         "; allocated on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false), so a large request can "
+         "fail below the limit."),
   ]
 
 
@@ -609,7 +617,8 @@ def _meta(args, argv) -> dict:
           "attention": args.attention, "remat": REMAT, "loss": args.loss, "steps": args.steps,
           "timing": TIMING,
           "timeout_s": args.timeout, "time_budget_s": args.time_budget,
-          "max_batch": args.max_batch, "mem_fraction": args.mem_fraction}
+          "max_batch": args.max_batch, "mem_fraction": args.mem_fraction,
+          "preallocate": args.preallocate}
 
 
 def _table(args, impls, meta, runner):
@@ -686,6 +695,10 @@ def main(argv=None):
                       help="XLA_PYTHON_CLIENT_MEM_FRACTION for the workers: the allocator's limit "
                            "as a fraction of the device's memory (default: jax's); each row "
                            "records the limit it ran under (limit_gib)")
+  parser.add_argument("--preallocate", action="store_true",
+                      help="preallocate the allocator's whole limit in the workers, as jax does by "
+                           "default (XLA_PYTHON_CLIENT_PREALLOCATE=true); without it they allocate "
+                           "on demand, where a large request can fail below the limit")
   parser.add_argument("--worker")
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)

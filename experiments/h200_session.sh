@@ -23,7 +23,14 @@
 # steps ran as two inline commands that session (the same commands and limits; the part was written
 # after), so its results sit under other names: bench_models_14b_b8_mem95 and capacity_mem95/.
 #
-# Next (session 11), issue #8's empty cells and the unrolled profiles:
+# Next (session 11), in this order:
+#   bash experiments/h200_session.sh capacity_prealloc   # [470 s] FIRST: session 10's OOMs fell below the
+#                                                   #   limit (optax+clip 40x1024 asked for 44.5 GiB with 60
+#                                                   #   GiB free; FORGE 96x1024 for 72.5 with ~88 free) in
+#                                                   #   workers that allocate on demand. With the pool
+#                                                   #   preallocated, as jax does by default: where do the
+#                                                   #   two stop, under 75% and under 95%?
+# then issue #8's empty cells and the unrolled profiles:
 #   bash experiments/h200_session.sh grid_unrolled|grid_unrolled_4b|grid_unrolled_8b  # [575 s each]
 #   bash experiments/h200_session.sh profile_unrolled    # [480 s] 8 layers, scanned and unrolled
 #
@@ -74,7 +81,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -222,6 +229,15 @@ case "$part" in
       --impls optax_clip --batch 40 --steps 1 --mem-fraction 0.95 --timeout 100
     step l8_forge 130 python -m experiments.bench_models --out "$work/l8_forge" --models llama-3.1-8b \
       --impls forge --batch 64 --steps 1 --mem-fraction 0.95 --timeout 120
+    ;;
+  capacity_prealloc)
+    # Llama-3.1-8B, 1024-token sequences, workers with the whole limit preallocated (--preallocate).
+    step pre_default 200 python -m experiments.bench_models --out "$work/pre_default" --models llama-3.1-8b \
+      --impls optax_clip,forge --batch 40 --steps 1 --preallocate --timeout 95
+    step pre_default64 110 python -m experiments.bench_models --out "$work/pre_default64" \
+      --models llama-3.1-8b --impls forge --batch 64 --steps 1 --preallocate --timeout 100
+    step pre95 150 python -m experiments.bench_models --out "$work/pre95" --models llama-3.1-8b \
+      --impls forge --batch 96 --steps 1 --preallocate --mem-fraction 0.95 --timeout 140
     ;;
   limits_more)
     # With 95% of the device (132.8 GiB): optax on qwen3-14b at 8x1024 (OOM under the default 104.9

@@ -204,11 +204,14 @@ def test_a_worker_that_dies_after_compiling_keeps_its_plan():
   assert "| llama-3.1-8b | 40x1024 | optax_clip | scanned | OOM | | 14.90 | 91.40 |" in md
   assert "Allocator limit (what OOM means): 125.8 GiB (jax's default" in md
   assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in bench_models.markdown([oom], {**meta, "mem_fraction": 0.95})
+  assert "allocated on demand" in md
+  assert "whole limit preallocated" in bench_models.markdown([oom], {**meta, "preallocate": True})
 
 
 def test_mem_fraction_reaches_the_workers():
   assert bench_models.worker_env(0.95)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
   assert bench_models.worker_env(None)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  assert bench_models.worker_env(None, preallocate=True)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
   with pytest.raises(SystemExit):
     bench_models.main(["--mem-fraction", "1.5"])
 
@@ -244,6 +247,9 @@ def test_runner_passes_the_limit_and_keeps_the_plan_of_a_cut_worker(monkeypatch,
   rows = bench_models.main(["--out", str(tmp_path), *TINY, "--impls", "forge", "--mem-fraction", "0.95"])
   assert seen["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
   assert seen["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  bench_models.main(["--out", str(tmp_path / "pre"), *TINY, "--impls", "forge", "--preallocate"])
+  assert seen["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+  assert json.loads((tmp_path / "pre" / "bench_models.json").read_text())["meta"]["preallocate"]
   (row,) = json.loads((tmp_path / "bench_models.json").read_text())["rows"]
   assert row["error"].startswith("timeout") and row["xla_step_gib"] == 91.4
   meta = json.loads((tmp_path / "bench_models.json").read_text())["meta"]
