@@ -7,7 +7,10 @@ and implementation; ratios (``vs optax_clip`` peak memory, ``vs optax`` step
 time) are taken only against rows of the *same run*, measured side by side.
 Where several runs measured the same (model, batch, tokens, implementation),
 the row of the run with the most same-run references (optax, optax_clip) is
-shown, the newest among equals. int8-state rows from runs before the int8 init
+shown, the newest among equals. Rows measured under a raised allocator limit
+(``bench_models --mem-fraction``) are kept apart from those under jax's default
+limit: the ``limit`` column says which (an OOM under one is not an OOM under
+the other). int8-state rows from runs before the int8 init
 fix (``INT8_INIT_FIX``: their peak included float32 init temporaries) are left
 out: they measured a bug. ``forge`` rows (``backend="auto"``) from runs before
 ``backend="auto"`` picked the Mosaic kernel on Hopper (``AUTO_MOSAIC``) ran the
@@ -47,7 +50,8 @@ OLD_TIMING_NOTE = ("Mean of 5 steps after one warm-up step (bench_models before 
                    "1.05x and 1.00x optax (before, the old way: qwen3-0.6b 1.15x with the Mosaic kernel, "
                    "qwen3-1.7b 1.09x with Triton), and qwen3-4b (bench_models_4b_nb): FORGE 0.98x optax "
                    "(1.10x with Triton, the old way); the qwen3-14b FORGE row with the Mosaic kernel "
-                   "(bench_models_14b_mosaic) has no optax row to compare with (optax runs out of memory).")
+                   "(bench_models_14b_mosaic) has no optax row of its run (optax runs out of memory under the "
+                   "default limit; with 95% of the device it fits, in separate runs: bench_models_14b_mem95).")
 MODEL_ORDER = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-14b")
 IMPL_ORDER = ("optax", "optax_unrolled", "optax_clip", "forge", "forge_mosaic", "forge_triton", "forge_unrolled",
               "forge_triton_unrolled", "forge_xla", "forge_int8", "forge_int8_xla",
@@ -61,8 +65,21 @@ def load_runs(folder: pathlib.Path = RESULTS_DIR) -> list[tuple[str, dict]]:
   return sorted(runs, key=lambda r: r[1]["meta"]["date"])
 
 
+LIMIT_NOTE = ("`limit`: the allocator's limit the row ran under, in GiB. `default`: jax's default fraction "
+              "of the device's memory (75%), 104.9 GiB on this H200 "
+              "([default_limit](results/h200/capacity_mem95/default_limit/bench_models.md)); runs before "
+              "2026-11-30 did not record it, and none changed it. `95%`: "
+              "`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`, 132.8 GiB. Every row's worker allocated on demand "
+              "(no preallocation), where an OOM can fall below the limit (RESULTS: Capacity).")
+
+
 def _key(row):
   return (row["model"], row["batch"], row["tokens"], row["impl"])
+
+
+def _limit(run) -> str:
+  fraction = run["meta"].get("mem_fraction")
+  return "default" if fraction is None else f"{fraction:.0%}"
 
 
 def merged_rows(runs) -> list[dict]:
@@ -76,7 +93,7 @@ def merged_rows(runs) -> list[dict]:
       if r["impl"].startswith("forge_int8") and run["meta"]["date"] < INT8_INIT_FIX:
         continue  # measured the int8 init bug
       row = dict(r, source=name, date=run["meta"]["date"][:10],
-                 old_timing=run["meta"].get("timing") != "median3")
+                 old_timing=run["meta"].get("timing") != "median3", limit=_limit(run))
       if r["impl"] in ("forge", "forge_unrolled") and run["meta"]["date"] < AUTO_MOSAIC:
         row["impl"] = r["impl"].replace("forge", "forge_triton", 1)  # "auto" then meant Triton
       for other, field, out in (("optax_clip", "peak_gib", "vs_clip"), ("optax", "step_ms", "vs_optax")):
@@ -84,20 +101,22 @@ def merged_rows(runs) -> list[dict]:
         if ref and "error" not in ref and "error" not in r and ref.get(field, 0) > 0:
           row[out] = r[field] / ref[field]
       refs = lambda x: ("vs_clip" in x) + ("vs_optax" in x)
-      if _key(row) not in best or refs(row) >= refs(best[_key(row)]):  # date order: newest among equals
-        best[_key(row)] = row
+      key = (*_key(row), row["limit"])
+      if key not in best or refs(row) >= refs(best[key]):  # date order: newest among equals
+        best[key] = row
   order = lambda r: (MODEL_ORDER.index(r["model"]) if r["model"] in MODEL_ORDER else 99, r["batch"],
                      r["tokens"],
-                     IMPL_ORDER.index(r["impl"]) if r["impl"] in IMPL_ORDER else 99, r["impl"])
+                     IMPL_ORDER.index(r["impl"]) if r["impl"] in IMPL_ORDER else 99, r["impl"],
+                     r["limit"] != "default", r["limit"])
   return sorted(best.values(), key=order)
 
 
 def table(rows) -> str:
-  lines = ["| model | tokens | impl | layers | peak GiB | vs optax_clip | step ms | vs optax | tokens/s | run |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| model | tokens | impl | layers | limit | peak GiB | vs optax_clip | step ms | vs optax | tokens/s | run |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     layers = "scanned" if r.get("scan", True) else "unrolled"
-    head = f"| {r['model']} | {r['batch']}x{r['tokens']} | {r['impl']} | {layers} |"
+    head = f"| {r['model']} | {r['batch']}x{r['tokens']} | {r['impl']} | {layers} | {r.get('limit', 'default')} |"
     src = f"[{r['source'][:-5]}](results/h200/{r['source'][:-5]}.md)"
     if "error" in r:
       lines.append(f"{head} {r['error']} | | | | | {src} |")
@@ -106,6 +125,7 @@ def table(rows) -> str:
     mark = OLD_TIMING_MARK if r.get("old_timing") else ""
     lines.append(f"{head} {r['peak_gib']:.2f} | {ratio('vs_clip')} | {r['step_ms']:.1f}{mark} | "
                  f"{ratio('vs_optax')} | {r['tokens_per_s']:.0f} | {src} |")
+  lines += ["", LIMIT_NOTE]
   if any(r.get("old_timing") and "error" not in r for r in rows):
     lines += ["", OLD_TIMING_MARK + " " + OLD_TIMING_NOTE]
   return "\n".join(lines) + "\n"
