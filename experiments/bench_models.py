@@ -182,7 +182,8 @@ def optax_baseline(base: str, loss_fn):
 
 
 def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
-               attention: str, loss: str = "lean", on_compiled=None, layers: int | None = None):
+               attention: str, loss: str = "lean", on_compiled=None, layers: int | None = None,
+               compile_first: bool = False):
   """``(row, step, carry)``: one row's model, initialised state and compiled step.
 
   ``step(state) -> (state, metrics)`` runs one training step on random tokens
@@ -194,6 +195,12 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   (the worker reports XLA's plan then, so that a step that runs out of memory
   still says how much it planned). Shared by :func:`worker` and
   ``experiments.profile_step``.
+
+  ``compile_first`` compiles the step from the state's shapes before the state exists, as
+  ``experiments.train`` does; otherwise it is compiled from the initialised state. XLA's GEMM
+  autotuner allocates buffers while it compiles: on the H200 they add 2.05 GiB to the peak of a
+  Llama-3.1-8B ``forge_xla`` step compiled next to its state
+  (results/h200/unrolled_diag_gpu/noautotune). ``row["compile_first"]`` records which.
   """
   import jax
 
@@ -216,20 +223,29 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   opt = _forge_optimizer(base)
   model = models.CausalLM(cfg, optimizer=opt)
   data = jax.random.randint(jax.random.PRNGKey(0), (batch, tokens + 1), 0, cfg.vocab_size)
+  loss_fn = functools.partial(_loss, model.apply, kind=loss)
+  if opt is not None:
+    make_state = lambda v: forge_jax.TrainState.create(model.apply, v, opt)
+    lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn)
+  else:
+    tx, optax_step = optax_baseline(base, loss_fn)
+    make_state = lambda v: (v["params"], tx.init(v["params"]))
+    lower = lambda s: optax_step.lower(s, data)
+  row["compile_first"] = compile_first
   t0 = time.perf_counter()
+  compiled = None
+  if compile_first:
+    abstract = jax.eval_shape(lambda: make_state(model.init(jax.random.PRNGKey(1), data[:, :-1])))
+    compiled = lower(abstract).compile()
   variables = jax.jit(model.init)(jax.random.PRNGKey(1), data[:, :-1])
   jax.block_until_ready(variables)
   # The process peak so far: init's (random normal draws in float32, state
-  # construction). If it equals the final peak, init set it, not the step.
+  # construction), and with compile_first the compiler's. If it equals the final
+  # peak, init set it, not the step.
   row["init_peak_gib"] = _peak_gib(jax)
-  loss_fn = functools.partial(_loss, model.apply, kind=loss)
-  if opt is not None:
-    state = forge_jax.TrainState.create(model.apply, variables, opt)
-    compiled = forge_jax.train_step.lower(state, data, loss_fn).compile()
-  else:
-    tx, optax_step = optax_baseline(base, loss_fn)
-    state = (variables["params"], tx.init(variables["params"]))
-    compiled = optax_step.lower(state, data).compile()
+  state = make_state(variables)
+  if compiled is None:
+    compiled = lower(state).compile()
   step = lambda s: compiled(s, data)
   # XLA's plan for one step: arguments + outputs - donated + temporaries.
   row["xla_step_gib"] = runlog.xla_memory(compiled).get("step_gib", float("nan"))
@@ -243,7 +259,7 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
 
 
 def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
-           attention: str, steps: int, loss: str = "lean") -> dict:
+           attention: str, steps: int, loss: str = "lean", compile_first: bool = False) -> dict:
   import jax
 
   from experiments import _timing
@@ -253,7 +269,7 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
           flush=True)
 
   row, step, (state, metrics) = build_step(model_name, impl, batch, tokens, dtype, attention, loss,
-                                           on_compiled=plan)
+                                           on_compiled=plan, compile_first=compile_first)
   # Device time: `steps` steps back to back, blocked once, median of 3 repeats,
   # after 3 warm-up steps. (Until 2026-11-30 this was one warm-up step and the mean
   # of 5 steps, which read forge_unrolled on qwen3-0.6b as 32.0 ms where this
@@ -311,7 +327,7 @@ class Runner:
     cmd = [sys.executable, "-m", "experiments.bench_models", "--worker", impl,
            "--models", model_name, "--tokens", str(tokens), "--batch", str(batch),
            "--dtype", args.dtype, "--attention", args.attention, "--steps", str(args.steps),
-           "--loss", args.loss]
+           "--loss", args.loss] + (["--compile-first"] if args.compile_first else [])
     env = worker_env(args.mem_fraction, args.preallocate)
     t0 = time.monotonic()
     try:
@@ -430,7 +446,9 @@ def _settings(meta) -> list[str]:
       (f"step time: {meta['steps']} steps back to back, blocked once, median of 3 repeats, "
        f"after compiling and 3 warm-up steps; " if meta.get("timing") == TIMING else
        f"{meta['steps']} timed steps after compiling and one warm-up step (their mean); ") +
-      "random weights and tokens; one process per row.  ",
+      "random weights and tokens; one process per row; the step compiled "
+      + ("from the state's shapes before the state exists (--compile-first).  " if meta.get("compile_first")
+         else "next to the initialised state (the compiler's autotuning buffers count on top of it).  "),
       f"Time budget: {'none' if budget is None else f'{budget:g} s'}; elapsed "
       f"{meta.get('elapsed_s', 0):.0f} s; worker timeout {meta['timeout_s']} s.  ",
       "Allocator limit (what OOM means): "
@@ -618,7 +636,7 @@ def _meta(args, argv) -> dict:
           "timing": TIMING,
           "timeout_s": args.timeout, "time_budget_s": args.time_budget,
           "max_batch": args.max_batch, "mem_fraction": args.mem_fraction,
-          "preallocate": args.preallocate}
+          "preallocate": args.preallocate, "compile_first": args.compile_first}
 
 
 def _table(args, impls, meta, runner):
@@ -699,6 +717,10 @@ def main(argv=None):
                       help="preallocate the allocator's whole limit in the workers, as jax does by "
                            "default (XLA_PYTHON_CLIENT_PREALLOCATE=true); without it they allocate "
                            "on demand, where a large request can fail below the limit")
+  parser.add_argument("--compile-first", action="store_true",
+                      help="compile each step from the state's shapes before the state exists (as "
+                           "experiments.train does), so the compiler's autotuning buffers are not "
+                           "counted on top of the state")
   parser.add_argument("--worker")
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
@@ -706,7 +728,7 @@ def main(argv=None):
     parser.error(f"--mem-fraction must be in (0, 1] (got {args.mem_fraction})")
   if args.worker:
     row = worker(args.models, args.worker, int(args.batch), int(args.tokens), args.dtype,
-                 args.attention, args.steps, args.loss)
+                 args.attention, args.steps, args.loss, args.compile_first)
     print("ROW " + json.dumps(row), flush=True)
     return
   impls = [i + UNROLLED if args.unrolled and not i.endswith(UNROLLED) else i

@@ -30,6 +30,10 @@
 #                                                   #   workers that allocate on demand. With the pool
 #                                                   #   preallocated, as jax does by default: where do the
 #                                                   #   two stop, under 75% and under 95%?
+#   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
+#                                                   #   forge_int8 compiled before their state exists (as
+#                                                   #   experiments.train does): does the xla route lose
+#                                                   #   its 2.05 GiB of autotuning above the plan?
 # then issue #8's empty cells and the unrolled profiles:
 #   bash experiments/h200_session.sh grid_unrolled|grid_unrolled_4b|grid_unrolled_8b  # [575 s each]
 #   bash experiments/h200_session.sh profile_unrolled    # [480 s] 8 layers, scanned and unrolled
@@ -81,7 +85,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -229,6 +233,11 @@ case "$part" in
       --impls optax_clip --batch 40 --steps 1 --mem-fraction 0.95 --timeout 100
     step l8_forge 130 python -m experiments.bench_models --out "$work/l8_forge" --models llama-3.1-8b \
       --impls forge --batch 64 --steps 1 --mem-fraction 0.95 --timeout 120
+    ;;
+  compile_first)
+    step compile_first 230 python -m experiments.bench_models --out "$work/compile_first" \
+      --models llama-3.1-8b --impls optax,forge,forge_xla,forge_int8 --compile-first --timeout 100 \
+      --time-budget 220
     ;;
   capacity_prealloc)
     # Llama-3.1-8B, 1024-token sequences, workers with the whole limit preallocated (--preallocate).

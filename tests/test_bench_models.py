@@ -302,3 +302,36 @@ def test_profile_step_counts_kernels_not_cupti_overhead():
                                   _Line("CUPTI overhead", [_Ev("BUFFER_FLUSH", 4e6)])])
   source, events = ps.device_events(_Profile([bare]))
   assert [e.name for e in events] == ["nvjet_a"] and "Stream lines" in source
+
+
+@pytest.mark.parametrize("impl", ["optax_clip", "forge"])
+def test_compile_first_builds_the_same_step(impl):
+  """--compile-first compiles from the state's shapes before init; the step it runs is the same
+  (same first loss, same state after one step) as the one compiled next to the state."""
+  import jax
+  import numpy as np
+  outs = []
+  for first in (False, True):
+    row, step, (state, metrics) = bench_models.build_step("tiny-qwen3", impl, 1, 16, "float32", "auto",
+                                                          compile_first=first)
+    assert row["compile_first"] is first
+    outs.append((jax.device_get(metrics), jax.device_get(jax.tree.leaves(step(state)[0]))))
+  (m0, s0), (m1, s1) = outs
+  np.testing.assert_array_equal(np.asarray(m0["loss"]), np.asarray(m1["loss"]))
+  assert len(s0) == len(s1) and all(np.array_equal(a, b) for a, b in zip(s0, s1))
+
+
+def test_compile_first_reaches_the_workers(monkeypatch, tmp_path):
+  seen = {}
+
+  def fake_run(cmd, env=None, timeout=None, **kw):
+    seen["cmd"] = cmd
+    raise bench_models.subprocess.TimeoutExpired(cmd, timeout, output=b"")
+
+  monkeypatch.setattr(bench_models.subprocess, "run", fake_run)
+  monkeypatch.setattr(bench_models.Runner, "device_name", lambda self: "fake")
+  bench_models.main(["--out", str(tmp_path), *TINY, "--impls", "forge", "--compile-first"])
+  assert "--compile-first" in seen["cmd"]
+  meta = json.loads((tmp_path / "bench_models.json").read_text())["meta"]
+  assert meta["compile_first"] is True
+  assert "before the state exists" in (tmp_path / "bench_models.md").read_text()
