@@ -35,9 +35,9 @@ import jax
 import numpy as np
 
 from experiments import _timing, runlog
-from experiments.bench_models import _forge_optimizer, _loss, optax_baseline
+from experiments.bench_models import _forge_optimizer, _loss, forge_backend, optax_baseline
 
-IMPLS = ("forge", "optax")
+IMPLS = ("forge", "optax", "forge_xla", "forge_int8")  # bench_models' names
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "pred": 1,
           "s64": 8, "u64": 8, "f64": 8}
 
@@ -68,11 +68,12 @@ def row(model_name: str, impl: str, scan: bool, layers: int, *, tokens: int, dty
   import forge_jax
   import models
 
-  linear = "forge" if impl == "forge" else "flax"
+  base, backend = forge_backend(impl)
+  linear = "forge" if base.startswith("forge") else "flax"
   cfg = models.get_config(model_name, linear=linear, remat="full", scan_layers=scan,
-                          num_layers=layers, param_dtype=dtype, dtype=dtype)
+                          num_layers=layers, param_dtype=dtype, dtype=dtype, forge_backend=backend)
   data = jax.random.randint(jax.random.PRNGKey(0), (1, tokens + 1), 0, cfg.vocab_size)
-  opt = _forge_optimizer("forge") if impl == "forge" else None
+  opt = _forge_optimizer(base)
   model = models.CausalLM(cfg, optimizer=opt)
   variables = jax.jit(model.init)(jax.random.PRNGKey(1), data[:, :-1])
   loss_fn = functools.partial(_loss, model.apply, kind="lean")

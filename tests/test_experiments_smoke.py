@@ -137,6 +137,20 @@ def test_diagnose_unrolled_counts_copies_and_writes_its_table(tmp_path):
       "python -m experiments.diagnose_unrolled --out")
 
 
+def test_diagnose_unrolled_takes_bench_models_impls(tmp_path):
+  """forge_int8 and forge_xla build bench_models' optimizers and backends: the int8 row's step
+  holds int8 slots (s8 in its HLO), the bf16-state rows do not."""
+  import gzip  # pylint: disable=g-import-not-at-top
+  from experiments import diagnose_unrolled  # pylint: disable=g-import-not-at-top
+
+  argv = ["--out", str(tmp_path), "--model", "tiny-qwen3", "--layers", "1", "--impls", "forge_xla",
+          "forge_int8", "--layouts", "scanned", "--tokens", "8", "--iters", "1"]
+  assert diagnose_unrolled.main(argv) == 0
+  hlo = {impl: gzip.open(tmp_path / f"{impl}_scanned_1.hlo.txt.gz", "rt").read()
+         for impl in ("forge_xla", "forge_int8")}
+  assert " s8[" in hlo["forge_int8"] and " s8[" not in hlo["forge_xla"]
+
+
 def test_dispatched_runs_n_calls_in_one_jit_without_merging_them(tmp_path):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
