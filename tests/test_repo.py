@@ -53,6 +53,22 @@ def test_results_md_table_is_generated_from_the_committed_json():
   assert results_tables.OLD_TIMING_MARK not in results_tables.table([new])
 
 
+def test_results_table_keeps_limits_apart_and_lists_the_empty_grid_cells():
+  from experiments import results_tables
+  meta = lambda date, fraction: {"date": date, "mem_fraction": fraction, "timing": "median3"}
+  row = lambda impl, **kw: {"model": "qwen3-14b", "batch": 1, "tokens": 1024, "impl": impl, "scan": True,
+                            "peak_gib": 100.0, "step_ms": 1.0, "tokens_per_s": 1.0, **kw}
+  runs = [("a.json", {"meta": meta("2026-11-30T01", None), "rows": [row("optax", error="OOM")]}),
+          ("b.json", {"meta": meta("2026-11-30T02", 0.95), "rows": [row("optax")]})]
+  rows = results_tables.merged_rows(runs)
+  # The OOM under the default limit and the fit under 95% are both shown, each with its limit.
+  assert [(r["limit"], "error" in r) for r in rows] == [("default", True), ("95%", False)]
+  assert "| qwen3-14b | 1x1024 | optax | scanned | 95% | 100.00 |" in results_tables.table(rows)
+  cells = results_tables.missing(rows)
+  assert ("qwen3-14b", 1, "optax") not in cells and ("qwen3-14b", 1, "forge") in cells
+  assert len(cells) == len(results_tables.MODEL_ORDER) * 2 * 5 - 1
+
+
 def test_h200_session_script_parses_and_refuses_unknown_parts(tmp_path):
   import subprocess  # pylint: disable=g-import-not-at-top
   script = ROOT / "experiments" / "h200_session.sh"
