@@ -38,6 +38,13 @@
 #                                                   #   layers (gzipped, with forge's for reference): what
 #                                                   #   its 896 dynamic-update-slice fusions (45.8 ms) and
 #                                                   #   the dynamic-slice fusions (~20 ms) compute
+#   bash experiments/h200_session.sh live_buffers   # [330 s] what is live at the step's peak (XLA's
+#                                                   #   buffer assignment): Llama-3.1-8B FORGE at 64x1024,
+#                                                   #   main and with patches/head_update_first.diff (the
+#                                                   #   LM head's update ordered before the decoder's
+#                                                   #   backward, so dlogits dies early: FORGE's planned
+#                                                   #   step grows 0.75 GiB per sequence, optax+clip's 0.57);
+#                                                   #   optax+clip at 64x1024 beside it
 # then issue #8's empty cells and the unrolled profiles:
 #   bash experiments/h200_session.sh grid_unrolled|grid_unrolled_4b|grid_unrolled_8b  # [575 s each]
 #   bash experiments/h200_session.sh profile_unrolled    # [480 s] 8 layers, scanned and unrolled
@@ -89,7 +96,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -237,6 +244,12 @@ case "$part" in
       --impls optax_clip --batch 40 --steps 1 --mem-fraction 0.95 --timeout 100
     step l8_forge 130 python -m experiments.bench_models --out "$work/l8_forge" --models llama-3.1-8b \
       --impls forge --batch 64 --steps 1 --mem-fraction 0.95 --timeout 120
+    ;;
+  live_buffers)
+    step live_forge 200 python -m experiments.live_buffers --out "$work/live_forge" --model llama-3.1-8b \
+      --impls forge,forge_xla --batch 64 --patch experiments/patches/head_update_first.diff --timeout 90
+    step live_optax 120 python -m experiments.live_buffers --out "$work/live_optax" --model llama-3.1-8b \
+      --impls optax_clip --batch 64 --timeout 110
     ;;
   xla_route_fusions)
     step xla_hlo 200 python -m experiments.diagnose_unrolled --out "$work/xla_hlo" --model llama-3.1-8b \

@@ -8,6 +8,7 @@ their results.
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 
 import jax
@@ -316,3 +317,38 @@ def test_every_h200_session_command_parses(tmp_path, monkeypatch):
         importlib.import_module(cmd[2]).main(cmd[3:])
       checked += 1
   assert checked >= 2 * len(parts) - 10
+
+
+def test_live_buffers_sums_the_schedule_and_lists_the_peak():
+  from experiments import live_buffers  # pylint: disable=g-import-not-at-top
+  live_range = ("  InstructionSequence:\n    0:p\n    1:a\n    2:b\n    3:c\n  BufferLiveRange:\n"
+                "    p{}:0-3\n    a{}:1-2\n    b{}:2-3\n    c{}:3-3\n  Live ranges at 2 (peak):\n")
+  assignment = "\n".join([
+      " value: <1 p @0> (size=100,offset=0): f32[25]{0}",
+      " value: <2 a @0> (size=400,offset=0): f32[100]{0}",
+      " value: <3 b @0> (size=800,offset=0): bf16[400]{0}",
+      " value: <4 c @0> (size=50,offset=0): (f32[4], s32[])",
+  ])
+  module = live_buffers.parse(live_range, assignment)
+  assert module["sequence"] == ["p", "a", "b", "c"] and module["ranges"]["b{}"] == (2, 3)
+  result = live_buffers.peak(module, top=2)
+  # at 2: p + a + b = 1300 bytes (at 3: p + b + c = 950)
+  assert result["at"] == 2 and result["instruction"] == "b"
+  assert result["peak_gib"] * 2**30 == 1300
+  assert [b["buffer"] for b in result["live"]] == ["b{}", "a{}"] and result["live"][0]["shape"] == "bf16[400]"
+  assert live_buffers.parse(live_range, assignment)["shapes"]["c{}"] == "tuple"
+
+
+def test_live_buffers_compiles_main_and_a_patched_tree(tmp_path):
+  from experiments import live_buffers  # pylint: disable=g-import-not-at-top
+  patch = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "patches" / "head_update_first.diff"
+  rows = live_buffers.main(["--model", "tiny-llama", "--tokens", "16", "--impls", "forge", "--top", "50",
+                            "--patch", str(patch), "--out", str(tmp_path)])
+  assert [r["tree"] for r in rows] == ["main", "head_update_first.diff"]
+  for r in rows:
+    assert "error" not in r, r
+    assert r["module"].endswith("after_optimizations") and "step" in r["module"]
+    # What is live at one point cannot exceed XLA's whole plan (arguments + outputs + temporaries).
+    assert 0 < r["peak_gib"] <= r["xla_step_gib"] * 1.0001
+  md = (tmp_path / "live_buffers.md").read_text()
+  assert "| forge | head_update_first.diff |" in md
