@@ -183,7 +183,7 @@ def optax_baseline(base: str, loss_fn):
 
 def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
                attention: str, loss: str = "lean", on_compiled=None, layers: int | None = None,
-               compile_first: bool = False):
+               compile_first: bool = False, compile_only: bool = False):
   """``(row, step, carry)``: one row's model, initialised state and compiled step.
 
   ``step(state) -> (state, metrics)`` runs one training step on random tokens
@@ -201,6 +201,8 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   autotuner allocates buffers while it compiles: on the H200 they add 2.05 GiB to the peak of a
   Llama-3.1-8B ``forge_xla`` step compiled next to its state
   (results/h200/unrolled_diag_gpu/noautotune). ``row["compile_first"]`` records which.
+  ``compile_only`` (implies ``compile_first``) stops once the step is compiled: ``(row, None,
+  None)``, with ``row["compile_s"]`` (with a persistent compilation cache, this fills it).
   """
   import jax
 
@@ -231,12 +233,18 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
     tx, optax_step = optax_baseline(base, loss_fn)
     make_state = lambda v: (v["params"], tx.init(v["params"]))
     lower = lambda s: optax_step.lower(s, data)
-  row["compile_first"] = compile_first
+  row["compile_first"] = compile_first = compile_first or compile_only
   t0 = time.perf_counter()
   compiled = None
+  hits = count_cache_hits()
   if compile_first:
     abstract = jax.eval_shape(lambda: make_state(model.init(jax.random.PRNGKey(1), data[:, :-1])))
+    before = len(hits)
     compiled = lower(abstract).compile()
+    row["step_from_cache"] = len(hits) > before  # loaded from jax's persistent cache
+    if compile_only:
+      row["compile_s"] = time.perf_counter() - t0
+      return row, None, None
   variables = jax.jit(model.init)(jax.random.PRNGKey(1), data[:, :-1])
   jax.block_until_ready(variables)
   # The process peak so far: init's (random normal draws in float32, state
@@ -245,7 +253,9 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   row["init_peak_gib"] = _peak_gib(jax)
   state = make_state(variables)
   if compiled is None:
+    before = len(hits)
     compiled = lower(state).compile()
+    row["step_from_cache"] = len(hits) > before
   step = lambda s: compiled(s, data)
   # XLA's plan for one step: arguments + outputs - donated + temporaries.
   row["xla_step_gib"] = runlog.xla_memory(compiled).get("step_gib", float("nan"))
@@ -284,6 +294,15 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   return row
 
 
+def count_cache_hits() -> list:
+  """A list that grows by one each time jax loads a program from its persistent compilation cache."""
+  import jax
+  hits = []
+  jax.monitoring.register_event_listener(
+      lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+  return hits
+
+
 class Runner:
   """Runs rows in worker processes within ``--time-budget``."""
 
@@ -313,6 +332,40 @@ class Runner:
   def elapsed(self) -> float:
     return time.monotonic() - self.start
 
+  def worker_cmd(self, model_name: str, impl: str, batch: int, tokens: int) -> list:
+    args = self.args
+    return ([sys.executable, "-m", "experiments.bench_models", "--worker", impl,
+             "--models", model_name, "--tokens", str(tokens), "--batch", str(batch),
+             "--dtype", args.dtype, "--attention", args.attention, "--steps", str(args.steps),
+             "--loss", args.loss] + (["--compile-first"] if args.compile_first else []))
+
+  def precompile(self, cells) -> list:
+    """Compiles every (model, impl, batch, tokens) of ``cells`` into the persistent compilation
+    cache, ``--precompile`` worker processes at a time, before any row runs: the timed workers
+    that follow load their step from the cache instead of compiling it (an unrolled 8B step
+    takes 110-180 s to compile on the H200's host, one core at a time). The compiles autotune
+    on the device concurrently, so a cached step may hold other GEMM choices than one compiled
+    alone. Returns one record per cell: seconds, exit status and, on failure, the last line."""
+    import concurrent.futures
+
+    env = worker_env(self.args.mem_fraction, self.args.preallocate, self.args.compile_cache)
+    left = (None if self.args.time_budget is None else self.args.time_budget - self.elapsed())
+    timeout = self.args.timeout if left is None else max(1, min(self.args.timeout, int(left)))
+
+    def compile_one(cell):
+      cmd = self.worker_cmd(*cell) + ["--compile-only"]
+      t0 = time.monotonic()
+      try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        rc, err = proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1][:300]
+      except subprocess.TimeoutExpired:
+        rc, err = None, f"timeout after {timeout} s"
+      record = dict(zip(("model", "impl", "batch", "tokens"), cell), seconds=time.monotonic() - t0, rc=rc)
+      return record if rc == 0 else {**record, "error": err}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.precompile) as pool:
+      return list(pool.map(compile_one, cells))
+
   def run(self, model_name: str, impl: str, batch: int, tokens: int) -> dict:
     args = self.args
     base = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens,
@@ -324,11 +377,8 @@ class Runner:
       if left - (statistics.median(self.walls) if self.walls else 0.0) < 0:
         return {**base, "error": SKIPPED, "wall_s": 0.0}
       timeout = max(1, min(timeout, int(left)))
-    cmd = [sys.executable, "-m", "experiments.bench_models", "--worker", impl,
-           "--models", model_name, "--tokens", str(tokens), "--batch", str(batch),
-           "--dtype", args.dtype, "--attention", args.attention, "--steps", str(args.steps),
-           "--loss", args.loss] + (["--compile-first"] if args.compile_first else [])
-    env = worker_env(args.mem_fraction, args.preallocate)
+    cmd = self.worker_cmd(model_name, impl, batch, tokens)
+    env = worker_env(args.mem_fraction, args.preallocate, args.compile_cache)
     t0 = time.monotonic()
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -366,7 +416,8 @@ def _error(stderr: str, returncode: int) -> str:
 PLAN = "PLAN "
 
 
-def worker_env(mem_fraction: float | None, preallocate: bool = False) -> dict:
+def worker_env(mem_fraction: float | None, preallocate: bool = False,
+               compile_cache: str | None = None) -> dict:
   """A worker's environment: the allocator's limit as a fraction of the device's memory when
   ``mem_fraction`` is given (jax's default otherwise); no preallocation unless ``preallocate``.
 
@@ -376,6 +427,10 @@ def worker_env(mem_fraction: float | None, preallocate: bool = False) -> dict:
   fail below the limit (on the H200: optax+clip at 40x1024 asked for 44.5 GiB with 60 GiB of the
   104.9 GiB limit unused). jax's default is to preallocate the whole limit as one region."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="true" if preallocate else "false")
+  if compile_cache is not None:  # jax's persistent compilation cache, every program kept
+    env.update(JAX_COMPILATION_CACHE_DIR=os.path.abspath(compile_cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   if mem_fraction is not None:
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:g}"
   return env
@@ -436,7 +491,7 @@ def _fmt(x, spec: str) -> str:
 
 def _settings(meta) -> list[str]:
   budget = meta.get("time_budget_s")
-  return [
+  lines = [
       f"Command: `{meta['command']}`  ",
       f"Date: {meta['date']}; device {meta['device']}; jax {meta['jax']}.  ",
       f"Settings: dtype {meta['dtype']} (params, compute and optimizer states; int8 states "
@@ -449,6 +504,9 @@ def _settings(meta) -> list[str]:
       "random weights and tokens; one process per row; the step compiled "
       + ("from the state's shapes before the state exists (--compile-first).  " if meta.get("compile_first")
          else "next to the initialised state (the compiler's autotuning buffers count on top of it).  "),
+      (f"Steps compiled first, {meta['precompile']} processes at a time, into jax's persistent "
+       "compilation cache (their autotuning ran concurrently on the device); the workers then load "
+       "their step from it where they can (`step_from_cache` per row in the JSON).  " if meta.get("precompile") else ""),
       f"Time budget: {'none' if budget is None else f'{budget:g} s'}; elapsed "
       f"{meta.get('elapsed_s', 0):.0f} s; worker timeout {meta['timeout_s']} s.  ",
       "Allocator limit (what OOM means): "
@@ -459,6 +517,7 @@ def _settings(meta) -> list[str]:
          "; allocated on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false), so a large request can "
          "fail below the limit."),
   ]
+  return [line for line in lines if line]
 
 
 def markdown(rows, meta) -> str:
@@ -636,24 +695,28 @@ def _meta(args, argv) -> dict:
           "timing": TIMING,
           "timeout_s": args.timeout, "time_budget_s": args.time_budget,
           "max_batch": args.max_batch, "mem_fraction": args.mem_fraction,
-          "preallocate": args.preallocate, "compile_first": args.compile_first}
+          "preallocate": args.preallocate, "compile_first": args.compile_first,
+          "compile_cache": args.compile_cache is not None, "precompile": args.precompile}
 
 
 def _table(args, impls, meta, runner):
   tag = os.environ.get("BENCH_TAG", "bench_models")
   paths = {ext: os.path.join(args.out, f"{tag}.{ext}") for ext in ("json", "md", "png")}
   rows = []
-  for model_name in args.models.split(","):
-    for batch in map(int, args.batch.split(",")):
-      for tokens in map(int, args.tokens.split(",")):
-        for impl in impls:
-          rows.append(runner.run(model_name, impl, batch, tokens))
-          print(json.dumps(rows[-1]), flush=True)
-          meta.update(device=runner.device_name(), elapsed_s=runner.elapsed(), limit_gib=runner.limit)
-          _write(paths["json"], json.dumps({"meta": meta, "rows": rows}, indent=1))
-          md = markdown(rows, meta)
-          _write(paths["md"], md)
-          plot_table(rows, paths["png"])
+  cells = [(model_name, impl, batch, tokens) for model_name in args.models.split(",")
+           for batch in map(int, args.batch.split(",")) for tokens in map(int, args.tokens.split(","))
+           for impl in impls]
+  if args.precompile:
+    meta["precompiled"] = runner.precompile(cells)
+    print(json.dumps(meta["precompiled"]), flush=True)
+  for model_name, impl, batch, tokens in cells:
+    rows.append(runner.run(model_name, impl, batch, tokens))
+    print(json.dumps(rows[-1]), flush=True)
+    meta.update(device=runner.device_name(), elapsed_s=runner.elapsed(), limit_gib=runner.limit)
+    _write(paths["json"], json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = markdown(rows, meta)
+    _write(paths["md"], md)
+    plot_table(rows, paths["png"])
   print(md)
   return rows
 
@@ -721,11 +784,30 @@ def main(argv=None):
                       help="compile each step from the state's shapes before the state exists (as "
                            "experiments.train does), so the compiler's autotuning buffers are not "
                            "counted on top of the state")
+  parser.add_argument("--compile-cache", default=None,
+                      help="a folder for jax's persistent compilation cache, shared by the workers")
+  parser.add_argument("--precompile", type=int, default=0,
+                      help="compile every row's step first, this many processes at a time, into "
+                           "--compile-cache (implies --compile-first); then time the rows one by one")
+  parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--worker")
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   if args.mem_fraction is not None and not 0 < args.mem_fraction <= 1:
     parser.error(f"--mem-fraction must be in (0, 1] (got {args.mem_fraction})")
+  if args.precompile < 0:
+    parser.error(f"--precompile must be >= 0 (got {args.precompile})")
+  if args.precompile and args.compile_cache is None:
+    parser.error("--precompile needs --compile-cache DIR (where the compiled steps are kept)")
+  if args.precompile and args.capacity:
+    parser.error("--precompile works on the table, not --capacity (its batches depend on results)")
+  if args.precompile:
+    args.compile_first = True  # the timed workers must lower the step exactly as the compiles did
+  if args.worker and args.compile_only:
+    row, _, _ = build_step(args.models, args.worker, int(args.batch), int(args.tokens), args.dtype,
+                           args.attention, args.loss, compile_only=True)
+    print("ROW " + json.dumps(row), flush=True)
+    return
   if args.worker:
     row = worker(args.models, args.worker, int(args.batch), int(args.tokens), args.dtype,
                  args.attention, args.steps, args.loss, args.compile_first)

@@ -45,8 +45,16 @@
 #                                                   #   backward, so dlogits dies early: FORGE's planned
 #                                                   #   step grows 0.75 GiB per sequence, optax+clip's 0.57);
 #                                                   #   optax+clip at 64x1024 beside it
-# then issue #8's empty cells and the unrolled profiles:
-#   bash experiments/h200_session.sh grid_unrolled|grid_unrolled_4b|grid_unrolled_8b  # [575 s each]
+# then issue #8's empty cells (17, all unrolled: `python -m experiments.results_tables` lists them
+# under the table). Unrolled steps take 110-180 s each to compile, one host core at a time, so these
+# parts compile all their rows first in parallel processes into jax's persistent compilation cache
+# (bench_models --precompile, new and CPU-tested only: check `step_from_cache` in the first one's JSON)
+# and then time the rows one by one:
+#   bash experiments/h200_session.sh grid_1x        # [575 s] qwen3-1.7b, 4b, 8b at 1x1024
+#   bash experiments/h200_session.sh grid_8x_small  # [575 s] qwen3-0.6b, 1.7b, 4b at 8x1024
+#   bash experiments/h200_session.sh grid_8x_large  # [575 s] qwen3-8b, llama-3.1-8b at 8x1024
+#   bash experiments/h200_session.sh grid_14b       # [575 s] qwen3-14b: FORGE at 8x1024; optax at 95%
+#   (the one-model parts grid_unrolled|grid_unrolled_4b|grid_unrolled_8b compile row by row)
 #   bash experiments/h200_session.sh profile_unrolled    # [480 s] 8 layers, scanned and unrolled
 #
 # Parts run before (kept to repeat them):
@@ -96,7 +104,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -244,6 +252,29 @@ case "$part" in
       --impls optax_clip --batch 40 --steps 1 --mem-fraction 0.95 --timeout 100
     step l8_forge 130 python -m experiments.bench_models --out "$work/l8_forge" --models llama-3.1-8b \
       --impls forge --batch 64 --steps 1 --mem-fraction 0.95 --timeout 120
+    ;;
+  grid_1x)
+    step grid_1x 575 python -m experiments.bench_models --out "$work/grid_1x" \
+      --models qwen3-1.7b,qwen3-4b,qwen3-8b --impls optax_unrolled,forge_unrolled --timeout 280 \
+      --time-budget 560 --precompile 6 --compile-cache /tmp/jax_cache_grid
+    ;;
+  grid_8x_small)
+    step grid_8x_small 575 python -m experiments.bench_models --out "$work/grid_8x_small" \
+      --models qwen3-0.6b,qwen3-1.7b,qwen3-4b --impls optax_unrolled,forge_unrolled --batch 8 \
+      --timeout 280 --time-budget 560 --precompile 6 --compile-cache /tmp/jax_cache_grid
+    ;;
+  grid_8x_large)
+    step grid_8x_large 575 python -m experiments.bench_models --out "$work/grid_8x_large" \
+      --models qwen3-8b,llama-3.1-8b --impls optax_unrolled,forge_unrolled --batch 8 \
+      --timeout 280 --time-budget 560 --precompile 4 --compile-cache /tmp/jax_cache_grid
+    ;;
+  grid_14b)
+    # optax does not fit qwen3-14b under the default limit (not even scanned): its rows at 95%.
+    step forge_b8 250 python -m experiments.bench_models --out "$work/forge_b8" --models qwen3-14b \
+      --impls forge_unrolled --batch 8 --timeout 240
+    step optax_95 320 python -m experiments.bench_models --out "$work/optax_95" --models qwen3-14b \
+      --impls optax_unrolled --batch 1,8 --mem-fraction 0.95 --timeout 300 --time-budget 310 \
+      --precompile 2 --compile-cache /tmp/jax_cache_grid
     ;;
   live_buffers)
     step live_forge 200 python -m experiments.live_buffers --out "$work/live_forge" --model llama-3.1-8b \

@@ -335,3 +335,23 @@ def test_compile_first_reaches_the_workers(monkeypatch, tmp_path):
   meta = json.loads((tmp_path / "bench_models.json").read_text())["meta"]
   assert meta["compile_first"] is True
   assert "before the state exists" in (tmp_path / "bench_models.md").read_text()
+
+
+def test_precompile_fills_the_cache_that_the_timed_workers_load(tmp_path):
+  """--precompile compiles every row's step in parallel processes into --compile-cache; each timed
+  worker then loads its step from there (jax's cache-hit events, counted per row)."""
+  cache = tmp_path / "cache"
+  rows = bench_models.main(["--out", str(tmp_path), *TINY, "--impls", "optax,forge_unrolled",
+                            "--precompile", "2", "--compile-cache", str(cache)])
+  meta = json.loads((tmp_path / "bench_models.json").read_text())["meta"]
+  assert [(c["impl"], c["rc"]) for c in meta["precompiled"]] == [("optax", 0), ("forge_unrolled", 0)]
+  assert meta["compile_first"] and meta["compile_cache"] and any(cache.iterdir())
+  for r in rows:
+    assert "error" not in r, r
+    assert r["step_from_cache"] and r["compile_first"]
+  # Without the precompile, a fresh cache holds no step: each worker compiles its own.
+  rows = bench_models.main(["--out", str(tmp_path / "cold"), *TINY, "--impls", "optax",
+                            "--compile-cache", str(tmp_path / "cold_cache"), "--compile-first"])
+  assert not rows[0]["step_from_cache"]
+  with pytest.raises(SystemExit):
+    bench_models.main(["--out", str(tmp_path), *TINY, "--precompile", "2"])  # no --compile-cache
