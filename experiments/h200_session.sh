@@ -23,39 +23,42 @@
 # steps ran as two inline commands that session (the same commands and limits; the part was written
 # after), so its results sit under other names: bench_models_14b_b8_mem95 and capacity_mem95/.
 #
-# Next (session 11), in this order:
+# Next (session 11), in this order (step limits in brackets; 30 device minutes a session; this
+# list fills about 1,600 s, the rest goes to later sessions):
 #   bash experiments/h200_session.sh capacity_prealloc   # [470 s] FIRST: session 10's OOMs fell below the
 #                                                   #   limit (optax+clip 40x1024 asked for 44.5 GiB with 60
 #                                                   #   GiB free; FORGE 96x1024 for 72.5 with ~88 free) in
 #                                                   #   workers that allocate on demand. With the pool
 #                                                   #   preallocated, as jax does by default: where do the
 #                                                   #   two stop, under 75% and under 95%?
+#   bash experiments/h200_session.sh live_buffers   # [330 s] what is live at the step's peak (XLA's
+#                                                   #   buffer assignment): Llama-3.1-8B FORGE and forge_xla
+#                                                   #   at 64x1024, main and with patches/head_update_first.diff
+#                                                   #   (the LM head's update ordered before the decoder's
+#                                                   #   backward, so dlogits dies early: FORGE's planned
+#                                                   #   step grows 0.75 GiB per sequence, optax+clip's 0.57);
+#                                                   #   optax+clip at 64x1024 beside it
+#   bash experiments/h200_session.sh grid_1x        # [575 s] issue #8's unrolled cells at 1x1024 for
+#                                                   #   qwen3-1.7b, 4b, 8b, compiled first in parallel
+#                                                   #   (--precompile, new: check step_from_cache)
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
 #                                                   #   experiments.train does): does the xla route lose
 #                                                   #   its 2.05 GiB of autotuning above the plan?
+# Later sessions:
+#   bash experiments/h200_session.sh grid_8x_small  # [575 s] unrolled qwen3-0.6b, 1.7b, 4b at 8x1024
+#   bash experiments/h200_session.sh grid_8x_large  # [575 s] unrolled qwen3-8b, llama-3.1-8b at 8x1024
+#   bash experiments/h200_session.sh grid_14b       # [575 s] unrolled qwen3-14b: FORGE at 8x1024; optax
+#                                                   #   at 1x and 8x1024 under 95%
 #   bash experiments/h200_session.sh xla_route_fusions   # [200 s] the "xla" route's compiled HLO at 2
 #                                                   #   layers (gzipped, with forge's for reference): what
 #                                                   #   its 896 dynamic-update-slice fusions (45.8 ms) and
 #                                                   #   the dynamic-slice fusions (~20 ms) compute
-#   bash experiments/h200_session.sh live_buffers   # [330 s] what is live at the step's peak (XLA's
-#                                                   #   buffer assignment): Llama-3.1-8B FORGE at 64x1024,
-#                                                   #   main and with patches/head_update_first.diff (the
-#                                                   #   LM head's update ordered before the decoder's
-#                                                   #   backward, so dlogits dies early: FORGE's planned
-#                                                   #   step grows 0.75 GiB per sequence, optax+clip's 0.57);
-#                                                   #   optax+clip at 64x1024 beside it
-# then issue #8's empty cells (17, all unrolled: `python -m experiments.results_tables` lists them
-# under the table). Unrolled steps take 110-180 s each to compile, one host core at a time, so these
-# parts compile all their rows first in parallel processes into jax's persistent compilation cache
-# (bench_models --precompile, new and CPU-tested only: check `step_from_cache` in the first one's JSON)
-# and then time the rows one by one:
-#   bash experiments/h200_session.sh grid_1x        # [575 s] qwen3-1.7b, 4b, 8b at 1x1024
-#   bash experiments/h200_session.sh grid_8x_small  # [575 s] qwen3-0.6b, 1.7b, 4b at 8x1024
-#   bash experiments/h200_session.sh grid_8x_large  # [575 s] qwen3-8b, llama-3.1-8b at 8x1024
-#   bash experiments/h200_session.sh grid_14b       # [575 s] qwen3-14b: FORGE at 8x1024; optax at 95%
-#   (the one-model parts grid_unrolled|grid_unrolled_4b|grid_unrolled_8b compile row by row)
 #   bash experiments/h200_session.sh profile_unrolled    # [480 s] 8 layers, scanned and unrolled
+#   (Issue #8's empty cells: `python -m experiments.results_tables` lists them under the table. The
+#   parts above compile all their rows first, in parallel processes, into jax's persistent
+#   compilation cache, and then time the rows one by one; the one-model parts
+#   grid_unrolled|grid_unrolled_4b|grid_unrolled_8b compile row by row.)
 #
 # Parts run before (kept to repeat them):
 #   bash experiments/h200_session.sh limits|limits_more|unrolled_diag|profile_steps|batch8_small|batch8_large|grid_unrolled_14b
