@@ -24,7 +24,7 @@
 # after), so its results sit under other names: bench_models_14b_b8_mem95 and capacity_mem95/.
 #
 # Next (session 11), in this order (step limits in brackets; 30 device minutes a session; this
-# list fills about 1,600 s, the rest goes to later sessions):
+# list fills about 1,650 s, the rest goes to later sessions):
 #   bash experiments/h200_session.sh capacity_prealloc   # [520 s] FIRST: session 10's OOMs fell below the
 #                                                   #   limit (optax+clip 40x1024 asked for 44.5 GiB with 60
 #                                                   #   GiB free; FORGE 96x1024 for 72.5 with ~88 free) in
