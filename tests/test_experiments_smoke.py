@@ -352,3 +352,19 @@ def test_live_buffers_compiles_main_and_a_patched_tree(tmp_path):
     assert 0 < r["peak_gib"] <= r["xla_step_gib"] * 1.0001
   md = (tmp_path / "live_buffers.md").read_text()
   assert "| forge | head_update_first.diff |" in md
+
+
+def test_live_buffers_patches_a_copy_without_git(tmp_path):
+  """On the device machine the working tree may come without .git: the copy falls back to the
+  files on disk, and the patch still applies."""
+  from experiments import live_buffers  # pylint: disable=g-import-not-at-top
+  src = tmp_path / "src"
+  (src / "pkg").mkdir(parents=True)
+  (src / "pkg" / "a.py").write_text("x = 1\n")
+  (src / "results").mkdir()
+  (src / "results" / "big.json").write_text("{}")
+  patch = tmp_path / "p.diff"
+  patch.write_text("--- a/pkg/a.py\n+++ b/pkg/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n")
+  out = live_buffers.patched_tree(patch, tmp_path / "copy", root=src)
+  assert (out / "pkg" / "a.py").read_text() == "x = 2\n" and not (out / "results").exists()
+  assert (src / "pkg" / "a.py").read_text() == "x = 1\n"
