@@ -198,7 +198,7 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
 
   ``compile_first`` compiles the step from the state's shapes before the state exists, as
   ``experiments.train`` does; otherwise it is compiled from the initialised state. XLA's GEMM
-  autotuner allocates buffers while it compiles: on the H200 they add 2.05 GiB to the peak of a
+  autotuner allocates buffers while it compiles: on the H200 they add 2.04 GiB to the peak of a
   Llama-3.1-8B ``forge_xla`` step compiled next to its state
   (results/h200/unrolled_diag_gpu/noautotune). ``row["compile_first"]`` records which.
   ``compile_only`` (implies ``compile_first``) stops once the step is compiled: ``(row, None,
@@ -424,8 +424,8 @@ def worker_env(mem_fraction: float | None, preallocate: bool = False,
   Either way a row's peak is its own (one process per row) and ``peak_bytes_in_use`` counts what
   the step used. What differs is where an OOM falls: without preallocation the allocator grows
   its pool region by region, and a request for XLA's temporaries (one contiguous buffer) can
-  fail below the limit (on the H200: optax+clip at 40x1024 asked for 44.5 GiB with 60 GiB of the
-  104.9 GiB limit unused). jax's default is to preallocate the whole limit as one region."""
+  fail below the limit (on the H200: optax+clip at 40x1024 failed on a 44.5 GiB request while its
+  planned step, 89.4 GiB, was under the 104.9 GiB limit). jax's default is to preallocate the whole limit as one region."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="true" if preallocate else "false")
   if compile_cache is not None:  # jax's persistent compilation cache, every program kept
     env.update(JAX_COMPILATION_CACHE_DIR=os.path.abspath(compile_cache),

@@ -68,7 +68,7 @@ def load_runs(folder: pathlib.Path = RESULTS_DIR) -> list[tuple[str, dict]]:
 LIMIT_NOTE = ("`limit`: the allocator's limit the row ran under, in GiB. `default`: jax's default fraction "
               "of the device's memory (75%), 104.9 GiB on this H200 "
               "([default_limit](results/h200/capacity_mem95/default_limit/bench_models.md)); runs before "
-              "2026-11-30 did not record it, and none changed it. `95%`: "
+              "session 10 (2026-11-30 15:11 UTC) did not record it, and none changed it. `95%`: "
               "`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`, 132.8 GiB. Every row's worker allocated on demand "
               "(no preallocation), where an OOM can fall below the limit (RESULTS: Capacity).")
 
