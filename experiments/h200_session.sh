@@ -24,7 +24,7 @@
 # after), so its results sit under other names: bench_models_14b_b8_mem95 and capacity_mem95/.
 #
 # Next (session 11), in this order (step limits in brackets; 30 device minutes a session; this
-# list fills about 1,650 s, the rest goes to later sessions):
+# list fills about 1,525 s, the rest goes to later sessions):
 #   bash experiments/h200_session.sh capacity_prealloc   # [520 s] FIRST: session 10's OOMs came with plans
 #                                                   #   below the limit (optax+clip 40x1024: plan 89.4 of
 #                                                   #   104.9 GiB, a 44.5 GiB request failed; FORGE 96x1024:
@@ -32,21 +32,22 @@
 #                                                   #   allocate on demand. With the pool
 #                                                   #   preallocated, as jax does by default: where do the
 #                                                   #   two stop, under 75% and under 95%?
-#   bash experiments/h200_session.sh live_buffers   # [330 s] what is live at the step's peak (XLA's
+#   bash experiments/h200_session.sh live_buffers   # [430 s] what is live at the step's peak (XLA's
 #                                                   #   buffer assignment): Llama-3.1-8B FORGE and forge_xla
 #                                                   #   at 64x1024, main and with patches/head_update_first.diff
 #                                                   #   (the LM head's update ordered before the decoder's
 #                                                   #   backward, so dlogits dies early: FORGE's planned
 #                                                   #   step grows 0.75 GiB per sequence, optax+clip's 0.57);
-#                                                   #   optax+clip at 64x1024 beside it
+#                                                   #   then FORGE at 32x1024 measured on both trees
 #   bash experiments/h200_session.sh grid_1x        # [575 s] issue #8's unrolled cells at 1x1024 for
 #                                                   #   qwen3-1.7b, 4b, 8b, compiled first in parallel
 #                                                   #   (--precompile, new: check step_from_cache)
+# Later sessions:
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
 #                                                   #   experiments.train does): does the xla route lose
 #                                                   #   its 2.04 GiB of autotuning above the plan?
-# Later sessions:
+#   bash experiments/h200_session.sh live_optax     # [120 s] what is live at optax+clip's peak, 64x1024
 #   bash experiments/h200_session.sh grid_8x_small  # [575 s] unrolled qwen3-0.6b, 1.7b, 4b at 8x1024
 #   bash experiments/h200_session.sh grid_8x_large  # [575 s] unrolled qwen3-8b, llama-3.1-8b at 8x1024
 #   bash experiments/h200_session.sh grid_14b       # [575 s] unrolled qwen3-14b: optax at 1x and 8x1024,
@@ -108,7 +109,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -281,8 +282,17 @@ case "$part" in
       --precompile 4 --compile-cache /tmp/jax_cache_grid
     ;;
   live_buffers)
+    # What is live at FORGE's peak at 64x1024, without and with the patch (compile-only), then the
+    # patch's measured effect at 32x1024: the same row on the tree as it is and on the patched copy.
     step live_forge 200 python -m experiments.live_buffers --out "$work/live_forge" --model llama-3.1-8b \
       --impls forge,forge_xla --batch 64 --patch experiments/patches/head_update_first.diff --timeout 90
+    step b32_main 110 python -m experiments.bench_models --out "$work/b32_main" --models llama-3.1-8b \
+      --impls forge --batch 32 --steps 1 --timeout 100
+    step b32_patched 120 python -m experiments.with_patch experiments/patches/head_update_first.diff -- \
+      python -m experiments.bench_models --out "$work/b32_patched" --models llama-3.1-8b --impls forge \
+      --batch 32 --steps 1 --timeout 100
+    ;;
+  live_optax)
     step live_optax 120 python -m experiments.live_buffers --out "$work/live_optax" --model llama-3.1-8b \
       --impls optax_clip --batch 64 --timeout 110
     ;;

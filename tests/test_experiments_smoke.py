@@ -315,6 +315,12 @@ def test_every_h200_session_command_parses(tmp_path, monkeypatch):
       assert cmd[:2] == ["python", "-m"] and cmd[2].startswith("experiments."), (part, cmd)
       with pytest.raises(_Parsed):
         importlib.import_module(cmd[2]).main(cmd[3:])
+      if cmd[2] == "experiments.with_patch":  # and the command it runs in the patched copy
+        assert (script.parents[1] / cmd[3]).is_file(), (part, cmd[3])
+        cmd = cmd[cmd.index("--") + 1:]
+        assert cmd[:2] == ["python", "-m"] and cmd[2].startswith("experiments."), (part, cmd)
+        with pytest.raises(_Parsed):
+          importlib.import_module(cmd[2]).main(cmd[3:])
       checked += 1
   assert checked >= 2 * len(parts) - 10
 
@@ -368,3 +374,19 @@ def test_live_buffers_patches_a_copy_without_git(tmp_path):
   out = live_buffers.patched_tree(patch, tmp_path / "copy", root=src)
   assert (out / "pkg" / "a.py").read_text() == "x = 2\n" and not (out / "results").exists()
   assert (src / "pkg" / "a.py").read_text() == "x = 1\n"
+
+
+def test_with_patch_runs_a_command_in_a_patched_copy(tmp_path, capfd):
+  import sys  # pylint: disable=g-import-not-at-top
+  from experiments import with_patch  # pylint: disable=g-import-not-at-top
+  patch = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "patches" / "head_update_first.diff"
+  probe = "import forge_jax._fused as f, pathlib; print('zero_after' in dir(f), pathlib.Path(f.__file__).parent.parent)"
+  assert with_patch.main([str(patch), "--", sys.executable, "-c", probe]) == 0
+  out = capfd.readouterr().out.strip().splitlines()[-1]
+  patched, where = out.split(" ", 1)
+  assert patched == "True" and "with_patch_" in where  # the copy's forge_jax, not the repository's
+  import forge_jax._fused  # pylint: disable=g-import-not-at-top
+  assert "zero_after" not in dir(forge_jax._fused)
+  assert with_patch.main([str(patch), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
+  with pytest.raises(SystemExit):
+    with_patch.main([str(patch)])
