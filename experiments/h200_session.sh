@@ -24,7 +24,7 @@
 # after), so its results sit under other names: bench_models_14b_b8_mem95 and capacity_mem95/.
 #
 # Next (session 11), in this order (step limits in brackets; 30 device minutes a session; this
-# list fills about 1,525 s, the rest goes to later sessions):
+# list fills about 1,530 s, the rest goes to later sessions):
 #   bash experiments/h200_session.sh capacity_prealloc   # [520 s] FIRST: session 10's OOMs came with plans
 #                                                   #   below the limit (optax+clip 40x1024: plan 89.4 of
 #                                                   #   104.9 GiB, a 44.5 GiB request failed; FORGE 96x1024:
@@ -39,9 +39,10 @@
 #                                                   #   backward, so dlogits dies early: FORGE's planned
 #                                                   #   step grows 0.75 GiB per sequence, optax+clip's 0.57);
 #                                                   #   then FORGE at 32x1024 measured on both trees
-#   bash experiments/h200_session.sh grid_1x        # [575 s] issue #8's unrolled cells at 1x1024 for
+#   bash experiments/h200_session.sh grid_1x        # [580 s] issue #8's unrolled cells at 1x1024 for
 #                                                   #   qwen3-1.7b, 4b, 8b, compiled first in parallel
-#                                                   #   (--precompile, new: check step_from_cache)
+#                                                   #   (--precompile, new) if a first check finds a step
+#                                                   #   loaded from the cache (step_from_cache)
 # Later sessions:
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
@@ -259,9 +260,19 @@ case "$part" in
       --impls forge --batch 64 --steps 1 --mem-fraction 0.95 --timeout 120
     ;;
   grid_1x)
-    step grid_1x 575 python -m experiments.bench_models --out "$work/grid_1x" \
+    # First check that a step loads from jax's persistent cache on this machine (a FORGE step holds
+    # Mosaic GPU custom calls); without it the grid compiles row by row (fewer rows fit).
+    step cache_check 110 python -m experiments.bench_models --out "$work/cache_check" --models qwen3-0.6b \
+      --impls forge --steps 1 --precompile 1 --compile-cache /tmp/jax_cache_check --timeout 100
+    pre="--precompile 6 --compile-cache /tmp/jax_cache_grid"
+    if [ -z "${H200_DRY_RUN:-}" ] && ! grep -q '"step_from_cache": true' "$work/cache_check/bench_models.json" 2>/dev/null; then
+      echo "   no step came from the cache: the rows compile one by one"
+      pre=""
+    fi
+    # shellcheck disable=SC2086  # $pre: flags or nothing
+    step grid_1x 470 python -m experiments.bench_models --out "$work/grid_1x" \
       --models qwen3-1.7b,qwen3-4b,qwen3-8b --impls optax_unrolled,forge_unrolled --timeout 280 \
-      --time-budget 560 --precompile 6 --compile-cache /tmp/jax_cache_grid
+      --time-budget 455 $pre
     ;;
   grid_8x_small)
     step grid_8x_small 575 python -m experiments.bench_models --out "$work/grid_8x_small" \
