@@ -123,7 +123,7 @@ def analyse(impl: str, args, tree: pathlib.Path) -> dict:
     result = peak(parse(lr.read_text(), ba.read_text()), top=args.top)
     step = plan["step"]
     return {"impl": impl, "module": lr.name.replace("-live-range.txt", ""),
-            "xla_step_gib": step["argument_gib"] + step["output_gib"] - step["alias_gib"] + step["temp_gib"],
+            "xla_step_gib": step["step_gib"],
             "temp_gib": step["temp_gib"], **result}
 
 

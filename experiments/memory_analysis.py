@@ -38,9 +38,14 @@ def _abstract(tree):
 
 
 def _sizes(ma) -> dict:
+  """XLA's buffer sizes of a compiled program in GiB, and ``step_gib``: arguments + outputs -
+  aliased + temporaries (as ``runlog.xla_memory``), what it needs resident at its peak."""
   keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
           "temp_size_in_bytes", "generated_code_size_in_bytes")
-  return {k.replace("_size_in_bytes", "_gib"): getattr(ma, k, float("nan")) / GIB for k in keys}
+  sizes = {k.replace("_size_in_bytes", "_gib"): getattr(ma, k, float("nan")) / GIB for k in keys}
+  sizes["step_gib"] = (sizes["argument_gib"] + sizes["output_gib"] - sizes["alias_gib"]
+                       + sizes["temp_gib"])
+  return sizes
 
 
 def _nbytes(tree) -> float:
