@@ -4,7 +4,8 @@ Every ``bench_models*.json`` under ``experiments/results/h200/`` is one
 ``experiments.bench_models`` run (its command, date, device and jax version in
 ``meta``). This merges their rows into one table, sorted by model size, batch
 and implementation; ratios (``vs optax_clip`` peak memory, ``vs optax`` step
-time) are taken only against rows of the *same run*, measured side by side.
+time; an unrolled row's ``vs optax`` against ``optax_unrolled``) are taken only
+against rows of the *same run*, measured side by side.
 Where several runs measured the same (model, batch, tokens, implementation),
 the row of the run with the most same-run references (optax, optax_clip) is
 shown, the newest among equals. Rows measured under a raised allocator limit
@@ -97,6 +98,8 @@ def merged_rows(runs) -> list[dict]:
       if r["impl"] in ("forge", "forge_unrolled") and run["meta"]["date"] < AUTO_MOSAIC:
         row["impl"] = r["impl"].replace("forge", "forge_triton", 1)  # "auto" then meant Triton
       for other, field, out in (("optax_clip", "peak_gib", "vs_clip"), ("optax", "step_ms", "vs_optax")):
+        if out == "vs_optax" and r.get("scan") is False:
+          other = "optax_unrolled"  # an unrolled step against the unrolled optax step
         ref = by_key.get((r["model"], r["batch"], r["tokens"], other))
         if ref and "error" not in ref and "error" not in r and ref.get(field, 0) > 0:
           row[out] = r[field] / ref[field]

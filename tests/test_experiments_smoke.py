@@ -345,6 +345,29 @@ def test_live_buffers_sums_the_schedule_and_lists_the_peak():
   assert live_buffers.parse(live_range, assignment)["shapes"]["c{}"] == "tuple"
 
 
+def test_live_buffers_counts_a_shared_slot_once():
+  """Buffers XLA put in one allocation at one offset (a while loop's carried tuple and its body's
+  parameter, an in-place update) are one piece of memory."""
+  from experiments import live_buffers  # pylint: disable=g-import-not-at-top
+  live_range = ("  InstructionSequence:\n    0:p\n    1:a\n    2:b\n    3:c\n  BufferLiveRange:\n"
+                "    p{}:0-3\n    a{}:1-2\n    b{}:2-3\n    c{}:2-3\n")
+  assignment = "\n".join([
+      "allocation 0: size 100, parameter 0, shape |f32[25]| at ShapeIndex {}:",
+      " value: <1 p @0> (size=100,offset=0): f32[25]{0}",
+      "allocation 1: size 800, maybe-live-out:",
+      " value: <2 a @0> (size=400,offset=0): f32[100]{0}",  # b overwrites a in place
+      " value: <3 b @0> (size=800,offset=0): bf16[400]{0}",
+      "allocation 2: size 1000, preallocated-temp:",
+      " value: <4 c @0> (size=60,offset=200): f32[15]{0}",
+  ])
+  module = live_buffers.parse(live_range, assignment)
+  assert module["slots"] == {"p{}": (0, 0), "a{}": (1, 0), "b{}": (1, 0), "c{}": (2, 200)}
+  result = live_buffers.peak(module)
+  # at 2: p + max(a, b) + c = 100 + 800 + 60 (each buffer on its own: 1360)
+  assert result["peak_gib"] * 2**30 == 960 and result["at"] == 2
+  assert [(b["buffer"], b["aliases"]) for b in result["live"]] == [("b{}", ["a{}"]), ("p{}", []), ("c{}", [])]
+
+
 def test_live_buffers_compiles_main_and_a_patched_tree(tmp_path):
   from experiments import live_buffers  # pylint: disable=g-import-not-at-top
   patch = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "patches" / "head_update_first.diff"
