@@ -189,7 +189,9 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   ``step(state) -> (state, metrics)`` runs one training step on random tokens
   (the state is donated); ``carry`` is the ``(state, metrics)`` of a first step,
   so ``step(carry[0])`` chains. ``row`` holds the row's settings,
-  ``init_peak_gib``, ``xla_step_gib``, ``limit_gib`` and ``compile_and_first_s``.
+  ``init_peak_gib``, ``xla_step_gib``, ``limit_gib`` and ``compile_and_first_s``, with its parts in
+  ``phases_s`` (``abstract_state``, ``trace_lower``, ``compile``, ``init``, ``make_state``,
+  ``first_step``; seconds).
   ``layers`` cuts the model to that many layers (default: the preset's).
   ``on_compiled(row)`` is called once the step is compiled, before it first runs
   (the worker reports XLA's plan then, so that a step that runs out of memory
@@ -201,7 +203,7 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   autotuner allocates buffers while it compiles: on the H200 they add 2.04 GiB to the peak of a
   Llama-3.1-8B ``forge_xla`` step compiled next to its state
   (results/h200/unrolled_diag_gpu/noautotune). ``row["compile_first"]`` records which.
-  ``compile_only`` (implies ``compile_first``) stops once the step is compiled: ``(row, None,
+  ``compile_only`` (implies ``compile_first``) stops once the step and the init are compiled: ``(row, None,
   None)``, with ``row["compile_s"]`` (with a persistent compilation cache, this fills it).
   """
   import jax
@@ -237,33 +239,58 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   t0 = time.perf_counter()
   compiled = None
   hits = count_cache_hits()
+  phases = row["phases_s"] = {}  # where compile_and_first_s goes
+
+  def compile_step(state):
+    tick = time.perf_counter()
+    lowered = lower(state)  # tracing and lowering: never cached
+    phases["trace_lower"] = time.perf_counter() - tick
+    before, tick = len(hits), time.perf_counter()
+    out = lowered.compile()  # XLA's compile, or a load from jax's persistent cache
+    phases["compile"] = time.perf_counter() - tick
+    row["step_from_cache"] = len(hits) > before
+    return out
+
   if compile_first:
+    tick = time.perf_counter()
     abstract = jax.eval_shape(lambda: make_state(model.init(jax.random.PRNGKey(1), data[:, :-1])))
-    before = len(hits)
-    compiled = lower(abstract).compile()
-    row["step_from_cache"] = len(hits) > before  # loaded from jax's persistent cache
-    if compile_only:
-      row["compile_s"] = time.perf_counter() - t0
-      return row, None, None
-  variables = jax.jit(model.init)(jax.random.PRNGKey(1), data[:, :-1])
+    phases["abstract_state"] = time.perf_counter() - tick
+    compiled = compile_step(abstract)
+  init_args = (jax.random.PRNGKey(1), data[:, :-1])
+  tick, before = time.perf_counter(), len(hits)
+  # model.init compiled on its own, so that --precompile caches it too: an unrolled model's
+  # init is one program per layer's parameters, slower to compile than to run (qwen3-0.6b
+  # unrolled on XLA:CPU: 45 s of init, most of it compiling).
+  init = jax.jit(model.init).lower(*init_args).compile()
+  phases["init_compile"] = time.perf_counter() - tick
+  row["init_from_cache"] = len(hits) > before
+  if compile_only:
+    row["compile_s"] = time.perf_counter() - t0
+    return row, None, None
+  tick = time.perf_counter()
+  variables = init(*init_args)
   jax.block_until_ready(variables)
+  phases["init"] = time.perf_counter() - tick
   # The process peak so far: init's (random normal draws in float32, state
   # construction), and with compile_first the compiler's. If it equals the final
   # peak, init set it, not the step.
   row["init_peak_gib"] = _peak_gib(jax)
+  tick = time.perf_counter()
   state = make_state(variables)
+  jax.block_until_ready(state)
+  phases["make_state"] = time.perf_counter() - tick
   if compiled is None:
-    before = len(hits)
-    compiled = lower(state).compile()
-    row["step_from_cache"] = len(hits) > before
+    compiled = compile_step(state)
   step = lambda s: compiled(s, data)
   # XLA's plan for one step: arguments + outputs - donated + temporaries.
   row["xla_step_gib"] = runlog.xla_memory(compiled).get("step_gib", float("nan"))
   row["limit_gib"] = _limit_gib(jax)
   if on_compiled is not None:
     on_compiled(row)
+  tick = time.perf_counter()
   carry = step(state)
   jax.block_until_ready(carry)
+  phases["first_step"] = time.perf_counter() - tick
   row["compile_and_first_s"] = time.perf_counter() - t0
   return row, step, carry
 
@@ -342,8 +369,10 @@ class Runner:
   def precompile(self, cells) -> list:
     """Compiles every (model, impl, batch, tokens) of ``cells`` into the persistent compilation
     cache, ``--precompile`` worker processes at a time, before any row runs: the timed workers
-    that follow load their step from the cache instead of compiling it (an unrolled 8B step
-    takes 110-180 s to compile on the H200's host, one core at a time). The compiles autotune
+    that follow load their step and their ``model.init`` from the cache instead of compiling them
+    (an unrolled 8B step takes 110-180 s to compile on the H200's host, one core at a time; on the
+    H200 in session 11 rows whose step came from the cache still took 105-136 s to their first
+    step, before the init was cached too: ``phases_s`` in each row says where the time goes). The compiles autotune
     on the device concurrently, so a cached step may hold other GEMM choices than one compiled
     alone. Returns one record per cell: seconds, exit status and, on failure, the last line."""
     import concurrent.futures

@@ -338,8 +338,8 @@ def test_compile_first_reaches_the_workers(monkeypatch, tmp_path):
 
 
 def test_precompile_fills_the_cache_that_the_timed_workers_load(tmp_path):
-  """--precompile compiles every row's step in parallel processes into --compile-cache; each timed
-  worker then loads its step from there (jax's cache-hit events, counted per row)."""
+  """--precompile compiles every row's step and init in parallel processes into --compile-cache;
+  each timed worker then loads both from there (jax's cache-hit events, counted per row)."""
   cache = tmp_path / "cache"
   rows = bench_models.main(["--out", str(tmp_path), *TINY, "--impls", "optax,forge_unrolled",
                             "--precompile", "2", "--compile-cache", str(cache)])
@@ -348,10 +348,11 @@ def test_precompile_fills_the_cache_that_the_timed_workers_load(tmp_path):
   assert meta["compile_first"] and meta["compile_cache"] and any(cache.iterdir())
   for r in rows:
     assert "error" not in r, r
-    assert r["step_from_cache"] and r["compile_first"]
+    assert r["step_from_cache"] and r["init_from_cache"] and r["compile_first"]
+    assert set(r["phases_s"]) >= {"trace_lower", "compile", "init_compile", "init", "first_step"}
   # Without the precompile, a fresh cache holds no step: each worker compiles its own.
   rows = bench_models.main(["--out", str(tmp_path / "cold"), *TINY, "--impls", "optax",
                             "--compile-cache", str(tmp_path / "cold_cache"), "--compile-first"])
-  assert not rows[0]["step_from_cache"]
+  assert not rows[0]["step_from_cache"] and not rows[0]["init_from_cache"]
   with pytest.raises(SystemExit):
     bench_models.main(["--out", str(tmp_path), *TINY, "--precompile", "2"])  # no --compile-cache
