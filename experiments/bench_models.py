@@ -377,7 +377,9 @@ class Runner:
     alone. Returns one record per cell: seconds, exit status and, on failure, the last line."""
     import concurrent.futures
 
-    env = worker_env(self.args.mem_fraction, self.args.preallocate, self.args.compile_cache)
+    # Never preallocated: several compile processes share the device at once (with --preallocate
+    # each would reserve the whole limit and all but the first would fail).
+    env = worker_env(self.args.mem_fraction, False, self.args.compile_cache)
     left = (None if self.args.time_budget is None else self.args.time_budget - self.elapsed())
     timeout = self.args.timeout if left is None else max(1, min(self.args.timeout, int(left)))
 

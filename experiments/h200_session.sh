@@ -23,36 +23,35 @@
 # steps ran as two inline commands that session (the same commands and limits; the part was written
 # after), so its results sit under other names: bench_models_14b_b8_mem95 and capacity_mem95/.
 #
-# Next (session 11), in this order (step limits in brackets; 30 device minutes a session; this
-# list fills about 1,530 s, the rest goes to later sessions):
-#   bash experiments/h200_session.sh capacity_prealloc   # [520 s] FIRST: session 10's OOMs came with plans
-#                                                   #   below the limit (optax+clip 40x1024: plan 89.4 of
-#                                                   #   104.9 GiB, a 44.5 GiB request failed; FORGE 96x1024:
-#                                                   #   117.4 of 132.8, 72.5 failed) in workers that
-#                                                   #   allocate on demand. With the pool
-#                                                   #   preallocated, as jax does by default: where do the
-#                                                   #   two stop, under 75% and under 95%?
-#   bash experiments/h200_session.sh live_buffers   # [430 s] what is live at the step's peak (XLA's
-#                                                   #   buffer assignment): Llama-3.1-8B FORGE and forge_xla
-#                                                   #   at 64x1024, main and with patches/head_update_first.diff
-#                                                   #   (the LM head's update ordered before the decoder's
-#                                                   #   backward, so dlogits dies early: FORGE's planned
-#                                                   #   step grows 0.75 GiB per sequence, optax+clip's 0.57);
-#                                                   #   then FORGE at 32x1024 measured on both trees
-#   bash experiments/h200_session.sh grid_1x        # [580 s] issue #8's unrolled cells at 1x1024 for
-#                                                   #   qwen3-1.7b, 4b, 8b, compiled first in parallel
-#                                                   #   (--precompile, new) if a first check finds a step
-#                                                   #   loaded from the cache (step_from_cache)
+# Session 11 (2026-11-30) ran capacity_prealloc, live_buffers and grid_1x (results/h200/
+# capacity_prealloc, live_buffers, grid_1x_cache_check, bench_models_grid_1x*); grid_1x's time budget
+# skipped three rows, which ran as two inline bench_models commands with the same flags on the same
+# machine (bench_models_grid_1x_4b, bench_models_grid_1x_8b).
+#
+# Next (session 12), in this order (step limits in brackets; 30 device minutes a session):
+#   bash experiments/h200_session.sh grid_8x_small  # [575 s] issue #8's unrolled cells at 8x1024:
+#                                                   #   qwen3-0.6b, 1.7b, 4b (step and init now cached
+#                                                   #   by --precompile: rows took 105-136 s to their
+#                                                   #   first step in session 11 with only the step cached;
+#                                                   #   phases_s in each row says where the time goes)
+#   bash experiments/h200_session.sh grid_8x_large  # [575 s] unrolled qwen3-8b, llama-3.1-8b at 8x1024
+#   bash experiments/h200_session.sh grid_14b       # [575 s] unrolled qwen3-14b: optax at 1x and 8x1024,
+#                                                   #   FORGE at 8x1024 (its 1x row is measured; it reruns)
 # Later sessions:
+#   bash experiments/h200_session.sh capacity_edges # [560 s] where each stops with the pool
+#                                                   #   preallocated (jax's default), default limit:
+#                                                   #   optax+clip at 48 and 64 (plan at 64: 103.0 of 104.9
+#                                                   #   GiB), FORGE at 72 and 80 (plan slope 0.77 GiB per
+#                                                   #   sequence from 92.7 at 64)
+#   bash experiments/h200_session.sh live_rerun     # [330 s] live_buffers again at 64x1024 with a shared
+#                                                   #   allocation slot counted once (session 11's listing
+#                                                   #   read 100.9 GiB live against a 92.7 GiB plan), FORGE
+#                                                   #   and optax+clip: why FORGE's plan grows 0.75 GiB per
+#                                                   #   sequence
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
 #                                                   #   experiments.train does): does the xla route lose
 #                                                   #   its 2.04 GiB of autotuning above the plan?
-#   bash experiments/h200_session.sh live_optax     # [120 s] what is live at optax+clip's peak, 64x1024
-#   bash experiments/h200_session.sh grid_8x_small  # [575 s] unrolled qwen3-0.6b, 1.7b, 4b at 8x1024
-#   bash experiments/h200_session.sh grid_8x_large  # [575 s] unrolled qwen3-8b, llama-3.1-8b at 8x1024
-#   bash experiments/h200_session.sh grid_14b       # [575 s] unrolled qwen3-14b: optax at 1x and 8x1024,
-#                                                   #   FORGE at 8x1024 (its 1x row is measured; it reruns)
 #   bash experiments/h200_session.sh xla_route_fusions   # [200 s] the "xla" route's compiled HLO at 2
 #                                                   #   layers (gzipped, with forge's for reference): what
 #                                                   #   its 896 dynamic-update-slice kernel calls (45.8 ms) and
@@ -64,6 +63,8 @@
 #   grid_unrolled|grid_unrolled_4b|grid_unrolled_8b compile row by row.)
 #
 # Parts run before (kept to repeat them):
+#   bash experiments/h200_session.sh capacity_prealloc|live_buffers|grid_1x|live_optax   # session 11's
+#                                               #   parts (live_optax is in live_rerun now)
 #   bash experiments/h200_session.sh limits|limits_more|unrolled_diag|profile_steps|batch8_small|batch8_large|grid_unrolled_14b
 #                                               # session 10's parts (each case below says what it runs)
 #   bash experiments/h200_session.sh xla_route|unrolled8b|large|capacity|capacity64|capacity48|extra|capacity_optaxloss
@@ -110,7 +111,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh capacity_edges|live_rerun|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -302,6 +303,21 @@ case "$part" in
     step b32_patched 120 python -m experiments.with_patch experiments/patches/head_update_first.diff -- \
       python -m experiments.bench_models --out "$work/b32_patched" --models llama-3.1-8b --impls forge \
       --batch 32 --steps 1 --timeout 100
+    ;;
+  capacity_edges)
+    # Llama-3.1-8B, 1024-token sequences, the whole default limit preallocated (as jax runs by
+    # default): optax+clip fits 40 and FORGE 64 (session 11); where does each stop?
+    step edge_optax_clip 280 python -m experiments.bench_models --out "$work/edge_optax_clip" \
+      --models llama-3.1-8b --impls optax_clip --batch 48,64 --steps 1 --preallocate --timeout 135
+    step edge_forge 280 python -m experiments.bench_models --out "$work/edge_forge" \
+      --models llama-3.1-8b --impls forge --batch 72,80 --steps 1 --preallocate --timeout 135
+    ;;
+  live_rerun)
+    # The buffers live at the peak at 64x1024, a shared allocation slot counted once (compile-only).
+    step live_forge 200 python -m experiments.live_buffers --out "$work/live_forge" --model llama-3.1-8b \
+      --impls forge --batch 64 --timeout 180
+    step live_optax 120 python -m experiments.live_buffers --out "$work/live_optax" --model llama-3.1-8b \
+      --impls optax_clip --batch 64 --timeout 110
     ;;
   live_optax)
     step live_optax 120 python -m experiments.live_buffers --out "$work/live_optax" --model llama-3.1-8b \

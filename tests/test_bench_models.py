@@ -256,6 +256,22 @@ def test_runner_passes_the_limit_and_keeps_the_plan_of_a_cut_worker(monkeypatch,
   assert meta["mem_fraction"] == 0.95 and meta["limit_gib"] == 125.8
 
 
+def test_precompile_workers_never_preallocate(monkeypatch, tmp_path):
+  """With --preallocate the timed worker reserves the whole limit, but the --precompile workers
+  share the device several at a time, so they allocate on demand."""
+  seen = []
+
+  def fake_run(cmd, env=None, timeout=None, **kw):
+    seen.append(("--compile-only" in cmd, env["XLA_PYTHON_CLIENT_PREALLOCATE"]))
+    raise bench_models.subprocess.TimeoutExpired(cmd, timeout, output=b"")
+
+  monkeypatch.setattr(bench_models.subprocess, "run", fake_run)
+  monkeypatch.setattr(bench_models.Runner, "device_name", lambda self: "fake")
+  bench_models.main(["--out", str(tmp_path), *TINY, "--impls", "forge,optax", "--preallocate",
+                     "--precompile", "2", "--compile-cache", str(tmp_path / "cache")])
+  assert sorted(seen) == [(False, "true"), (False, "true"), (True, "false"), (True, "false")]
+
+
 def test_oom_detail_prefers_the_allocators_line():
   stderr = ("W autotuner: out of memory while trying a candidate (ignored)\n"
             "W bfc_allocator.cc:501] Allocator (GPU_0_bfc) ran out of memory trying to allocate 20.00GiB\n"
