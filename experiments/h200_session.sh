@@ -26,28 +26,29 @@
 # Session 11 (2026-11-30) ran capacity_prealloc, live_buffers and grid_1x (results/h200/
 # capacity_prealloc, live_buffers, grid_1x_cache_check, bench_models_grid_1x*); grid_1x's time budget
 # skipped three rows, which ran as two inline bench_models commands with the same flags on the same
-# machine (bench_models_grid_1x_4b, bench_models_grid_1x_8b).
+# machine (bench_models_grid_1x_4b, bench_models_grid_1x_8b). With the last 250 s, live_buffers
+# reran inline with a shared slot counted once (results/h200/live_rerun: FORGE and optax+clip at 64x1024).
 #
 # Next (session 12), in this order (step limits in brackets; 30 device minutes a session):
+#   bash experiments/h200_session.sh live_hlo       # [130 s] FORGE's step at 64x1024 with its optimized
+#                                                   #   HLO kept (--save-hlo): why the loss's backward
+#                                                   #   fusion does not write dlogits over the logits on the
+#                                                   #   GPU (results/h200/live_rerun: both live at the peak,
+#                                                   #   2 x 15.66 GiB; XLA:CPU shares the slot)
 #   bash experiments/h200_session.sh grid_8x_small  # [575 s] issue #8's unrolled cells at 8x1024:
 #                                                   #   qwen3-0.6b, 1.7b, 4b (step and init now cached
 #                                                   #   by --precompile: rows took 105-136 s to their
 #                                                   #   first step in session 11 with only the step cached;
 #                                                   #   phases_s in each row says where the time goes)
 #   bash experiments/h200_session.sh grid_8x_large  # [575 s] unrolled qwen3-8b, llama-3.1-8b at 8x1024
+# Later sessions:
 #   bash experiments/h200_session.sh grid_14b       # [575 s] unrolled qwen3-14b: optax at 1x and 8x1024,
 #                                                   #   FORGE at 8x1024 (its 1x row is measured; it reruns)
-# Later sessions:
 #   bash experiments/h200_session.sh capacity_edges # [560 s] where each stops with the pool
 #                                                   #   preallocated (jax's default), default limit:
 #                                                   #   optax+clip at 48 and 64 (plan at 64: 103.0 of 104.9
 #                                                   #   GiB), FORGE at 72 and 80 (plan slope 0.77 GiB per
 #                                                   #   sequence from 92.7 at 64)
-#   bash experiments/h200_session.sh live_rerun     # [330 s] live_buffers again at 64x1024 with a shared
-#                                                   #   allocation slot counted once (session 11's listing
-#                                                   #   read 100.9 GiB live against a 92.7 GiB plan), FORGE
-#                                                   #   and optax+clip: why FORGE's plan grows 0.75 GiB per
-#                                                   #   sequence
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
 #                                                   #   experiments.train does): does the xla route lose
@@ -63,8 +64,8 @@
 #   grid_unrolled|grid_unrolled_4b|grid_unrolled_8b compile row by row.)
 #
 # Parts run before (kept to repeat them):
-#   bash experiments/h200_session.sh capacity_prealloc|live_buffers|grid_1x|live_optax   # session 11's
-#                                               #   parts (live_optax is in live_rerun now)
+#   bash experiments/h200_session.sh capacity_prealloc|live_buffers|grid_1x   # session 11's parts
+#   bash experiments/h200_session.sh live_optax     # optax+clip's listing alone (done inline in session 11)
 #   bash experiments/h200_session.sh limits|limits_more|unrolled_diag|profile_steps|batch8_small|batch8_large|grid_unrolled_14b
 #                                               # session 10's parts (each case below says what it runs)
 #   bash experiments/h200_session.sh xla_route|unrolled8b|large|capacity|capacity64|capacity48|extra|capacity_optaxloss
@@ -111,7 +112,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh capacity_edges|live_rerun|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -312,12 +313,11 @@ case "$part" in
     step edge_forge 280 python -m experiments.bench_models --out "$work/edge_forge" \
       --models llama-3.1-8b --impls forge --batch 72,80 --steps 1 --preallocate --timeout 135
     ;;
-  live_rerun)
-    # The buffers live at the peak at 64x1024, a shared allocation slot counted once (compile-only).
-    step live_forge 200 python -m experiments.live_buffers --out "$work/live_forge" --model llama-3.1-8b \
-      --impls forge --batch 64 --timeout 180
-    step live_optax 120 python -m experiments.live_buffers --out "$work/live_optax" --model llama-3.1-8b \
-      --impls optax_clip --batch 64 --timeout 110
+  live_hlo)
+    # FORGE's step at 64x1024: the buffers live at the peak, and the optimized HLO to read the
+    # loss's backward fusion (compile-only).
+    step live_hlo 130 python -m experiments.live_buffers --out "$work/live_hlo" --model llama-3.1-8b \
+      --impls forge --batch 64 --timeout 120 --save-hlo
     ;;
   live_optax)
     step live_optax 120 python -m experiments.live_buffers --out "$work/live_optax" --model llama-3.1-8b \

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
 import pathlib
@@ -130,8 +131,10 @@ def find_step_module(dump_dir: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path
   return lr, ba
 
 
-def analyse(impl: str, args, tree: pathlib.Path) -> dict:
-  """Compiles ``impl``'s step from ``tree`` with a dump, and returns its peak's buffers."""
+def analyse(impl: str, args, tree: pathlib.Path, tag: str = "main") -> dict:
+  """Compiles ``impl``'s step from ``tree`` with a dump, and returns its peak's buffers. With
+  ``args.save_hlo`` the step's optimized HLO goes to ``{args.out}/hlo_{impl}_{tag}.txt.gz`` (to
+  read what the buffers live at the peak are computed by)."""
   with tempfile.TemporaryDirectory(prefix="live_buffers_") as tmp:
     dump, out = pathlib.Path(tmp) / "dump", pathlib.Path(tmp) / "out"
     flags = os.environ.get("XLA_FLAGS", "")
@@ -149,6 +152,10 @@ def analyse(impl: str, args, tree: pathlib.Path) -> dict:
       return {"impl": impl, "error": plan["error"]}
     lr, ba = find_step_module(dump)
     result = peak(parse(lr.read_text(), ba.read_text()), top=args.top)
+    hlo = lr.with_name(lr.name.replace("-live-range.txt", ".txt"))
+    if getattr(args, "save_hlo", False) and hlo.exists():
+      with gzip.open(pathlib.Path(args.out) / f"hlo_{impl}_{tag}.txt.gz", "wt") as f:
+        f.write(hlo.read_text())
     step = plan["step"]
     return {"impl": impl, "module": lr.name.replace("-live-range.txt", ""),
             "xla_step_gib": step["step_gib"],
@@ -222,6 +229,8 @@ def main(argv=None):
   parser.add_argument("--patch", default=None,
                       help="also compile every impl with this patch applied to a copy of the repo")
   parser.add_argument("--timeout", type=int, default=600, help="seconds per compile")
+  parser.add_argument("--save-hlo", action="store_true",
+                      help="also write each step's optimized HLO, gzipped, next to the tables")
   parser.add_argument("--out", default=os.environ.get("OUT", "runs"))
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
@@ -241,7 +250,7 @@ def main(argv=None):
       trees.append((pathlib.Path(args.patch).name, patched_tree(pathlib.Path(args.patch), pathlib.Path(tmp))))
     for impl in args.impls.split(","):
       for name, tree in trees:
-        rows.append({**analyse(impl, args, tree), "tree": name})
+        rows.append({**analyse(impl, args, tree, tag=name), "tree": name})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "live"}), flush=True)
         with open(os.path.join(args.out, "live_buffers.json"), "w") as f:
           json.dump({"meta": meta, "rows": rows}, f, indent=1)

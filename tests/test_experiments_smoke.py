@@ -372,7 +372,7 @@ def test_live_buffers_compiles_main_and_a_patched_tree(tmp_path):
   from experiments import live_buffers  # pylint: disable=g-import-not-at-top
   patch = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "patches" / "head_update_first.diff"
   rows = live_buffers.main(["--model", "tiny-llama", "--tokens", "16", "--impls", "forge", "--top", "50",
-                            "--patch", str(patch), "--out", str(tmp_path)])
+                            "--patch", str(patch), "--out", str(tmp_path), "--save-hlo"])
   assert [r["tree"] for r in rows] == ["main", "head_update_first.diff"]
   for r in rows:
     assert "error" not in r, r
@@ -381,6 +381,10 @@ def test_live_buffers_compiles_main_and_a_patched_tree(tmp_path):
     assert 0 < r["peak_gib"] <= r["xla_step_gib"] * 1.0001
   md = (tmp_path / "live_buffers.md").read_text()
   assert "| forge | head_update_first.diff |" in md
+  import gzip  # pylint: disable=g-import-not-at-top
+  for tag in ("main", "head_update_first.diff"):
+    with gzip.open(tmp_path / f"hlo_forge_{tag}.txt.gz", "rt") as f:
+      assert f.read().startswith("HloModule")
 
 
 def test_live_buffers_patches_a_copy_without_git(tmp_path):
