@@ -8,7 +8,7 @@ The copy holds the repository's files (git's tracked files, or every file but re
 where there is no .git, as on the device machine), patched with ``git apply`` (``patch -p1``
 without git). The command runs there with ``PYTHONPATH`` pointing at it; relative paths in its
 arguments are resolved against the copy, so give output folders as absolute paths (``$OUT/...``).
-The exit status is the command's.
+A command starting with ``python`` runs with this interpreter. The exit status is the command's.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     tree = live_buffers.patched_tree(patch, pathlib.Path(tmp))
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     print(f"with_patch: {patch.name} applied in {tree}", flush=True)
+    if command[0] in ("python", "python3"):  # this interpreter (a virtual environment's, say)
+      command = [sys.executable, *command[1:]]
     return subprocess.run(command, cwd=tree, env=env).returncode
 
 
