@@ -30,12 +30,15 @@
 # reran inline with a shared slot counted once (results/h200/live_rerun: FORGE and optax+clip at 64x1024).
 #
 # Next (session 12), in this order (step limits in brackets; 30 device minutes a session):
-#   bash experiments/h200_session.sh live_hlo       # [280 s] FORGE's step at 64x1024 with its optimized
+#   bash experiments/h200_session.sh live_hlo       # [400 s] FORGE's step at 64x1024 with its optimized
 #                                                   #   HLO kept (--save-hlo): why the loss's backward
 #                                                   #   fusion does not write dlogits over the logits on the
 #                                                   #   GPU (results/h200/live_rerun: both live at the peak,
 #                                                   #   2 x 15.66 GiB; XLA:CPU shares the slot), and with
-#                                                   #   patches/picked_by_reduction.diff beside it
+#                                                   #   patches/picked_by_reduction.diff and
+#                                                   #   patches/dlogits_in_place.diff beside it (if one
+#                                                   #   frees 15.7 GiB, time it: bench_models under
+#                                                   #   with_patch at 32x1024, as live_buffers did)
 #   bash experiments/h200_session.sh grid_8x_small  # [575 s] issue #8's unrolled cells at 8x1024:
 #                                                   #   qwen3-0.6b, 1.7b, 4b (step and init now cached
 #                                                   #   by --precompile: rows took 105-136 s to their
@@ -316,10 +319,12 @@ case "$part" in
     ;;
   live_hlo)
     # FORGE's step at 64x1024: the buffers live at the peak, and the optimized HLO to read the
-    # loss's backward fusion (compile-only); beside it the same step with the candidate patch
-    # (the picked logit by a row sum, not a gather: does the gradient then overwrite the logits?).
-    step live_hlo 280 python -m experiments.live_buffers --out "$work/live_hlo" --model llama-3.1-8b \
-      --impls forge --batch 64 --timeout 130 --save-hlo --patch experiments/patches/picked_by_reduction.diff
+    # loss's backward fusion (compile-only); beside it the same step with each candidate patch
+    # (the picked logit by a row sum, not a gather; the gradient written over the logits block by
+    # block in a loop): does the gradient then take the logits' memory?
+    step live_hlo 400 python -m experiments.live_buffers --out "$work/live_hlo" --model llama-3.1-8b \
+      --impls forge --batch 64 --timeout 130 --save-hlo --patch experiments/patches/picked_by_reduction.diff \
+      --patch experiments/patches/dlogits_in_place.diff
     ;;
   live_optax)
     step live_optax 120 python -m experiments.live_buffers --out "$work/live_optax" --model llama-3.1-8b \

@@ -14,8 +14,8 @@ and the array it overwrites) are one piece of memory: at each point a slot count
 size of its largest live buffer. (Until 2026-11-30 each buffer counted on its own, which on the
 H200 read FORGE's Llama-3.1-8B step at 64x1024 as 100.9 GiB live against a 92.7 GiB plan.)
 
-``--patch FILE`` also compiles every implementation from a copy of the repository with a
-``git apply``-able patch applied, side by side: the before/after of a scheduling change.
+``--patch FILE`` (repeatable) also compiles every implementation from a copy of the repository
+with a ``git apply``-able patch applied, side by side: the before/after of a scheduling change.
 
     python -m experiments.live_buffers --model llama-3.1-8b --impls forge,optax_clip --batch 64 \\
         --out $OUT/live_b64 [--patch experiments/patches/head_update_first.diff]
@@ -226,16 +226,18 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--loss", default="lean")
   parser.add_argument("--top", type=int, default=20, help="buffers listed per step")
-  parser.add_argument("--patch", default=None,
-                      help="also compile every impl with this patch applied to a copy of the repo")
+  parser.add_argument("--patch", action="append", default=[],
+                      help="also compile every impl with this patch applied to a copy of the repo "
+                           "(repeat it for several patches, each in its own copy)")
   parser.add_argument("--timeout", type=int, default=600, help="seconds per compile")
   parser.add_argument("--save-hlo", action="store_true",
                       help="also write each step's optimized HLO, gzipped, next to the tables")
   parser.add_argument("--out", default=os.environ.get("OUT", "runs"))
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
-  if args.patch is not None and not pathlib.Path(args.patch).is_file():
-    parser.error(f"--patch {args.patch}: no such file")
+  for patch in args.patch:
+    if not pathlib.Path(patch).is_file():
+      parser.error(f"--patch {patch}: no such file")
   os.makedirs(args.out, exist_ok=True)
   import jax  # the device's name only; the compiles run in subprocesses
   meta = {"command": "python -m experiments.live_buffers " + " ".join(argv),
@@ -246,8 +248,8 @@ def main(argv=None):
   rows = []
   with tempfile.TemporaryDirectory(prefix="live_buffers_tree_") as tmp:
     trees = [("main", ROOT)]
-    if args.patch is not None:
-      trees.append((pathlib.Path(args.patch).name, patched_tree(pathlib.Path(args.patch), pathlib.Path(tmp))))
+    for i, patch in enumerate(args.patch):
+      trees.append((pathlib.Path(patch).name, patched_tree(pathlib.Path(patch), pathlib.Path(tmp) / str(i))))
     for impl in args.impls.split(","):
       for name, tree in trees:
         rows.append({**analyse(impl, args, tree, tag=name), "tree": name})
