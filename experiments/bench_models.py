@@ -190,8 +190,9 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   (the state is donated); ``carry`` is the ``(state, metrics)`` of a first step,
   so ``step(carry[0])`` chains. ``row`` holds the row's settings,
   ``init_peak_gib``, ``xla_step_gib``, ``limit_gib`` and ``compile_and_first_s``, with its parts in
-  ``phases_s`` (``abstract_state``, ``trace_lower``, ``compile``, ``init``, ``make_state``,
-  ``first_step``; seconds).
+  ``phases_s`` (``abstract_state``, ``trace_lower``, ``compile``, ``init_compile``, ``init``,
+  ``make_state``, ``first_step``; seconds); ``step_from_cache`` and ``init_from_cache`` say whether
+  jax's persistent compilation cache supplied the step and the init.
   ``layers`` cuts the model to that many layers (default: the preset's).
   ``on_compiled(row)`` is called once the step is compiled, before it first runs
   (the worker reports XLA's plan then, so that a step that runs out of memory
@@ -372,9 +373,10 @@ class Runner:
     that follow load their step and their ``model.init`` from the cache instead of compiling them
     (an unrolled 8B step takes 110-180 s to compile on the H200's host, one core at a time; on the
     H200 in session 11 rows whose step came from the cache still took 105-136 s to their first
-    step, before the init was cached too: ``phases_s`` in each row says where the time goes). The compiles autotune
-    on the device concurrently, so a cached step may hold other GEMM choices than one compiled
-    alone. Returns one record per cell: seconds, exit status and, on failure, the last line."""
+    step, before the init was cached too: ``phases_s`` in each row says where the time goes).
+    The compiles autotune on the device concurrently, so a cached step may hold other GEMM choices
+    than one compiled alone. Returns one record per cell: seconds, exit status and, on failure,
+    the last line."""
     import concurrent.futures
 
     # Never preallocated: several compile processes share the device at once (with --preallocate

@@ -244,7 +244,7 @@ def test_runner_passes_the_limit_and_keeps_the_plan_of_a_cut_worker(monkeypatch,
 
   monkeypatch.setattr(bench_models.subprocess, "run", fake_run)
   monkeypatch.setattr(bench_models.Runner, "device_name", lambda self: "fake")
-  rows = bench_models.main(["--out", str(tmp_path), *TINY, "--impls", "forge", "--mem-fraction", "0.95"])
+  bench_models.main(["--out", str(tmp_path), *TINY, "--impls", "forge", "--mem-fraction", "0.95"])
   assert seen["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
   assert seen["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
   bench_models.main(["--out", str(tmp_path / "pre"), *TINY, "--impls", "forge", "--preallocate"])
