@@ -372,7 +372,7 @@ class Runner:
     cache, ``--precompile`` worker processes at a time, before any row runs: the timed workers
     that follow load their step and their ``model.init`` from the cache instead of compiling them
     (an unrolled 8B step takes 110-180 s to compile on the H200's host, one core at a time; on the
-    H200 in session 11 rows whose step came from the cache still took 105-136 s to their first
+    H200 in session 11 rows whose step came from the cache still took 105-125 s to their first
     step, before the init was cached too: ``phases_s`` in each row says where the time goes).
     The compiles autotune on the device concurrently, so a cached step may hold other GEMM choices
     than one compiled alone. Returns one record per cell: seconds, exit status and, on failure,

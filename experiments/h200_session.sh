@@ -41,7 +41,7 @@
 #                                                   #   with_patch at 32x1024, as live_buffers did)
 #   bash experiments/h200_session.sh grid_8x_small  # [575 s] issue #8's unrolled cells at 8x1024:
 #                                                   #   qwen3-0.6b, 1.7b, 4b (step and init now cached
-#                                                   #   by --precompile: rows took 105-136 s to their
+#                                                   #   by --precompile: rows took 105-125 s to their
 #                                                   #   first step in session 11 with only the step cached;
 #                                                   #   phases_s in each row says where the time goes)
 #   bash experiments/h200_session.sh grid_8x_large  # [575 s] unrolled qwen3-8b, llama-3.1-8b at 8x1024
