@@ -403,6 +403,21 @@ def test_live_buffers_patches_a_copy_without_git(tmp_path):
   assert (src / "pkg" / "a.py").read_text() == "x = 1\n"
 
 
+def test_every_candidate_patch_still_applies():
+  """experiments/patches/*.diff are changes waiting for a GPU measurement (h200_session.sh applies
+  them with with_patch or live_buffers --patch): each must still apply to the tree."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[1]
+  if shutil.which("git") is None or not (root / ".git").exists():
+    pytest.skip("needs git and a git checkout")
+  patches = sorted((root / "experiments" / "patches").glob("*.diff"))
+  assert len(patches) >= 3
+  for patch in patches:
+    proc = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, (patch.name, proc.stderr)
+
+
 def test_with_patch_runs_a_command_in_a_patched_copy(tmp_path, capfd):
   import sys  # pylint: disable=g-import-not-at-top
   from experiments import with_patch  # pylint: disable=g-import-not-at-top
