@@ -48,6 +48,11 @@
 # Later sessions:
 #   bash experiments/h200_session.sh grid_14b       # [575 s] unrolled qwen3-14b: optax at 1x and 8x1024,
 #                                                   #   FORGE at 8x1024 (its 1x row is measured; it reruns)
+#   bash experiments/h200_session.sh capacity_plan  # [560 s] the edges from XLA's plans alone
+#                                                   #   (experiments.capacity_plan, new: compile-only, a line
+#                                                   #   through 32 and 64, then the prediction and its
+#                                                   #   neighbour); then capacity_edges, or single
+#                                                   #   bench_models --preallocate runs at the edges found
 #   bash experiments/h200_session.sh capacity_edges # [560 s] where each stops with the pool
 #                                                   #   preallocated (jax's default), default limit:
 #                                                   #   optax+clip at 48 and 64 (plan at 64: 103.0 of 104.9
@@ -116,7 +121,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -308,6 +313,12 @@ case "$part" in
     step b32_patched 120 python -m experiments.with_patch experiments/patches/head_update_first.diff -- \
       python -m experiments.bench_models --out "$work/b32_patched" --models llama-3.1-8b --impls forge \
       --batch 32 --steps 1 --timeout 100
+    ;;
+  capacity_plan)
+    # Llama-3.1-8B at 1024 tokens: the largest batch whose step plan fits the default limit
+    # (compile-only; preallocated runs peaked at their plans), optax+clip and FORGE.
+    step cap_plan 560 python -m experiments.capacity_plan --out "$work/cap_plan" --model llama-3.1-8b \
+      --impls optax_clip,forge --tokens 1024 --probes 32,64 --max-compiles 6
     ;;
   capacity_edges)
     # Llama-3.1-8B, 1024-token sequences, the whole default limit preallocated (as jax runs by

@@ -432,3 +432,39 @@ def test_with_patch_runs_a_command_in_a_patched_copy(tmp_path, capfd):
   assert with_patch.main([str(patch), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
   with pytest.raises(SystemExit):
     with_patch.main([str(patch)])
+
+
+def test_capacity_plan_search_brackets_the_edge():
+  """find_edge: the largest batch whose plan fits, with the next multiple compiled and over the
+  limit; a kink the line does not predict, failed compiles and too few compiles."""
+  from experiments import capacity_plan  # pylint: disable=g-import-not-at-top
+  line = lambda b: 10 + 0.5 * b
+  r = capacity_plan.find_edge(line, 30.0, [8, 16])
+  assert (r["edge"], r["order"]) == (40, [8, 16, 40, 41])  # the line predicts it: 2 more compiles
+  assert r["slope_gib"] == pytest.approx(0.5) and r["intercept_gib"] == pytest.approx(10)
+  kink = lambda b: line(b) + (5 if b > 36 else 0)
+  assert capacity_plan.find_edge(kink, 30.0, [8, 16])["edge"] == 36
+  assert capacity_plan.find_edge(line, 30.0, [8, 16], multiple=8)["edge"] == 40
+  fails = lambda b: None if b > 20 else line(b)  # a compile error counts as not fitting
+  assert capacity_plan.find_edge(fails, 30.0, [8, 16])["edge"] == 20
+  assert capacity_plan.find_edge(lambda b: 100 + b, 30.0, [8, 16])["edge"] is None
+  flat = capacity_plan.find_edge(lambda b: 10.0, 30.0, [8, 16], max_compiles=5)
+  assert flat["edge"] is None and "5 compiles" in flat["error"]
+  for f in (line, kink, fails):
+    r = capacity_plan.find_edge(f, 30.0, [8, 16])
+    e = r["edge"]
+    assert r["plans"][e] <= 30.0 and (r["plans"][e + 1] is None or r["plans"][e + 1] > 30.0)
+
+
+def test_capacity_plan_finds_a_tiny_models_edge(tmp_path):
+  from experiments import capacity_plan, memory_analysis  # pylint: disable=g-import-not-at-top
+  p3, p4 = (memory_analysis.analyse("tiny-llama", "optax", b, 16, "float32", layers=1)["step"]["step_gib"]
+            for b in (3, 4))
+  assert p4 > p3
+  rows = capacity_plan.main(["--model", "tiny-llama", "--impls", "optax", "--tokens", "16", "--dtype",
+                             "float32", "--layers", "1", "--probes", "1,2",
+                             "--limit-gib", str((p3 + p4) / 2), "--out", str(tmp_path)])
+  assert rows[0]["edge"] == 3, rows
+  assert "| optax | 3 |" in (tmp_path / "capacity_plan.md").read_text()
+  with pytest.raises(SystemExit):  # XLA:CPU reports no limit
+    capacity_plan.main(["--model", "tiny-llama", "--out", str(tmp_path)])
