@@ -3,7 +3,7 @@
 Public API:
 
 * :class:`ModelConfig` (frozen dataclass), :class:`RopeScaling`, the named
-  ``PRESETS`` (qwen3-0.6b ... qwen3-14b, llama-3.1-8b, tiny-qwen3, tiny-llama)
+  ``PRESETS`` (qwen3-0.6b ... qwen3-32b, llama-3.1-8b, tiny-qwen3, tiny-llama)
   and :func:`get_config`.
 * :class:`CausalLM` (``tokens_BxL -> logits_BxLxV``), built from
   :class:`DecoderStack` (the layer loop, scanned or unrolled) of

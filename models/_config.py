@@ -220,6 +220,7 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-4b": _qwen3(2560, 9728, 36, 32, tied=True),
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, tied=False),
     "qwen3-14b": _qwen3(5120, 17408, 40, 40, tied=False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, tied=False),
     "llama-3.1-8b": ModelConfig(
         family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,

@@ -27,6 +27,8 @@ HUB_CONFIGS = {
                        num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True),
     "qwen3-14b": dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=17408,
                       num_hidden_layers=40, num_attention_heads=40, tie_word_embeddings=False),
+    "qwen3-32b": dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=25600,
+                      num_hidden_layers=64, num_attention_heads=64, tie_word_embeddings=False),
     "llama-3.1-8b": dict(
         architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -97,11 +99,11 @@ def test_presets_match_the_hub_config_json(name):
   assert hf_io.config_from_hf(HUB_CONFIGS[name]) == models.get_config(name)
 
 
-# Published totals (model cards: 0.6B/1.7B/4.0B/8.2B/14.8B, tied weights counted once;
+# Published totals (model cards: 0.6B/1.7B/4.0B/8.2B/14.8B/32.8B, tied weights counted once;
 # Llama-3.1-8B exactly 8,030,261,248).
 @pytest.mark.parametrize("name, billions", [
     ("qwen3-0.6b", 0.596), ("qwen3-1.7b", 1.72), ("qwen3-4b", 4.02), ("qwen3-8b", 8.19),
-    ("qwen3-14b", 14.77), ("llama-3.1-8b", 8.030),
+    ("qwen3-14b", 14.77), ("qwen3-32b", 32.76), ("llama-3.1-8b", 8.030),
 ])
 def test_preset_parameter_counts(name, billions):
   cfg = models.get_config(name)
