@@ -48,6 +48,9 @@
 # Later sessions:
 #   bash experiments/h200_session.sh grid_14b       # [575 s] unrolled qwen3-14b: optax at 1x and 8x1024,
 #                                                   #   FORGE at 8x1024 (its 1x row is measured; it reruns)
+#   bash experiments/h200_session.sh model_32b      # [580 s] the largest model: Qwen3-32B with int8
+#                                                   #   states (125.9 GiB of weights and states) under 97%:
+#                                                   #   the GPU's init and step plans, then a run
 #   bash experiments/h200_session.sh capacity_plan  # [560 s] the edges from XLA's plans alone
 #                                                   #   (experiments.capacity_plan, new: compile-only, a line
 #                                                   #   through 32 and 64, then the prediction and its
@@ -121,7 +124,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -313,6 +316,17 @@ case "$part" in
     step b32_patched 120 python -m experiments.with_patch experiments/patches/head_update_first.diff -- \
       python -m experiments.bench_models --out "$work/b32_patched" --models llama-3.1-8b --impls forge \
       --batch 32 --steps 1 --timeout 100
+    ;;
+  model_32b)
+    # The largest model: Qwen3-32B. With int8 states its weights and states take 125.9 GiB (exact,
+    # from shapes: results/cpu/memory_analysis_qwen3_32b), leaving 6.9 GiB under 95% of the device;
+    # optax, and FORGE with bf16 states, hold 183.1 GiB. XLA:CPU plans its init (weights and int8
+    # states in one program) with 19 GiB of temporaries on top. First the GPU's plans (compile-only,
+    # init and step), then a run at 97%, preallocated and compiled before the state exists.
+    step plan32 280 python -m experiments.memory_analysis --out "$work/plan32" --model qwen3-32b \
+      --impls forge_int8
+    step run32 300 python -m experiments.bench_models --out "$work/run32" --models qwen3-32b \
+      --impls forge_int8 --mem-fraction 0.97 --preallocate --compile-first --steps 1 --timeout 290
     ;;
   capacity_plan)
     # Llama-3.1-8B at 1024 tokens: the largest batch whose step plan fits the default limit

@@ -71,7 +71,8 @@ LIMIT_NOTE = ("`limit`: the allocator's limit the row ran under, in GiB. `defaul
               "([default_limit](results/h200/capacity_mem95/default_limit/bench_models.md)); runs before "
               "session 10 (2026-11-30 15:11 UTC) did not record it, and none changed it. `95%`: "
               "`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`, 132.8 GiB. Every row's worker allocated on demand "
-              "(no preallocation), where an OOM can fall below the limit (RESULTS: Capacity).")
+              "(no preallocation), where an OOM can fall below the limit (RESULTS: Capacity), except in "
+              "rows marked `prealloc` (`bench_models --preallocate`, jax's default).")
 
 
 def _key(row):
@@ -80,7 +81,8 @@ def _key(row):
 
 def _limit(run) -> str:
   fraction = run["meta"].get("mem_fraction")
-  return "default" if fraction is None else f"{fraction:.0%}"
+  label = "default" if fraction is None else f"{fraction:.0%}"
+  return label + (", prealloc" if run["meta"].get("preallocate") else "")
 
 
 def merged_rows(runs) -> list[dict]:
