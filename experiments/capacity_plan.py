@@ -31,17 +31,6 @@ import jax
 from experiments import memory_analysis
 
 
-def fit_line(points: dict) -> tuple[float, float]:
-  """``(intercept, slope)`` of the least-squares line through ``{batch: plan_gib}``."""
-  xs = sorted(points)
-  if len(xs) < 2:
-    raise ValueError(f"fitting a line needs two batches, got {xs}")
-  n, sx, sy = len(xs), sum(xs), sum(points[x] for x in xs)
-  sxx, sxy = sum(x * x for x in xs), sum(x * points[x] for x in xs)
-  slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-  return (sy - slope * sx) / n, slope
-
-
 def find_edge(plan, limit_gib: float, probes, multiple: int = 1, max_compiles: int = 12) -> dict:
   """The largest batch (a multiple of ``multiple``) with ``plan(batch) <= limit_gib``.
 
@@ -68,7 +57,7 @@ def find_edge(plan, limit_gib: float, probes, multiple: int = 1, max_compiles: i
     fitted = {b: p for b, p in plans.items() if p is not None}
     guess = min(probes)
     if len(fitted) >= 2:
-      intercept, slope = fit_line(fitted)
+      intercept, slope = memory_analysis.fit_line(fitted)
       out.update(intercept_gib=intercept, slope_gib=slope)
       if slope > 0:
         guess = math.floor((limit_gib - intercept) / slope)

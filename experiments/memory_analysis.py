@@ -145,6 +145,17 @@ def main(argv=None):
   return rows
 
 
+def fit_line(points: dict) -> tuple[float, float]:
+  """``(intercept, slope)`` of the least-squares line through ``{x: y}`` (two or more points)."""
+  xs = sorted(points)
+  if len(xs) < 2:
+    raise ValueError(f"fitting a line needs two points, got {xs}")
+  n, sx, sy = len(xs), sum(xs), sum(points[x] for x in xs)
+  sxx, sxy = sum(x * x for x in xs), sum(x * points[x] for x in xs)
+  slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+  return (sy - slope * sx) / n, slope
+
+
 def per_layer(rows) -> list[dict]:
   """Per (impl, loss): the step's temporaries (GiB) by layer count, and their rise per layer:
   the least-squares slope over all counts (and its intercept)."""
@@ -155,12 +166,7 @@ def per_layer(rows) -> list[dict]:
   out = []
   for (impl, loss), temps in groups.items():
     ls = sorted(temps)
-    slope = const = float("nan")
-    if len(ls) > 1:
-      n, sx, sy = len(ls), sum(ls), sum(temps[l] for l in ls)
-      sxx, sxy = sum(l * l for l in ls), sum(l * temps[l] for l in ls)
-      slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-      const = (sy - slope * sx) / n
+    const, slope = fit_line(temps) if len(ls) > 1 else (float("nan"), float("nan"))
     out.append({"impl": impl, "loss_fn": loss, "temp_gib": {l: temps[l] for l in ls},
                 "slope_gib_per_layer": slope, "constant_gib": const})
   return out
