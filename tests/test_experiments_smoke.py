@@ -458,13 +458,14 @@ def test_capacity_plan_search_brackets_the_edge():
 
 def test_capacity_plan_finds_a_tiny_models_edge(tmp_path):
   from experiments import capacity_plan, memory_analysis  # pylint: disable=g-import-not-at-top
+  # the plans at 3 and 4 sequences, and a limit between them (the search compiles 2, 4, then 3)
   p3, p4 = (memory_analysis.analyse("tiny-llama", "optax", b, 16, "float32", layers=1)["step"]["step_gib"]
             for b in (3, 4))
   assert p4 > p3
   rows = capacity_plan.main(["--model", "tiny-llama", "--impls", "optax", "--tokens", "16", "--dtype",
-                             "float32", "--layers", "1", "--probes", "1,2",
+                             "float32", "--layers", "1", "--probes", "2,4",
                              "--limit-gib", str((p3 + p4) / 2), "--out", str(tmp_path)])
-  assert rows[0]["edge"] == 3, rows
+  assert rows[0]["edge"] == 3 and sorted(rows[0]["plans"]) == [2, 3, 4], rows
   assert "| optax | 3 |" in (tmp_path / "capacity_plan.md").read_text()
   with pytest.raises(SystemExit):  # XLA:CPU reports no limit
     capacity_plan.main(["--model", "tiny-llama", "--out", str(tmp_path)])
