@@ -30,12 +30,13 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
+
+from experiments.with_patch import patched_tree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -160,33 +161,6 @@ def analyse(impl: str, args, tree: pathlib.Path, tag: str = "main") -> dict:
     return {"impl": impl, "module": lr.name.replace("-live-range.txt", ""),
             "xla_step_gib": step["step_gib"],
             "temp_gib": step["temp_gib"], **result}
-
-
-def _tree_files(root: pathlib.Path) -> list:
-  """The repository's files: git's tracked files, or (in a copy without .git, as on the device
-  machine) every file but results, caches and git's own."""
-  try:
-    return subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True,
-                          check=True).stdout.split()
-  except (OSError, subprocess.CalledProcessError):
-    skip = {".git", "__pycache__", "results", "runs", ".pytest_cache"}
-    return [str(f.relative_to(root)) for f in root.rglob("*")
-            if f.is_file() and not skip.intersection(f.relative_to(root).parts)]
-
-
-def patched_tree(patch: pathlib.Path, into: pathlib.Path, root: pathlib.Path = ROOT) -> pathlib.Path:
-  """A copy of the repository's files with ``patch`` applied (``git apply``, or ``patch -p1``
-  where git is missing)."""
-  for name in _tree_files(root):
-    target = into / name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if (root / name).is_file():
-      shutil.copy2(root / name, target)
-  try:
-    subprocess.run(["git", "apply", str(patch.resolve())], cwd=into, check=True)
-  except OSError:
-    subprocess.run(["patch", "-p1", "-i", str(patch.resolve())], cwd=into, check=True)
-  return into
 
 
 def markdown(rows, meta) -> str:

@@ -16,11 +16,39 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
 
-from experiments import live_buffers
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _tree_files(root: pathlib.Path) -> list:
+  """The repository's files: git's tracked files, or (in a copy without .git, as on the device
+  machine) every file but results, caches and git's own."""
+  try:
+    return subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True,
+                          check=True).stdout.split()
+  except (OSError, subprocess.CalledProcessError):
+    skip = {".git", "__pycache__", "results", "runs", ".pytest_cache"}
+    return [str(f.relative_to(root)) for f in root.rglob("*")
+            if f.is_file() and not skip.intersection(f.relative_to(root).parts)]
+
+
+def patched_tree(patch: pathlib.Path, into: pathlib.Path, root: pathlib.Path = ROOT) -> pathlib.Path:
+  """A copy of the repository's files with ``patch`` applied (``git apply``, or ``patch -p1``
+  where git is missing)."""
+  for name in _tree_files(root):
+    target = into / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if (root / name).is_file():
+      shutil.copy2(root / name, target)
+  try:
+    subprocess.run(["git", "apply", str(patch.resolve())], cwd=into, check=True)
+  except OSError:
+    subprocess.run(["patch", "-p1", "-i", str(patch.resolve())], cwd=into, check=True)
+  return into
 
 
 def main(argv=None) -> int:
@@ -35,7 +63,7 @@ def main(argv=None) -> int:
   if not patch.is_file():
     parser.error(f"patch {args.patch}: no such file")
   with tempfile.TemporaryDirectory(prefix="with_patch_") as tmp:
-    tree = live_buffers.patched_tree(patch, pathlib.Path(tmp))
+    tree = patched_tree(patch, pathlib.Path(tmp))
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     print(f"with_patch: {patch.name} applied in {tree}", flush=True)
     if command[0] in ("python", "python3"):  # this interpreter (a virtual environment's, say)

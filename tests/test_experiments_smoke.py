@@ -387,10 +387,10 @@ def test_live_buffers_compiles_main_and_a_patched_tree(tmp_path):
       assert f.read().startswith("HloModule")
 
 
-def test_live_buffers_patches_a_copy_without_git(tmp_path):
+def test_patched_tree_copies_without_git(tmp_path):
   """On the device machine the working tree may come without .git: the copy falls back to the
   files on disk, and the patch still applies."""
-  from experiments import live_buffers  # pylint: disable=g-import-not-at-top
+  from experiments import with_patch  # pylint: disable=g-import-not-at-top
   src = tmp_path / "src"
   (src / "pkg").mkdir(parents=True)
   (src / "pkg" / "a.py").write_text("x = 1\n")
@@ -398,7 +398,7 @@ def test_live_buffers_patches_a_copy_without_git(tmp_path):
   (src / "results" / "big.json").write_text("{}")
   patch = tmp_path / "p.diff"
   patch.write_text("--- a/pkg/a.py\n+++ b/pkg/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n")
-  out = live_buffers.patched_tree(patch, tmp_path / "copy", root=src)
+  out = with_patch.patched_tree(patch, tmp_path / "copy", root=src)
   assert (out / "pkg" / "a.py").read_text() == "x = 2\n" and not (out / "results").exists()
   assert (src / "pkg" / "a.py").read_text() == "x = 1\n"
 
