@@ -160,7 +160,7 @@ def main(argv=None):
     def plan(batch, impl=impl):
       try:
         row = memory_analysis.analyse(args.model, impl, batch, args.tokens, args.dtype,
-                                      loss=args.loss, layers=args.layers)
+                                      loss=args.loss, layers=args.layers, with_init=False)
       except Exception as e:  # a compile that fails counts as not fitting, and is reported
         print(f"{impl} at batch {batch}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None

@@ -61,7 +61,8 @@ def stack_buffers(hlo: str, shapes) -> dict:
 
 
 def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo_dir=None,
-            loss: str = "lean", layers: int | None = None) -> dict:
+            loss: str = "lean", layers: int | None = None, with_init: bool = True) -> dict:
+  """One row: the compiled step's memory (and ``model.init``'s unless ``with_init`` is False)."""
   base, scan = bench_models.parse_impl(impl)
   base, backend = bench_models.forge_backend(base)
   linear = "forge" if base.startswith("forge") else "flax"
@@ -72,12 +73,14 @@ def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo
   model = models.CausalLM(cfg, optimizer=opt)
   data = jax.ShapeDtypeStruct((batch, tokens + 1), jax.numpy.int32)
   key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32)
-  init = jax.jit(model.init).lower(key, jax.ShapeDtypeStruct((batch, tokens), jax.numpy.int32)).compile()
   variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.numpy.zeros((batch, tokens), "int32"))
   loss_fn = functools.partial(bench_models._loss, model.apply, kind=loss)
   row = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens, "dtype": dtype, "loss_fn": loss,
          "layers": cfg.num_layers,
-         "init": _sizes(init.memory_analysis()), "params_gib": _nbytes(variables["params"])}
+         "params_gib": _nbytes(variables["params"])}
+  if with_init:
+    init = jax.jit(model.init).lower(key, jax.ShapeDtypeStruct((batch, tokens), jax.numpy.int32)).compile()
+    row["init"] = _sizes(init.memory_analysis())
   if opt is not None:
     state = jax.eval_shape(lambda v: forge_jax.TrainState.create(model.apply, v, opt), variables)
     t0 = time.perf_counter()
