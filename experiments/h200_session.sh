@@ -29,38 +29,34 @@
 # machine (bench_models_grid_1x_4b, bench_models_grid_1x_8b). With the last 250 s, live_buffers
 # reran inline with a shared slot counted once (results/h200/live_rerun: FORGE and optax+clip at 64x1024).
 #
-# Next (session 12), in this order (step limits in brackets; 30 device minutes a session):
-#   bash experiments/h200_session.sh live_hlo       # [400 s] FORGE's step at 64x1024 with its optimized
-#                                                   #   HLO kept (--save-hlo): why the loss's backward
-#                                                   #   fusion does not write dlogits over the logits on the
-#                                                   #   GPU (results/h200/live_rerun: both live at the peak,
-#                                                   #   2 x 15.66 GiB; XLA:CPU shares the slot), and with
-#                                                   #   patches/picked_by_reduction.diff and
-#                                                   #   patches/dlogits_in_place.diff beside it (if one
-#                                                   #   frees 15.7 GiB, time it: bench_models under
-#                                                   #   with_patch at 32x1024, as live_buffers did)
-#   bash experiments/h200_session.sh grid_8x_small  # [575 s] issue #8's unrolled cells at 8x1024:
-#                                                   #   qwen3-0.6b, 1.7b, 4b (step and init now cached
-#                                                   #   by --precompile: rows took 105-125 s to their
-#                                                   #   first step in session 11 with only the step cached;
-#                                                   #   phases_s in each row says where the time goes)
-#   bash experiments/h200_session.sh grid_8x_large  # [575 s] unrolled qwen3-8b, llama-3.1-8b at 8x1024
-# Later sessions:
-#   bash experiments/h200_session.sh grid_14b       # [575 s] unrolled qwen3-14b: optax at 1x and 8x1024,
-#                                                   #   FORGE at 8x1024 (its 1x row is measured; it reruns)
-#   bash experiments/h200_session.sh model_32b      # [580 s] the largest model: Qwen3-32B with int8
-#                                                   #   states (125.9 GiB of weights and states) under 97%:
-#                                                   #   the GPU's init and step plans, then a run
+# Session 12 (2026-11-30) ran live_hlo, grid_8x_small and grid_8x_large (results/h200/live_hlo,
+# bench_models_grid_8x_{small,large}). live_hlo showed patches/dlogits_in_place.diff freeing 14.15
+# GiB of FORGE's 64x1024 plan (92.72 -> 78.56 GiB); inline on the same machine it was timed under
+# with_patch at 32x1024 beside main and run preallocated at 64x1024 (results/h200/dlogits_in_place/
+# README.md has the commands), then landed in models/_loss.py. picked_by_reduction.diff changed
+# nothing (92.72 GiB) and was deleted. grid_14b ran inline with --time-budget 500 instead of 560
+# (bench_models_grid_14b), which filled issue #8's last grid cells.
+#
+# Next (session 13), in this order (step limits in brackets; 30 device minutes a session):
+#   bash experiments/h200_session.sh landed         # [500 s] the landed loss (gradient over the
+#                                                   #   logits) for both sides: FORGE and optax+clip's
+#                                                   #   buffers at 64x1024, and both timed side by side at
+#                                                   #   32x1024 (optax+clip's 64x1024 peak sat in the
+#                                                   #   backward loop, so it should not move)
 #   bash experiments/h200_session.sh capacity_plan  # [560 s] the edges from XLA's plans alone
-#                                                   #   (experiments.capacity_plan, new: compile-only, a line
+#                                                   #   (experiments.capacity_plan: compile-only, a line
 #                                                   #   through 32 and 64, then the prediction and its
 #                                                   #   neighbour); then capacity_edges, or single
 #                                                   #   bench_models --preallocate runs at the edges found
 #   bash experiments/h200_session.sh capacity_edges # [560 s] where each stops with the pool
 #                                                   #   preallocated (jax's default), default limit:
 #                                                   #   optax+clip at 48 and 64 (plan at 64: 103.0 of 104.9
-#                                                   #   GiB), FORGE at 72 and 80 (plan slope 0.77 GiB per
-#                                                   #   sequence from 92.7 at 64)
+#                                                   #   GiB), FORGE at 96 and 112 (78.56 GiB at 64, 0.53
+#                                                   #   GiB per sequence from 32 with the landed loss)
+# Later sessions:
+#   bash experiments/h200_session.sh model_32b      # [580 s] the largest model: Qwen3-32B with int8
+#                                                   #   states (125.9 GiB of weights and states) under 97%:
+#                                                   #   the GPU's init and step plans, then a run
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
 #                                                   #   experiments.train does): does the xla route lose
@@ -77,6 +73,7 @@
 #
 # Parts run before (kept to repeat them):
 #   bash experiments/h200_session.sh capacity_prealloc|live_buffers|grid_1x   # session 11's parts
+#   bash experiments/h200_session.sh live_hlo|grid_8x_small|grid_8x_large|grid_14b  # session 12's
 #   bash experiments/h200_session.sh live_optax     # optax+clip's listing alone (done inline in session 11)
 #   bash experiments/h200_session.sh limits|limits_more|unrolled_diag|profile_steps|batch8_small|batch8_large|grid_unrolled_14b
 #                                               # session 10's parts (each case below says what it runs)
@@ -124,7 +121,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh landed|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -343,15 +340,20 @@ case "$part" in
       --models llama-3.1-8b --impls forge --batch 72,80 --steps 1 --preallocate --timeout 135
     ;;
   live_hlo)
-    # FORGE's step at 64x1024: the buffers live at the peak, and the optimized HLO to read the
-    # loss's backward fusion (compile-only); beside it the same step with each candidate patch
-    # (the picked logit by a row sum, not a gather; the gradient written over the logits block by
-    # block in a loop): does the gradient then take the logits' memory?
+    # FORGE's step at 64x1024: the buffers live at the peak and the optimized HLO (compile-only).
+    # Session 12 ran it with --patch experiments/patches/picked_by_reduction.diff --patch
+    # experiments/patches/dlogits_in_place.diff beside main; the second landed, the first was deleted.
     step live_hlo 400 python -m experiments.live_buffers --out "$work/live_hlo" --model llama-3.1-8b \
-      --impls forge --batch 64 --timeout 130 --save-hlo --patch experiments/patches/picked_by_reduction.diff \
-      --patch experiments/patches/dlogits_in_place.diff
+      --impls forge --batch 64 --timeout 130 --save-hlo
     ;;
-  live_optax)
+  landed)
+    # The landed loss (the gradient written over the logits, models/_loss.py) for both sides: which
+    # buffers are live at each step's peak at 64x1024, then both timed side by side at 32x1024.
+    step live_landed 250 python -m experiments.live_buffers --out "$work/live_landed" \
+      --model llama-3.1-8b --impls forge,optax_clip --batch 64 --timeout 110
+    step landed32 240 python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
+      --impls forge,optax_clip --batch 32 --steps 5 --timeout 115
+    ;;  live_optax)
     step live_optax 120 python -m experiments.live_buffers --out "$work/live_optax" --model llama-3.1-8b \
       --impls optax_clip --batch 64 --timeout 110
     ;;

@@ -404,7 +404,7 @@ def test_patched_tree_copies_without_git(tmp_path):
 
 
 def test_every_candidate_patch_still_applies():
-  """experiments/patches/*.diff are changes waiting for a GPU measurement (h200_session.sh applies
+  """experiments/patches/*.diff are changes measured on the GPU and not landed (h200_session.sh applies
   them with with_patch or live_buffers --patch): each must still apply to the tree."""
   import shutil  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
@@ -412,7 +412,7 @@ def test_every_candidate_patch_still_applies():
   if shutil.which("git") is None or not (root / ".git").exists():
     pytest.skip("needs git and a git checkout")
   patches = sorted((root / "experiments" / "patches").glob("*.diff"))
-  assert len(patches) >= 3
+  assert patches  # head_update_first.diff at least (test_with_patch_runs_a_command_in_a_patched_copy)
   for patch in patches:
     proc = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 0, (patch.name, proc.stderr)

@@ -489,6 +489,43 @@ def test_cross_entropy_keeps_no_float32_copy_of_the_logits():
   assert lean <= optax_way - 0.9 * logits_bytes, (lean, optax_way, logits_bytes)
 
 
+def _has_loop(jaxpr) -> bool:
+  """A fori_loop with static bounds traces to a scan, others to a while."""
+  return any(e.primitive.name in ("scan", "while") for e in jaxpr.jaxpr.eqns)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cross_entropy_backward_in_blocks_equals_one_pass(dtype, monkeypatch):
+  """At a large batch the backward writes the gradient over the logits block by block (a loop);
+  forced to 4 blocks at a small size it must give the one-pass gradient bit for bit, NaN rows
+  for invalid ids (inside jit) included."""
+  from models import _loss  # pylint: disable=g-import-not-at-top
+  logits = (3 * jax.random.normal(jax.random.PRNGKey(0), (4, 64, 500))).astype(dtype)
+  labels = jax.random.randint(jax.random.PRNGKey(1), (4, 64), 0, 500).at[2, 5].set(-1)
+  grad = jax.jit(jax.grad(_loss._mean_nll))  # the checked entry point refuses -1 outside jit
+
+  one_pass = np.asarray(grad(logits, labels).astype(jnp.float32))
+  monkeypatch.setattr(_loss, "_BLOCK_BYTES", 64 * 500 * 4)
+  assert _has_loop(jax.make_jaxpr(jax.grad(_loss._mean_nll))(logits, labels))
+  blocked = np.asarray(jax.jit(jax.grad(_loss._mean_nll))(logits, labels).astype(jnp.float32))
+  assert np.isnan(blocked[2, 5]).all() and not np.isnan(np.delete(blocked.reshape(256, 500), 133, 0)).any()
+  np.testing.assert_array_equal(blocked, one_pass)
+
+
+def test_cross_entropy_backward_block_choice():
+  from models import _loss  # pylint: disable=g-import-not-at-top
+  assert _loss._chunk_rows(65536, 128256) == 512  # Llama-3.1-8B at 64x1024: 128 blocks of 250 MiB
+  assert _loss._chunk_rows(256, 500, 64 * 500 * 4) == 64
+  assert _loss._chunk_rows(97, 500, 64 * 500 * 4) == 1  # a prime count: one pass (rows < 64)
+  assert _loss._chunk_rows(100, 500, 10**9) == 100  # fits one block
+  # The real size takes the loop, traced from shapes alone; a small one the single pass.
+  def traced(n, v):
+    args = (jax.ShapeDtypeStruct((n, v), jnp.bfloat16), jax.ShapeDtypeStruct((n,), jnp.int32))
+    return jax.make_jaxpr(jax.grad(_loss._mean_nll))(*args)
+  assert _has_loop(traced(65536, 128256))
+  assert not _has_loop(traced(2048, 8192))
+
+
 def test_cross_entropy_errors():
   logits = jnp.zeros((2, 3, 10))
   with pytest.raises(ValueError, match=r"labels of shape \(2, 4\).*expected \(2, 3\)"):
