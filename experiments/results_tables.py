@@ -15,7 +15,8 @@ the other). int8-state rows from runs before the int8 init
 fix (``INT8_INIT_FIX``: their peak included float32 init temporaries) are left
 out: they measured a bug. ``forge`` rows (``backend="auto"``) from runs before
 ``backend="auto"`` picked the Mosaic kernel on Hopper (``AUTO_MOSAIC``) ran the
-Triton kernel: they are shown as ``forge_triton``.
+Triton kernel: they are shown as ``forge_triton``. Peaks of runs whose loss
+backward wrote its gradient over the logits (``LOSS_MARK``) are marked.
 
     python -m experiments.results_tables            # rewrite the table in RESULTS.md
     python -m experiments.results_tables --check    # exit 1 if RESULTS.md is stale
@@ -53,6 +54,16 @@ OLD_TIMING_NOTE = ("Mean of 5 steps after one warm-up step (bench_models before 
                    "(1.10x with Triton, the old way); the qwen3-14b FORGE row with the Mosaic kernel "
                    "(bench_models_14b_mosaic) has no optax row of its run (optax runs out of memory under the "
                    "default limit; with 95% of the device it fits, in separate runs: bench_models_14b_mem95).")
+# models.cross_entropy's backward writes its gradient over the logits since 2026-11-30 (session
+# 12); bench_models records it as meta["loss_backward"] == "over_logits". Rows of earlier runs
+# computed the gradient in one pass beside the logits, which on the H200 kept both live.
+LOSS_MARK = "\u00a7"
+LOSS_NOTE = ("The loss's backward writes its gradient over the logits, a block of rows at a time, since "
+             "2026-11-30 (models/_loss.py; results/h200/dlogits_in_place). Rows marked so ran it; the others "
+             "computed the gradient in one pass beside the logits, which the H200 compile kept live together: "
+             "2 x 15.66 GiB for Llama-3.1-8B at 64x1024, FORGE's peak there (92.72 GiB, 78.56 with the "
+             "loop). Where a row's peak sat in the loss, its peak is lower now; at 32x1024 FORGE fell from "
+             "68.80 to 62.12 GiB at the same step time (3042 vs 3037 ms).")
 MODEL_ORDER = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-14b")
 IMPL_ORDER = ("optax", "optax_unrolled", "optax_clip", "forge", "forge_mosaic", "forge_triton", "forge_unrolled",
               "forge_triton_unrolled", "forge_xla", "forge_int8", "forge_int8_xla",
@@ -96,7 +107,8 @@ def merged_rows(runs) -> list[dict]:
       if r["impl"].startswith("forge_int8") and run["meta"]["date"] < INT8_INIT_FIX:
         continue  # measured the int8 init bug
       row = dict(r, source=name, date=run["meta"]["date"][:10],
-                 old_timing=run["meta"].get("timing") != "median3", limit=_limit(run))
+                 old_timing=run["meta"].get("timing") != "median3", limit=_limit(run),
+                 loss_over_logits=run["meta"].get("loss_backward") == "over_logits")
       if r["impl"] in ("forge", "forge_unrolled") and run["meta"]["date"] < AUTO_MOSAIC:
         row["impl"] = r["impl"].replace("forge", "forge_triton", 1)  # "auto" then meant Triton
       for other, field, out in (("optax_clip", "peak_gib", "vs_clip"), ("optax", "step_ms", "vs_optax")):
@@ -153,9 +165,10 @@ def table(rows) -> str:
       continue
     ratio = lambda k: f"{r[k]:.2f}x" if k in r else ""
     mark = OLD_TIMING_MARK if r.get("old_timing") else ""
-    lines.append(f"{head} {r['peak_gib']:.2f} | {ratio('vs_clip')} | {r['step_ms']:.1f}{mark} | "
+    peak_mark = LOSS_MARK if r.get("loss_over_logits") else ""
+    lines.append(f"{head} {r['peak_gib']:.2f}{peak_mark} | {ratio('vs_clip')} | {r['step_ms']:.1f}{mark} | "
                  f"{ratio('vs_optax')} | {r['tokens_per_s']:.0f} | {src} |")
-  lines += ["", LIMIT_NOTE, "", missing_text(rows)]
+  lines += ["", LIMIT_NOTE, "", missing_text(rows), "", LOSS_MARK + " " + LOSS_NOTE]
   if any(r.get("old_timing") and "error" not in r for r in rows):
     lines += ["", OLD_TIMING_MARK + " " + OLD_TIMING_NOTE]
   return "\n".join(lines) + "\n"

@@ -51,6 +51,12 @@ def test_results_md_table_is_generated_from_the_committed_json():
   assert results_tables.OLD_TIMING_NOTE in md
   new = dict(old[0], old_timing=False)
   assert results_tables.OLD_TIMING_MARK not in results_tables.table([new])
+  # Peaks of runs whose loss wrote its gradient over the logits (bench_models' meta) are marked.
+  marked = lambda meta: results_tables.table(results_tables.merged_rows(
+      [("r.json", {"meta": {"date": "2026-12-01", "timing": "median3", **meta}, "rows": [dict(new, scan=True)]})]))
+  line = lambda md: next(l for l in md.splitlines() if l.startswith(f"| {new['model']} |"))
+  assert f"{new['peak_gib']:.2f}{results_tables.LOSS_MARK} |" in line(marked({"loss_backward": "over_logits"}))
+  assert results_tables.LOSS_MARK not in line(marked({}))
 
 
 def test_results_table_keeps_limits_apart_and_lists_the_empty_grid_cells():
