@@ -43,6 +43,10 @@
 #                                                   #   buffers at 64x1024, and both timed side by side at
 #                                                   #   32x1024 (optax+clip's 64x1024 peak sat in the
 #                                                   #   backward loop, so it should not move)
+#   bash experiments/h200_session.sh capacity_all   # [575 s] issue #8's capacity for every grid
+#                                                   #   implementation (and int8 states) from XLA's plans,
+#                                                   #   six compile-only processes at once; then confirm
+#                                                   #   the edges with bench_models --preallocate
 #   bash experiments/h200_session.sh capacity_plan  # [560 s] the edges from XLA's plans alone
 #                                                   #   (experiments.capacity_plan: compile-only, a line
 #                                                   #   through 32 and 64, then the prediction and its
@@ -121,7 +125,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh landed|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh landed|capacity_all|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -330,6 +334,26 @@ case "$part" in
     # (compile-only; preallocated runs peaked at their plans), optax+clip and FORGE.
     step cap_plan 560 python -m experiments.capacity_plan --out "$work/cap_plan" --model llama-3.1-8b \
       --impls optax_clip,forge --tokens 1024 --probes 32,64 --max-compiles 6
+    ;;
+  capacity_all)
+    # Issue #8's capacity per implementation: Llama-3.1-8B, 1024-token sequences, the largest batch
+    # (a multiple of 8) whose compiled step plan fits jax's default limit (104.85 GiB), for the grid's
+    # five implementations and int8 states. Compile-only, one process per implementation, all at once:
+    # none preallocates (six share the device; a plan does not depend on the allocator), and the
+    # limit is given, not read from the device. Unrolled steps compile in 2-3 minutes: fewer compiles.
+    for impl in optax optax_clip forge forge_int8; do
+      ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
+        step "cap_$impl" 560 python -m experiments.capacity_plan --out "$work/cap_$impl" \
+          --model llama-3.1-8b --impls "$impl" --tokens 1024 --probes 32,64 --multiple 8 \
+          --max-compiles 6 --limit-gib 104.8515625 ) &
+    done
+    for impl in optax_unrolled forge_unrolled; do
+      ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
+        step "cap_$impl" 560 python -m experiments.capacity_plan --out "$work/cap_$impl" \
+          --model llama-3.1-8b --impls "$impl" --tokens 1024 --probes 16,32 --multiple 8 \
+          --max-compiles 4 --limit-gib 104.8515625 ) &
+    done
+    wait
     ;;
   capacity_edges)
     # Llama-3.1-8B, 1024-token sequences, the whole default limit preallocated (as jax runs by
