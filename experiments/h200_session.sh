@@ -140,10 +140,11 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a limit, logs to $work/NA
 }
 
 if [ -n "${H200_DRY_RUN:-}" ]; then  # tests: record each step's command (fields split by \x1f)
-  step() {
+  step() {  # one write per command: parts may run steps in the background
     shift 2
-    printf '%s\x1f' "$@" >> "$H200_DRY_RUN"
-    printf '\n' >> "$H200_DRY_RUN"
+    local line
+    line="$(printf '%s\x1f' "$@")"
+    printf '%s\n' "$line" >> "$H200_DRY_RUN"
   }
 fi
 
