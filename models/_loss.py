@@ -14,17 +14,22 @@ backward writes ``softmax - onehot`` straight in the logits' dtype. Value and
 gradient equal optax's up to float32 rounding (tested).
 
 At a large batch the backward writes that gradient over the logits, a block of
-rows at a time (a ``fori_loop`` of dynamic-update-slices on the logits'
+positions at a time (a ``fori_loop`` of dynamic-update-slices on the logits'
 buffer), so the two never need memory at once. Written in one pass, the H200
 compile kept both live: at 64 x 1024 tokens of Llama-3.1-8B that is 2 x 15.66
-GiB, and it set FORGE's peak (92.72 GiB; 78.56 GiB with the loop, measured
-preallocated; experiments/results/h200/live_hlo and dlogits_in_place/).
+GiB, and it set FORGE's peak (92.72 GiB; 78.56 GiB with blocks of consecutive
+rows, measured preallocated; experiments/results/h200/live_hlo and
+dlogits_in_place/). A block is now every nb-th position instead, so that
+logits split over devices (by batch, sequence or vocabulary) are not gathered;
+the same loop-carried update, not yet re-measured on the GPU.
 
 FORGE cannot use a loss chunked over tokens instead: each chunk would call
 the LM head's fused backward, i.e. apply one optimizer step per chunk.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -75,38 +80,48 @@ _BLOCK_BYTES = 256 << 20  # float32 bytes of one block of the backward's rows
 _MIN_BLOCK_ROWS = 64  # thinner blocks do not pay for the loop: one pass instead
 
 
-def _chunk_rows(n: int, vocab: int, target_bytes: int | None = None) -> int:
-  """The largest divisor of ``n`` whose rows of ``vocab`` float32 values fit ``target_bytes``
-  (default ``_BLOCK_BYTES``)."""
+def _block_positions(shape, target_bytes: int | None = None) -> int:
+  """Positions per block for logits of ``shape = (*lead, P, V)``: the largest divisor ``c`` of
+  ``P`` whose ``prod(lead) * c * V`` float32 values fit ``target_bytes`` (default
+  ``_BLOCK_BYTES``), at least 1."""
   target_bytes = _BLOCK_BYTES if target_bytes is None else target_bytes
-  for rows in range(max(1, min(n, target_bytes // (4 * vocab))), 0, -1):
-    if n % rows == 0:
-      return rows
+  *lead, positions, vocab = shape
+  row_bytes = 4 * vocab * math.prod(lead)
+  for c in range(max(1, min(positions, target_bytes // row_bytes)), 0, -1):
+    if positions % c == 0:
+      return c
   return 1
 
 
 def _mean_nll_bwd(res, g):
   logits, labels, lse = res
   scale = g / labels.size
-  # Written over the logits, block of rows by block of rows: a loop that carries the logits'
-  # buffer and updates one slice of it in place (a dynamic-update-slice of a slice it read), so
-  # the gradient takes the logits' memory whatever XLA's fusions do (on the H200 the one-pass
-  # spelling kept both live at the step's peak: experiments/results/h200/live_hlo).
-  vocab = logits.shape[-1]
-  n = labels.size
-  rows = _chunk_rows(n, vocab)
-  if rows == n or rows < _MIN_BLOCK_ROWS:  # one block, or blocks too thin (a token count with
-    return _grad_rows(logits, labels, lse, scale), None  # no divisor near the block): one pass
-  flat, flat_labels, flat_lse = logits.reshape(-1, vocab), labels.reshape(-1), lse.reshape(-1)
+  if logits.ndim < 2:
+    return _grad_rows(logits, labels, lse, scale), None
+  # Written over the logits, block by block: a loop that carries the logits' buffer and
+  # updates one slice of it in place (a dynamic-update-slice of the slice it read), so the
+  # gradient takes the logits' memory whatever XLA's fusions do. In one pass the H200 compile
+  # kept both live at the step's peak (experiments/results/h200/live_hlo).
+  # A block is every nb-th position (positions p with p % nb == j): the position axis is split
+  # as (c, nb) and the loop runs over the minor part, so its dynamic slices never cut a
+  # sharded axis. A batch (data parallelism), a vocabulary (a vocab-parallel head) or, when c
+  # is a multiple of the device count, a sequence split over devices stays split, with no
+  # gather (tests/test_models.py::test_cross_entropy_backward_in_blocks_keeps_shardings).
+  *lead, positions, vocab = logits.shape
+  c = _block_positions(logits.shape)
+  nb = positions // c
+  if nb == 1 or math.prod(lead) * c < _MIN_BLOCK_ROWS:  # fits one block, or blocks too thin
+    return _grad_rows(logits, labels, lse, scale), None  # (a prime P): one pass
+  axis = len(lead) + 1
+  split = lambda a, tail=(): a.reshape(*lead, c, nb, *tail)
+  buf, blocked_labels, blocked_lse = split(logits, (vocab,)), split(labels), split(lse)
 
-  def body(i, buf):
-    start = i * rows
-    block = jax.lax.dynamic_slice_in_dim(buf, start, rows, 0)
-    grad = _grad_rows(block, jax.lax.dynamic_slice_in_dim(flat_labels, start, rows, 0),
-                      jax.lax.dynamic_slice_in_dim(flat_lse, start, rows, 0), scale)
-    return jax.lax.dynamic_update_slice_in_dim(buf, grad, start, 0)
+  def body(j, buf):
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, j, 1, axis)
+    grad = _grad_rows(take(buf), take(blocked_labels), take(blocked_lse), scale)
+    return jax.lax.dynamic_update_slice_in_dim(buf, grad, j, axis)
 
-  return jax.lax.fori_loop(0, n // rows, body, flat).reshape(logits.shape), None
+  return jax.lax.fori_loop(0, nb, body, buf).reshape(logits.shape), None
 
 
 _mean_nll.defvjp(_mean_nll_fwd, _mean_nll_bwd)

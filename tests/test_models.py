@@ -514,16 +514,63 @@ def test_cross_entropy_backward_in_blocks_equals_one_pass(dtype, monkeypatch):
 
 def test_cross_entropy_backward_block_choice():
   from models import _loss  # pylint: disable=g-import-not-at-top
-  assert _loss._chunk_rows(65536, 128256) == 512  # Llama-3.1-8B at 64x1024: 128 blocks of 250 MiB
-  assert _loss._chunk_rows(256, 500, 64 * 500 * 4) == 64
-  assert _loss._chunk_rows(97, 500, 64 * 500 * 4) == 1  # a prime count: one pass (rows < 64)
-  assert _loss._chunk_rows(100, 500, 10**9) == 100  # fits one block
+  # Llama-3.1-8B at 64x1024: 8 positions of 64 sequences per block (250.5 MiB), 128 blocks.
+  assert _loss._block_positions((64, 1024, 128256)) == 8
+  assert _loss._block_positions((65536, 128256)) == 512  # flat rows: 512 per block
+  assert _loss._block_positions((4, 64, 500), 64 * 500 * 4) == 16
+  assert _loss._block_positions((97, 500), 64 * 500 * 4) == 1  # a prime count: one pass (rows < 64)
+  assert _loss._block_positions((100, 500), 10**9) == 100  # fits one block
   # The real size takes the loop, traced from shapes alone; a small one the single pass.
-  def traced(n, v):
-    args = (jax.ShapeDtypeStruct((n, v), jnp.bfloat16), jax.ShapeDtypeStruct((n,), jnp.int32))
+  def traced(*shape):
+    args = (jax.ShapeDtypeStruct(shape, jnp.bfloat16), jax.ShapeDtypeStruct(shape[:-1], jnp.int32))
     return jax.make_jaxpr(jax.grad(_loss._mean_nll))(*args)
-  assert _has_loop(traced(65536, 128256))
-  assert not _has_loop(traced(2048, 8192))
+  assert _has_loop(traced(64, 1024, 128256)) and _has_loop(traced(65536, 128256))
+  assert not _has_loop(traced(2048, 8192)) and not _has_loop(traced(97, 500))
+
+
+SHARDED_LOSS_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from models import _loss
+mesh = Mesh(np.array(jax.devices()), ("d",))
+logits = (3 * jax.random.normal(jax.random.PRNGKey(0), (8, 64, 512))).astype(jnp.bfloat16)
+labels = jax.random.randint(jax.random.PRNGKey(1), (8, 64), 0, 512)
+grad = lambda: jax.jit(jax.grad(_loss._mean_nll))
+for name, lg_spec, lb_spec, shape in [("batch", P("d"), P("d"), None), ("seq", P(None, "d"), P(None, "d"), None),
+                                      ("vocab", P(None, None, "d"), P(), None),
+                                      ("rows", P("d"), P("d"), (512, 512))]:
+  lg = logits if shape is None else logits.reshape(shape)
+  lb = labels if shape is None else labels.reshape(shape[:-1])
+  lg = jax.device_put(lg, NamedSharding(mesh, lg_spec)); lb = jax.device_put(lb, NamedSharding(mesh, lb_spec))
+  _loss._BLOCK_BYTES, _loss._MIN_BLOCK_ROWS = 64 * 512 * 4, 10**9
+  one_pass = grad()(lg, lb)
+  _loss._MIN_BLOCK_ROWS = 64
+  compiled = grad().lower(lg, lb).compile()
+  blocked = compiled(lg, lb)
+  print(name, "loop" if "while" in compiled.as_text() else "no-loop",
+        "gathers", compiled.as_text().count("all-gather"),
+        "same-sharding", blocked.sharding.spec == lg.sharding.spec,
+        "equal", bool(jnp.array_equal(blocked, one_pass)))
+"""
+
+
+def test_cross_entropy_backward_in_blocks_keeps_shardings():
+  """The blocked backward must not gather a logits array split over devices (batch, sequence,
+  vocabulary, or flat rows): each block is every nb-th position, so its dynamic slices run along
+  an axis no device boundary cuts. Before, blocks of consecutive rows all-gathered a batch-split
+  array on every step of the loop."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  out = subprocess.run([sys.executable, "-c", SHARDED_LOSS_SCRIPT], capture_output=True,
+                       text=True, env=env, cwd=root, timeout=300)
+  lines = [l for l in out.stdout.splitlines() if l.split(" ")[0] in ("batch", "seq", "vocab", "rows")]
+  assert len(lines) == 4, out.stdout + out.stderr
+  for line in lines:
+    assert line.endswith("loop gathers 0 same-sharding True equal True"), line
 
 
 def test_cross_entropy_errors():
