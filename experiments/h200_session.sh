@@ -39,7 +39,9 @@
 #
 # Next (session 13), in this order (step limits in brackets; 30 device minutes a session):
 #   bash experiments/h200_session.sh landed         # [500 s] the landed loss (gradient over the
-#                                                   #   logits) for both sides: FORGE and optax+clip's
+#                                                   #   logits, blocks of every nb-th position since
+#                                                   #   the row blocks were measured: is FORGE's 64x1024
+#                                                   #   plan still 78.56 GiB?) for both sides: FORGE and optax+clip's
 #                                                   #   buffers at 64x1024, and both timed side by side at
 #                                                   #   32x1024 (optax+clip's 64x1024 peak sat in the
 #                                                   #   backward loop, so it should not move)
