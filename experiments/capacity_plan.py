@@ -156,24 +156,36 @@ def main(argv=None):
           "tokens": args.tokens, "dtype": args.dtype, "loss": args.loss, "layers": args.layers,
           "limit_gib": limit, "limit_source": source}
   results = []
+
+  def save(rows):
+    with open(os.path.join(args.out, "capacity_plan.json"), "w") as f:
+      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "capacity_plan.md"), "w") as f:
+      f.write(markdown(rows, meta))
+
   for impl in args.impls.split(","):
-    def plan(batch, impl=impl):
+    # Saved after every compile, so a run cut short (a device call's time limit) keeps its plans.
+    partial = {"impl": impl, "multiple": args.multiple, "plans": {}, "order": [], "edge": None,
+               "error": "cut short: the search did not finish"}
+
+    def plan(batch, impl=impl, partial=partial):
       try:
         row = memory_analysis.analyse(args.model, impl, batch, args.tokens, args.dtype,
                                       loss=args.loss, layers=args.layers, with_init=False)
+        gib = row["step"]["step_gib"]
+        print(f"{impl} at batch {batch}: plan {gib:.2f} GiB", flush=True)
       except Exception as e:  # a compile that fails counts as not fitting, and is reported
         print(f"{impl} at batch {batch}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return None
-      print(f"{impl} at batch {batch}: plan {row['step']['step_gib']:.2f} GiB", flush=True)
-      return row["step"]["step_gib"]
+        gib = None
+      partial["plans"][batch] = gib
+      partial["order"].append(batch)
+      save(results + [partial])
+      return gib
 
     result = {"impl": impl, **find_edge(plan, limit, probes, args.multiple, args.max_compiles)}
     result["plans"] = dict(result["plans"])
     results.append(result)
-    with open(os.path.join(args.out, "capacity_plan.json"), "w") as f:
-      json.dump({"meta": meta, "rows": results}, f, indent=1)
-    with open(os.path.join(args.out, "capacity_plan.md"), "w") as f:
-      f.write(markdown(results, meta))
+    save(results)
   print(markdown(results, meta))
   return results
 

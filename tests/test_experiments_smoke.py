@@ -467,5 +467,23 @@ def test_capacity_plan_finds_a_tiny_models_edge(tmp_path):
                              "--limit-gib", str((p3 + p4) / 2), "--out", str(tmp_path)])
   assert rows[0]["edge"] == 3 and sorted(rows[0]["plans"]) == [2, 3, 4], rows
   assert "| optax | 3 |" in (tmp_path / "capacity_plan.md").read_text()
+  # A run cut short keeps the plans compiled so far (the file is rewritten after each compile).
+  calls = []
+  real = memory_analysis.analyse
+
+  def analyse_then_stop(*a, **kw):
+    if calls:
+      raise KeyboardInterrupt  # the time limit, after the first compile
+    calls.append(a)
+    return real(*a, **kw)
+
+  import unittest.mock  # pylint: disable=g-import-not-at-top
+  cut = tmp_path / "cut"
+  with unittest.mock.patch.object(memory_analysis, "analyse", analyse_then_stop), pytest.raises(KeyboardInterrupt):
+    capacity_plan.main(["--model", "tiny-llama", "--impls", "optax", "--tokens", "16", "--dtype", "float32",
+                        "--layers", "1", "--probes", "2,4", "--limit-gib", "1", "--out", str(cut)])
+  saved = json.loads((cut / "capacity_plan.json").read_text())["rows"]
+  assert [(r["impl"], list(r["plans"]), r["edge"]) for r in saved] == [("optax", ["2"], None)]
+  assert "cut short" in saved[0]["error"] and "cut short" in (cut / "capacity_plan.md").read_text()
   with pytest.raises(SystemExit):  # XLA:CPU reports no limit
     capacity_plan.main(["--model", "tiny-llama", "--out", str(tmp_path)])
