@@ -58,12 +58,13 @@ OLD_TIMING_NOTE = ("Mean of 5 steps after one warm-up step (bench_models before 
 # 12); bench_models records it as meta["loss_backward"] == "over_logits". Rows of earlier runs
 # computed the gradient in one pass beside the logits, which on the H200 kept both live.
 LOSS_MARK = "\u00a7"
-LOSS_NOTE = ("The loss's backward writes its gradient over the logits, a block of rows at a time, since "
+LOSS_NOTE = ("The loss's backward writes its gradient over the logits, a block at a time, since "
              "2026-11-30 (models/_loss.py; results/h200/dlogits_in_place). Rows marked so ran it; the others "
              "computed the gradient in one pass beside the logits, which the H200 compile kept live together: "
              "2 x 15.66 GiB for Llama-3.1-8B at 64x1024, FORGE's peak there (92.72 GiB, 78.56 with the "
-             "loop). Where a row's peak sat in the loss, its peak is lower now; at 32x1024 FORGE fell from "
-             "68.80 to 62.12 GiB at the same step time (3042 vs 3037 ms).")
+             "loop). Where a row's peak sat in the loss, it should be lower now (not re-measured for these "
+             "rows); at 32x1024 FORGE fell from 68.80 to 62.12 GiB at the same step time (3042 vs 3037 "
+             "ms, consecutive runs).")
 MODEL_ORDER = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-14b")
 IMPL_ORDER = ("optax", "optax_unrolled", "optax_clip", "forge", "forge_mosaic", "forge_triton", "forge_unrolled",
               "forge_triton_unrolled", "forge_xla", "forge_int8", "forge_int8_xla",
