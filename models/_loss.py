@@ -76,7 +76,7 @@ def _grad_rows(logits, labels, lse, scale):
   return grad.astype(logits.dtype)
 
 
-_BLOCK_BYTES = 256 << 20  # float32 bytes of one block of the backward's rows
+_BLOCK_BYTES = 256 << 20  # float32 bytes of one block of the backward (the gradient before its cast)
 _MIN_BLOCK_ROWS = 64  # thinner blocks do not pay for the loop: one pass instead
 
 
