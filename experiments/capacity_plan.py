@@ -31,14 +31,16 @@ import jax
 from experiments import memory_analysis
 
 
-def find_edge(plan, limit_gib: float, probes, multiple: int = 1, max_compiles: int = 12) -> dict:
+def find_edge(plan, limit_gib: float, probes, multiple: int = 1, max_compiles: int = 12,
+              on_compile=None) -> dict:
   """The largest batch (a multiple of ``multiple``) with ``plan(batch) <= limit_gib``.
 
   ``plan(batch) -> GiB`` compiles (or fails: ``None``, counted as not fitting). The probes' plans
   give a line and a predicted edge; then it compiles the prediction and its neighbour, galloping
   up or bisecting down where the line was wrong, until a batch that fits and the next multiple
   that does not are both compiled. Returns the plans in compile order, the line, the prediction
-  and ``edge`` (``None`` if not even ``multiple`` fits, with ``error`` if the compiles ran out)."""
+  and ``edge`` (``None`` if not even ``multiple`` fits, with ``error`` if the compiles ran out).
+  ``on_compile(result_so_far)`` is called after every compile."""
   plans, order = {}, []
 
   def fits(batch):
@@ -47,6 +49,8 @@ def find_edge(plan, limit_gib: float, probes, multiple: int = 1, max_compiles: i
         raise _OutOfCompiles
       plans[batch] = plan(batch)
       order.append(batch)
+      if on_compile is not None:
+        on_compile(out)
     return plans[batch] is not None and plans[batch] <= limit_gib
 
   out = {"limit_gib": limit_gib, "multiple": multiple, "plans": plans, "order": order, "edge": None}
@@ -164,25 +168,21 @@ def main(argv=None):
       f.write(markdown(rows, meta))
 
   for impl in args.impls.split(","):
-    # Saved after every compile, so a run cut short (a device call's time limit) keeps its plans.
-    partial = {"impl": impl, "multiple": args.multiple, "plans": {}, "order": [], "edge": None,
-               "error": "cut short: the search did not finish"}
-
-    def plan(batch, impl=impl, partial=partial):
+    def plan(batch, impl=impl):
       try:
         row = memory_analysis.analyse(args.model, impl, batch, args.tokens, args.dtype,
                                       loss=args.loss, layers=args.layers, with_init=False)
-        gib = row["step"]["step_gib"]
-        print(f"{impl} at batch {batch}: plan {gib:.2f} GiB", flush=True)
       except Exception as e:  # a compile that fails counts as not fitting, and is reported
         print(f"{impl} at batch {batch}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        gib = None
-      partial["plans"][batch] = gib
-      partial["order"].append(batch)
-      save(results + [partial])
-      return gib
+        return None
+      print(f"{impl} at batch {batch}: plan {row['step']['step_gib']:.2f} GiB", flush=True)
+      return row["step"]["step_gib"]
 
-    result = {"impl": impl, **find_edge(plan, limit, probes, args.multiple, args.max_compiles)}
+    # Saved after every compile, so a run cut short (a device call's time limit) keeps its plans.
+    cut_short = lambda out, impl=impl: save(
+        results + [{"impl": impl, **out, "error": "cut short: the search did not finish"}])
+    result = {"impl": impl, **find_edge(plan, limit, probes, args.multiple, args.max_compiles,
+                                        on_compile=cut_short)}
     result["plans"] = dict(result["plans"])
     results.append(result)
     save(results)
