@@ -35,7 +35,9 @@ def find_edge(plan, limit_gib: float, probes, multiple: int = 1, max_compiles: i
               on_compile=None) -> dict:
   """The largest batch (a multiple of ``multiple``) with ``plan(batch) <= limit_gib``.
 
-  ``plan(batch) -> GiB`` compiles (or fails: ``None``, counted as not fitting). The probes' plans
+  ``plan(batch) -> GiB`` compiles, or returns ``None`` when the compile failed: that says nothing
+  about fitting (on the GPU a compile fails when the autotuner cannot allocate its operands, for
+  example beside other processes), so the search stops there with ``error``. The probes' plans
   give a line and a predicted edge; then it compiles the prediction and its neighbour, galloping
   up or bisecting down where the line was wrong, until a batch that fits and the next multiple
   that does not are both compiled. Returns the plans in compile order, the line, the prediction
@@ -51,14 +53,16 @@ def find_edge(plan, limit_gib: float, probes, multiple: int = 1, max_compiles: i
       order.append(batch)
       if on_compile is not None:
         on_compile(out)
-    return plans[batch] is not None and plans[batch] <= limit_gib
+      if plans[batch] is None:
+        raise _CompileFailed(batch)
+    return plans[batch] <= limit_gib
 
   out = {"limit_gib": limit_gib, "multiple": multiple, "plans": plans, "order": order, "edge": None}
   align = lambda b: max(multiple, b // multiple * multiple)
   try:
     for b in probes:
       fits(b)
-    fitted = {b: p for b, p in plans.items() if p is not None}
+    fitted = dict(plans)
     guess = min(probes)
     if len(fitted) >= 2:
       intercept, slope = memory_analysis.fit_line(fitted)
@@ -92,10 +96,16 @@ def find_edge(plan, limit_gib: float, probes, multiple: int = 1, max_compiles: i
       out["edge"] = lo
   except _OutOfCompiles:
     out["error"] = f"no edge within {max_compiles} compiles"
+  except _CompileFailed as e:
+    out["error"] = f"the compile at batch {e.args[0]} failed, so the edge is unknown (see the log)"
   return out
 
 
 class _OutOfCompiles(Exception):
+  pass
+
+
+class _CompileFailed(Exception):
   pass
 
 
@@ -172,7 +182,7 @@ def main(argv=None):
       try:
         row = memory_analysis.analyse(args.model, impl, batch, args.tokens, args.dtype,
                                       loss=args.loss, layers=args.layers, with_init=False)
-      except Exception as e:  # a compile that fails counts as not fitting, and is reported
+      except Exception as e:  # reported; find_edge stops: a failed compile is not "too large"
         print(f"{impl} at batch {batch}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
       print(f"{impl} at batch {batch}: plan {row['step']['step_gib']:.2f} GiB", flush=True)

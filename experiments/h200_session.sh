@@ -127,7 +127,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh landed|capacity_all|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh plans|over_edges|edges32|capacity_lanes|landed|capacity_all|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -149,6 +149,26 @@ if [ -n "${H200_DRY_RUN:-}" ]; then  # tests: record each step's command (fields
     printf '%s\n' "$line" >> "$H200_DRY_RUN"
   }
 fi
+
+capacity_all_steps() {  # issue #8's capacity searches, in the background (callers wait)
+    # Issue #8's capacity per implementation: Llama-3.1-8B, 1024-token sequences, the largest batch
+    # (a multiple of 8) whose compiled step plan fits jax's default limit (104.85 GiB), for the grid's
+    # five implementations and int8 states. Compile-only, one process per implementation, all at once:
+    # none preallocates (six share the device; a plan does not depend on the allocator), and the
+    # limit is given, not read from the device. Unrolled steps compile in 2-3 minutes: fewer compiles.
+    for impl in optax optax_clip forge forge_int8; do
+      ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
+        step "cap_$impl" 560 python -m experiments.capacity_plan --out "$work/cap_$impl" \
+          --model llama-3.1-8b --impls "$impl" --tokens 1024 --probes 32,64 --multiple 8 \
+          --max-compiles 6 --limit-gib 104.8515625 ) &
+    done
+    for impl in optax_unrolled forge_unrolled; do
+      ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
+        step "cap_$impl" 560 python -m experiments.capacity_plan --out "$work/cap_$impl" \
+          --model llama-3.1-8b --impls "$impl" --tokens 1024 --probes 16,32 --multiple 8 \
+          --max-compiles 4 --limit-gib 104.8515625 ) &
+    done
+}
 
 profile_pair() {  # profile_pair STAGES: bf16 AdamW at T=16384, the bf16 long-T tiling with
   # STAGES stages, profiled without (prof) and with (prof_cl2) clusters of two blocks
@@ -339,24 +359,63 @@ case "$part" in
       --impls optax_clip,forge --tokens 1024 --probes 32,64 --max-compiles 6
     ;;
   capacity_all)
-    # Issue #8's capacity per implementation: Llama-3.1-8B, 1024-token sequences, the largest batch
-    # (a multiple of 8) whose compiled step plan fits jax's default limit (104.85 GiB), for the grid's
-    # five implementations and int8 states. Compile-only, one process per implementation, all at once:
-    # none preallocates (six share the device; a plan does not depend on the allocator), and the
-    # limit is given, not read from the device. Unrolled steps compile in 2-3 minutes: fewer compiles.
-    for impl in optax optax_clip forge forge_int8; do
-      ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
-        step "cap_$impl" 560 python -m experiments.capacity_plan --out "$work/cap_$impl" \
-          --model llama-3.1-8b --impls "$impl" --tokens 1024 --probes 32,64 --multiple 8 \
-          --max-compiles 6 --limit-gib 104.8515625 ) &
-    done
-    for impl in optax_unrolled forge_unrolled; do
-      ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
-        step "cap_$impl" 560 python -m experiments.capacity_plan --out "$work/cap_$impl" \
-          --model llama-3.1-8b --impls "$impl" --tokens 1024 --probes 16,32 --multiple 8 \
-          --max-compiles 4 --limit-gib 104.8515625 ) &
-    done
+    capacity_all_steps
     wait
+    ;;
+  plans)
+    # Every compile-only plan of session 13 at once (no process preallocates, so they share the
+    # device): capacity_all's six searches, the landed loss's live buffers at 64x1024 (FORGE and
+    # optax+clip) and Qwen3-32B's init and step plans with int8 states.
+    capacity_all_steps
+    ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
+      step live_landed 400 python -m experiments.live_buffers --out "$work/live_landed" \
+        --model llama-3.1-8b --impls forge,optax_clip --batch 64 --timeout 190 ) &
+    ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
+      step plan32 400 python -m experiments.memory_analysis --out "$work/plan32" --model qwen3-32b \
+        --impls forge_int8 ) &
+    wait
+    ;;
+  capacity_lanes)
+    # capacity_all again in three serial lanes, each started near the edge that session 13's
+    # plans part predicted: eight compiles at once ran the autotuner out of device memory (it
+    # allocates real operands: 27 GiB for the logits at 112x1024), so most large batches failed
+    # to compile. At most three compile at once here.
+    lane() {  # lane IMPL PROBES LIMIT_S [IMPL PROBES LIMIT_S ...], one after another
+      while [ $# -ge 3 ]; do
+        step "cap_$1" "$3" python -m experiments.capacity_plan --out "$work/cap_$1" \
+          --model llama-3.1-8b --impls "$1" --tokens 1024 --probes "$2" --multiple 8 \
+          --max-compiles 4 --limit-gib 104.8515625
+        shift 3
+      done
+    }
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    lane forge 112,120 280 forge_int8 128,136 280 &
+    lane optax 80,88 280 optax_clip 64,72 280 &
+    lane optax_unrolled 104,112 400 forge_unrolled 104,112 165 &
+    wait
+    ;;
+  edges32)
+    # The edges capacity_lanes found, run with the pool preallocated (jax's default limit): FORGE
+    # at 112 and optax+clip at 64 (plans 103.83 and 102.13 GiB); first model_32b's run (its plan
+    # came from the plans part: 130.97 GiB, 125.86 of them weights and states).
+    step run32 250 python -m experiments.bench_models --out "$work/run32" --models qwen3-32b \
+      --impls forge_int8 --mem-fraction 0.97 --preallocate --compile-first --steps 1 --timeout 240
+    step edge_forge 165 python -m experiments.bench_models --out "$work/edge_forge" \
+      --models llama-3.1-8b --impls forge --batch 112 --steps 1 --preallocate --timeout 155
+    step edge_optax_clip 165 python -m experiments.bench_models --out "$work/edge_optax_clip" \
+      --models llama-3.1-8b --impls optax_clip --batch 64 --steps 1 --preallocate --timeout 155
+    ;;
+  over_edges)
+    # One multiple of 8 past edges32's batches, preallocated (session 13 ran these inline, the same
+    # commands): FORGE at 120 and optax+clip at 72 (plans 108.04 and 106.6 GiB) must run out of
+    # memory. Then the landed loss timed side by side at 32x1024 (session 13 gave it --timeout 80,
+    # which both rows ran past; 115 here, as in landed).
+    step over_forge 130 python -m experiments.bench_models --out "$work/over_forge" \
+      --models llama-3.1-8b --impls forge --batch 120 --steps 1 --preallocate --timeout 120
+    step over_optax_clip 130 python -m experiments.bench_models --out "$work/over_optax_clip" \
+      --models llama-3.1-8b --impls optax_clip --batch 72 --steps 1 --preallocate --timeout 120
+    step landed32 240 python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
+      --impls forge,optax_clip --batch 32 --steps 5 --timeout 115
     ;;
   capacity_edges)
     # Llama-3.1-8B, 1024-token sequences, the whole default limit preallocated (as jax runs by
@@ -380,7 +439,8 @@ case "$part" in
       --model llama-3.1-8b --impls forge,optax_clip --batch 64 --timeout 110
     step landed32 240 python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
       --impls forge,optax_clip --batch 32 --steps 5 --timeout 115
-    ;;  live_optax)
+    ;;
+  live_optax)
     step live_optax 120 python -m experiments.live_buffers --out "$work/live_optax" --model llama-3.1-8b \
       --impls optax_clip --batch 64 --timeout 110
     ;;

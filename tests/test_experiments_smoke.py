@@ -445,15 +445,19 @@ def test_capacity_plan_search_brackets_the_edge():
   kink = lambda b: line(b) + (5 if b > 36 else 0)
   assert capacity_plan.find_edge(kink, 30.0, [8, 16])["edge"] == 36
   assert capacity_plan.find_edge(line, 30.0, [8, 16], multiple=8)["edge"] == 40
-  fails = lambda b: None if b > 20 else line(b)  # a compile error counts as not fitting
-  assert capacity_plan.find_edge(fails, 30.0, [8, 16])["edge"] == 20
+  # A failed compile (on the GPU: the autotuner out of memory beside other processes) says nothing
+  # about fitting: the search stops with no edge rather than calling the batch too large.
+  fails = lambda b: None if b > 20 else line(b)
+  failed = capacity_plan.find_edge(fails, 30.0, [8, 16])
+  assert failed["edge"] is None and "batch 40 failed" in failed["error"], failed
+  assert failed["plans"] == {8: 14.0, 16: 18.0, 40: None}
   assert capacity_plan.find_edge(lambda b: 100 + b, 30.0, [8, 16])["edge"] is None
   flat = capacity_plan.find_edge(lambda b: 10.0, 30.0, [8, 16], max_compiles=5)
   assert flat["edge"] is None and "5 compiles" in flat["error"]
-  for f in (line, kink, fails):
+  for f in (line, kink):
     r = capacity_plan.find_edge(f, 30.0, [8, 16])
     e = r["edge"]
-    assert r["plans"][e] <= 30.0 and (r["plans"][e + 1] is None or r["plans"][e + 1] > 30.0)
+    assert r["plans"][e] <= 30.0 < r["plans"][e + 1]
 
 
 def test_capacity_plan_finds_a_tiny_models_edge(tmp_path):
