@@ -82,7 +82,7 @@ LIMIT_NOTE = ("`limit`: the allocator's limit the row ran under, in GiB. `defaul
               "of the device's memory (75%), 104.9 GiB on this H200 "
               "([default_limit](results/h200/capacity_mem95/default_limit/bench_models.md)); runs before "
               "session 10 (2026-11-30 15:11 UTC) did not record it, and none changed it. `95%`: "
-              "`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`, 132.8 GiB. Every row's worker allocated on demand "
+              "`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`, 132.8 GiB; `97%`: 0.97, 135.6 GiB. Every row's worker allocated on demand "
               "(no preallocation), where an OOM can fall below the limit (RESULTS: Capacity), except in "
               "rows marked `prealloc` (`bench_models --preallocate`, jax's default).")
 
