@@ -37,32 +37,20 @@
 # nothing (92.72 GiB) and was deleted. grid_14b ran inline with --time-budget 500 instead of 560
 # (bench_models_grid_14b), which filled issue #8's last grid cells.
 #
-# Next (session 13), in this order (step limits in brackets; 30 device minutes a session):
-#   bash experiments/h200_session.sh landed         # [500 s] the landed loss (gradient over the
-#                                                   #   logits, blocks of every nb-th position since
-#                                                   #   the row blocks were measured: is FORGE's 64x1024
-#                                                   #   plan still 78.56 GiB?) for both sides: FORGE and optax+clip's
-#                                                   #   buffers at 64x1024, and both timed side by side at
-#                                                   #   32x1024 (optax+clip's 64x1024 peak sat in the
-#                                                   #   backward loop, so it should not move)
-#   bash experiments/h200_session.sh capacity_all   # [575 s] issue #8's capacity for every grid
-#                                                   #   implementation (and int8 states) from XLA's plans,
-#                                                   #   six compile-only processes at once; then confirm
-#                                                   #   the edges with bench_models --preallocate
-#   bash experiments/h200_session.sh capacity_plan  # [560 s] the edges from XLA's plans alone
-#                                                   #   (experiments.capacity_plan: compile-only, a line
-#                                                   #   through 32 and 64, then the prediction and its
-#                                                   #   neighbour); then capacity_edges, or single
-#                                                   #   bench_models --preallocate runs at the edges found
-#   bash experiments/h200_session.sh capacity_edges # [560 s] where each stops with the pool
-#                                                   #   preallocated (jax's default), default limit:
-#                                                   #   optax+clip at 48 and 64 (plan at 64: 103.0 of 104.9
-#                                                   #   GiB), FORGE at 96 and 112 (78.56 GiB at 64, 0.53
-#                                                   #   GiB per sequence from 32 with the landed loss)
+# Session 13 (2026-11-30/12-01) ran plans (eight compile-only processes at once: the autotuner ran
+# the device out of memory, so its capacity edges are wrong and kept marked, results/h200/
+# capacity_per_impl/concurrent_autotuner_oom; live_landed and plan32 are valid: results/h200/
+# live_landed, model_32b/plan), capacity_lanes (capacity_per_impl/lanes), edges32
+# (bench_models_qwen3_32b_int8, bench_models_edge_{forge_112,optax_clip_64}) and over_edges' two
+# OOM runs inline (bench_models_edge_{forge_120,optax_clip_72}; its landed32 step ran with
+# --timeout 80 and timed out: capacity_per_impl/landed32_timeout).
+#
+# Next (session 14), in this order (step limits in brackets; 30 device minutes a session):
+#   bash experiments/h200_session.sh capacity_rest  # [560 s] the edges left open: optax, the two
+#                                                   #   unrolled steps and int8 states, two lanes
+#   then bench_models --preallocate at each edge and one multiple of 8 above it (as edges32 and
+#   over_edges did for FORGE and optax+clip), and over_edges' landed32 step alone
 # Later sessions:
-#   bash experiments/h200_session.sh model_32b      # [580 s] the largest model: Qwen3-32B with int8
-#                                                   #   states (125.9 GiB of weights and states) under 97%:
-#                                                   #   the GPU's init and step plans, then a run
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
 #                                                   #   experiments.train does): does the xla route lose
@@ -78,6 +66,11 @@
 #   grid_unrolled|grid_unrolled_4b|grid_unrolled_8b compile row by row.)
 #
 # Parts run before (kept to repeat them):
+#   bash experiments/h200_session.sh plans|capacity_lanes|edges32|over_edges   # session 13's parts
+#   bash experiments/h200_session.sh model_32b|landed|capacity_all   # session 13 ran their steps
+#                                               #   inside plans and edges32 (model_32b's run, landed's
+#                                               #   live buffers); capacity_all's six searches at once
+#                                               #   run the autotuner out of memory: use capacity_lanes
 #   bash experiments/h200_session.sh capacity_prealloc|live_buffers|grid_1x   # session 11's parts
 #   bash experiments/h200_session.sh live_hlo|grid_8x_small|grid_8x_large|grid_14b  # session 12's
 #   bash experiments/h200_session.sh live_optax     # optax+clip's listing alone (done inline in session 11)
@@ -127,7 +120,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh plans|over_edges|edges32|capacity_lanes|landed|capacity_all|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh capacity_rest|plans|over_edges|edges32|capacity_lanes|landed|capacity_all|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -416,6 +409,24 @@ case "$part" in
       --models llama-3.1-8b --impls optax_clip --batch 72 --steps 1 --preallocate --timeout 120
     step landed32 240 python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
       --impls forge,optax_clip --batch 32 --steps 5 --timeout 115
+    ;;
+  capacity_rest)
+    # The edges session 13's capacity_lanes left open (plans so far in results/h200/capacity_per_impl):
+    # optax >= 88 (96.97 GiB there, near 104 by its slope), optax_unrolled and forge_unrolled >= 112
+    # (103.21 and 103.83 GiB), forge_int8 unknown (its compile at 128 failed beside two others). Two
+    # lanes, so that at most two autotuners allocate at once; unrolled compiles take 2-3 minutes.
+    lane() {  # lane IMPL PROBES LIMIT_S [IMPL PROBES LIMIT_S ...], one after another
+      while [ $# -ge 3 ]; do
+        step "cap_$1" "$3" python -m experiments.capacity_plan --out "$work/cap_$1" \
+          --model llama-3.1-8b --impls "$1" --tokens 1024 --probes "$2" --multiple 8 \
+          --max-compiles 4 --limit-gib 104.8515625
+        shift 3
+      done
+    }
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    lane optax_unrolled 112,120 280 forge_unrolled 112,120 280 &
+    lane optax 96,104 200 forge_int8 128,136 360 &
+    wait
     ;;
   capacity_edges)
     # Llama-3.1-8B, 1024-token sequences, the whole default limit preallocated (as jax runs by
