@@ -50,6 +50,10 @@
 #                                                   #   unrolled steps and int8 states, two lanes
 #   then bench_models --preallocate at each edge and one multiple of 8 above it (as edges32 and
 #   over_edges did for FORGE and optax+clip), and over_edges' landed32 step alone
+#   bash experiments/h200_session.sh whole_tile     # [350 s] issue #4 at T=1024: the whole tile's
+#                                                   #   W/states loaded while its main loop runs
+#                                                   #   (64-row tiles, a ring as deep as the tile)
+#                                                   #   against the defaults and XLA's GEMM
 # Later sessions:
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
@@ -120,7 +124,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh capacity_rest|plans|over_edges|edges32|capacity_lanes|landed|capacity_all|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh capacity_rest|whole_tile|plans|over_edges|edges32|capacity_lanes|landed|capacity_all|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -542,6 +546,23 @@ case "$part" in
     # kernels by class, scanned and unrolled, side by side.
     step profile_unrolled 480 python -m experiments.profile_step --out "$work/profile_unrolled" \
       --model llama-3.1-8b --layers 8 --impls optax,optax_unrolled,forge,forge_unrolled --timeout 115
+    ;;
+  whole_tile)
+    # Issue #4 at T=1024, where the W/state TMA stream beside the main loop bounds the kernel
+    # (mosaic_profile_diagnose; MOSAIC_NOTES "what to try next": load each tile's W/states while its
+    # main loop runs, for the whole tile, which needs the shared memory of stages or 64-row tiles).
+    # epi_slots = the sub-tiles of a warpgroup tile puts the whole 64x128 tile in the ring (bf16:
+    # 4 of 64x32, or 2 of 64x64), loaded at the tile's start, with no refill inside a tile. fp32
+    # holds 3 of its 4 sub-tiles at most. The small-grid default (64 rows, 2 slots) and a
+    # half-resident 128-row tile are the references; skip_compute rows (mosaic_main_loop@i) time the
+    # stream alone. Every config lowers for sm_90 on the CPU; the interpreter checks the
+    # whole-tile ring (test_whole_tile_ring_matches_reference).
+    bf16='[{"tile_m": 64, "epi_slots": 4, "epi_n": 32, "max_concurrent_steps": 4}, {"tile_m": 64, "epi_slots": 4, "epi_n": 32, "max_concurrent_steps": 3}, {"tile_m": 64, "epi_slots": 2, "epi_n": 64, "max_concurrent_steps": 4}, {"tile_m": 64, "epi_slots": 2, "epi_n": 32, "max_concurrent_steps": 4}, {"tile_m": 128, "epi_slots": 4, "epi_n": 32, "max_concurrent_steps": 3}]'
+    f32='[{"tile_m": 64, "epi_slots": 3, "epi_n": 32, "max_concurrent_steps": 3}, {"tile_m": 64, "epi_slots": 3, "epi_n": 32, "max_concurrent_steps": 2}, {"tile_m": 64, "epi_slots": 2, "epi_n": 32, "max_concurrent_steps": 4}, {"tile_m": 128, "epi_slots": 3, "epi_n": 32, "max_concurrent_steps": 2}]'
+    step whole_bf16 200 python -m experiments.main_loop --out "$work/whole_bf16" --tokens 1024 4096 \
+      --impls xla_gemm mosaic_main_loop mosaic --configs "$bf16"
+    step whole_f32 150 python -m experiments.main_loop --out "$work/whole_f32" --tokens 1024 \
+      --state-dtype float32 --impls xla_gemm mosaic_main_loop mosaic --configs "$f32"
     ;;
   ring)
     # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):

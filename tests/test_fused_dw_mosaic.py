@@ -174,6 +174,18 @@ def test_pingpong_schedule_matches_reference(tuned=True):
   _assert_matches_reference_with_norm(x, dy, w, slots, rule, cfg)
 
 
+def test_whole_tile_ring_matches_reference():
+  """epi_slots = the sub-tiles of a warpgroup tile (4 of 64x16 in 64x64): the whole tile's W and
+  states are loaded at the tile's start, while its main loop runs, and no slot is refilled within
+  a tile (the configs of h200_session.sh's whole_tile part, at T=1024 on the H200)."""
+  rule = _rules()["adamw"]
+  cfg = fm.MosaicTileConfig(schedule="pingpong", tile_m=64, tile_n=64, max_concurrent_steps=2,
+                            epi_n=16, epi_slots=4, num_sms=2)
+  assert fm._ring_depth(cfg) == 4
+  x, dy, w, slots = _inputs(5, 128, 128, 256, rule, slot_dtype=BF16)  # 8 warpgroup tiles, 2 blocks
+  _assert_matches_reference_with_norm(x, dy, w, slots, rule, cfg)
+
+
 @pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
 def test_separate_store_buffers_match_reference(schedule):
   """epi_out_slots: results staged in their own buffers, the ring slot refilled
