@@ -375,7 +375,9 @@ class Runner:
     H200 in session 11 rows whose step came from the cache still took 105-125 s to their first
     step, before the init was cached too: ``phases_s`` in each row says where the time goes).
     The compiles autotune on the device concurrently, so a cached step may hold other GEMM choices
-    than one compiled alone. Returns one record per cell: seconds, exit status and, on failure,
+    than one compiled alone, and at large batches the autotuners' operands (the logits: 15.7 GiB at
+    Llama-3.1-8B's 64x1024) can run the device out of memory: such a cell's record says so, and its
+    timed row compiles alone. Returns one record per cell: seconds, exit status and, on failure,
     the last line."""
     import concurrent.futures
 

@@ -356,6 +356,7 @@ case "$part" in
       --impls optax_clip,forge --tokens 1024 --probes 32,64 --max-compiles 6
     ;;
   capacity_all)
+    # Six searches at once: the autotuner runs out of device memory at large batches (see plans).
     capacity_all_steps
     wait
     ;;
@@ -363,6 +364,10 @@ case "$part" in
     # Every compile-only plan of session 13 at once (no process preallocates, so they share the
     # device): capacity_all's six searches, the landed loss's live buffers at 64x1024 (FORGE and
     # optax+clip) and Qwen3-32B's init and step plans with int8 states.
+    # As run in session 13, kept as it ran: eight compiles at once ran XLA's autotuner out of device
+    # memory (it allocates real operands), so most large batches failed to compile and the searches'
+    # edges were wrong (results/h200/capacity_per_impl/concurrent_autotuner_oom). Use capacity_lanes
+    # or capacity_rest for edges.
     capacity_all_steps
     ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
       step live_landed 400 python -m experiments.live_buffers --out "$work/live_landed" \
