@@ -50,6 +50,8 @@
 #                                                   #   unrolled steps and int8 states, two lanes
 #   then bench_models --preallocate at each edge and one multiple of 8 above it (as edges32 and
 #   over_edges did for FORGE and optax+clip), and over_edges' landed32 step alone
+#   bash experiments/h200_session.sh clip_jump      # [400 s] optax+clip's live buffers at 48 and 56:
+#                                                   #   what makes its 12.16 GiB plan jump
 #   bash experiments/h200_session.sh whole_tile     # [350 s] issue #4 at T=1024: the whole tile's
 #                                                   #   W/states loaded while its main loop runs
 #                                                   #   (64-row tiles, a ring as deep as the tile)
@@ -124,7 +126,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh capacity_rest|whole_tile|plans|over_edges|edges32|capacity_lanes|landed|capacity_all|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh capacity_rest|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|landed|capacity_all|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -551,6 +553,15 @@ case "$part" in
     # kernels by class, scanned and unrolled, side by side.
     step profile_unrolled 480 python -m experiments.profile_step --out "$work/profile_unrolled" \
       --model llama-3.1-8b --layers 8 --impls optax,optax_unrolled,forge,forge_unrolled --timeout 115
+    ;;
+  clip_jump)
+    # optax+clip's plan jumps by 12.16 GiB between 48 and 56 sequences (1.52 GiB per sequence,
+    # against 0.53 from 32 to 48; results/h200/capacity_per_impl): the buffers live at each peak,
+    # compile-only, one after the other (never beside other compiles: the autotuner's operands).
+    step clip48 200 python -m experiments.live_buffers --out "$work/clip48" --model llama-3.1-8b \
+      --impls optax_clip --batch 48 --timeout 150
+    step clip56 200 python -m experiments.live_buffers --out "$work/clip56" --model llama-3.1-8b \
+      --impls optax_clip --batch 56 --timeout 150
     ;;
   whole_tile)
     # Issue #4 at T=1024, where the W/state TMA stream beside the main loop bounds the kernel
