@@ -169,6 +169,22 @@ capacity_all_steps() {  # issue #8's capacity searches, in the background (calle
     done
 }
 
+capacity_lane() {  # capacity_lane IMPL PROBES LIMIT_S [IMPL PROBES LIMIT_S ...]: capacity_plan
+  # searches (Llama-3.1-8B, 1024 tokens, multiples of 8, jax's default limit) one after another
+  while [ $# -ge 3 ]; do
+    step "cap_$1" "$3" python -m experiments.capacity_plan --out "$work/cap_$1" \
+      --model llama-3.1-8b --impls "$1" --tokens 1024 --probes "$2" --multiple 8 \
+      --max-compiles 4 --limit-gib 104.8515625
+    shift 3
+  done
+}
+
+prealloc_row() {  # prealloc_row NAME LIMIT_S IMPL BATCH TIMEOUT_S: one Llama-3.1-8B step at
+  # BATCHx1024 with the pool preallocated (jax's default) under jax's default limit
+  step "$1" "$2" python -m experiments.bench_models --out "$work/$1" --models llama-3.1-8b \
+    --impls "$3" --batch "$4" --steps 1 --preallocate --timeout "$5"
+}
+
 profile_pair() {  # profile_pair STAGES: bf16 AdamW at T=16384, the bf16 long-T tiling with
   # STAGES stages, profiled without (prof) and with (prof_cl2) clusters of two blocks
   local base="\"schedule\": \"pingpong\", \"max_concurrent_steps\": $1, \"epi_n\": 32, \"epi_l2_lookahead\": 0, \"l2_prefetch_steps\": 0, \"mma_in_flight\": true, \"no_auto_barriers\": true"
@@ -384,18 +400,10 @@ case "$part" in
     # plans part predicted: eight compiles at once ran the autotuner out of device memory (it
     # allocates real operands: 27 GiB for the logits at 112x1024), so most large batches failed
     # to compile. At most three compile at once here.
-    lane() {  # lane IMPL PROBES LIMIT_S [IMPL PROBES LIMIT_S ...], one after another
-      while [ $# -ge 3 ]; do
-        step "cap_$1" "$3" python -m experiments.capacity_plan --out "$work/cap_$1" \
-          --model llama-3.1-8b --impls "$1" --tokens 1024 --probes "$2" --multiple 8 \
-          --max-compiles 4 --limit-gib 104.8515625
-        shift 3
-      done
-    }
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    lane forge 112,120 280 forge_int8 128,136 280 &
-    lane optax 80,88 280 optax_clip 64,72 280 &
-    lane optax_unrolled 104,112 400 forge_unrolled 104,112 165 &
+    capacity_lane forge 112,120 280 forge_int8 128,136 280 &
+    capacity_lane optax 80,88 280 optax_clip 64,72 280 &
+    capacity_lane optax_unrolled 104,112 400 forge_unrolled 104,112 165 &
     wait
     ;;
   edges32)
@@ -404,20 +412,16 @@ case "$part" in
     # came from the plans part: 130.97 GiB, 125.86 of them weights and states).
     step run32 250 python -m experiments.bench_models --out "$work/run32" --models qwen3-32b \
       --impls forge_int8 --mem-fraction 0.97 --preallocate --compile-first --steps 1 --timeout 240
-    step edge_forge 165 python -m experiments.bench_models --out "$work/edge_forge" \
-      --models llama-3.1-8b --impls forge --batch 112 --steps 1 --preallocate --timeout 155
-    step edge_optax_clip 165 python -m experiments.bench_models --out "$work/edge_optax_clip" \
-      --models llama-3.1-8b --impls optax_clip --batch 64 --steps 1 --preallocate --timeout 155
+    prealloc_row edge_forge 165 forge 112 155
+    prealloc_row edge_optax_clip 165 optax_clip 64 155
     ;;
   over_edges)
     # One multiple of 8 past edges32's batches, preallocated (session 13 ran these inline, the same
     # commands): FORGE at 120 and optax+clip at 72 (plans 108.04 and 106.6 GiB) must run out of
     # memory. Then the landed loss timed side by side at 32x1024 (session 13 gave it --timeout 80,
     # which both rows ran past; 115 here, as in landed).
-    step over_forge 130 python -m experiments.bench_models --out "$work/over_forge" \
-      --models llama-3.1-8b --impls forge --batch 120 --steps 1 --preallocate --timeout 120
-    step over_optax_clip 130 python -m experiments.bench_models --out "$work/over_optax_clip" \
-      --models llama-3.1-8b --impls optax_clip --batch 72 --steps 1 --preallocate --timeout 120
+    prealloc_row over_forge 130 forge 120 120
+    prealloc_row over_optax_clip 130 optax_clip 72 120
     step landed32 240 python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
       --impls forge,optax_clip --batch 32 --steps 5 --timeout 115
     ;;
@@ -426,17 +430,9 @@ case "$part" in
     # optax >= 88 (96.97 GiB there, near 104 by its slope), optax_unrolled and forge_unrolled >= 112
     # (103.21 and 103.83 GiB), forge_int8 unknown (its compile at 128 failed beside two others). Two
     # lanes, so that at most two autotuners allocate at once; unrolled compiles take 2-3 minutes.
-    lane() {  # lane IMPL PROBES LIMIT_S [IMPL PROBES LIMIT_S ...], one after another
-      while [ $# -ge 3 ]; do
-        step "cap_$1" "$3" python -m experiments.capacity_plan --out "$work/cap_$1" \
-          --model llama-3.1-8b --impls "$1" --tokens 1024 --probes "$2" --multiple 8 \
-          --max-compiles 4 --limit-gib 104.8515625
-        shift 3
-      done
-    }
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    lane optax_unrolled 112,120 280 forge_unrolled 112,120 280 &
-    lane optax 96,104 200 forge_int8 128,136 360 &
+    capacity_lane optax_unrolled 112,120 280 forge_unrolled 112,120 280 &
+    capacity_lane optax 96,104 200 forge_int8 128,136 360 &
     wait
     ;;
   capacity_edges)
@@ -478,10 +474,8 @@ case "$part" in
   capacity_prealloc)
     # Llama-3.1-8B, 1024-token sequences, workers with the whole limit preallocated (--preallocate).
     # Default limit: optax+clip at 40 and FORGE at 64 ran out of memory allocating on demand.
-    step pre_default40 110 python -m experiments.bench_models --out "$work/pre_default40" \
-      --models llama-3.1-8b --impls optax_clip --batch 40 --steps 1 --preallocate --timeout 100
-    step pre_default64 110 python -m experiments.bench_models --out "$work/pre_default64" \
-      --models llama-3.1-8b --impls forge --batch 64 --steps 1 --preallocate --timeout 100
+    prealloc_row pre_default40 110 optax_clip 40 100
+    prealloc_row pre_default64 110 forge 64 100
     # 95%: FORGE at 96 ran out of memory on demand; optax+clip at 96 was never tried.
     step pre95 300 python -m experiments.bench_models --out "$work/pre95" --models llama-3.1-8b \
       --impls forge,optax_clip --batch 96 --steps 1 --preallocate --mem-fraction 0.95 --timeout 145
