@@ -45,17 +45,19 @@
 # OOM runs inline (bench_models_edge_{forge_120,optax_clip_72}; its landed32 step ran with
 # --timeout 80 and timed out: capacity_per_impl/landed32_timeout).
 #
-# Next (session 14), in this order (step limits in brackets; 30 device minutes a session):
+# Next (session 14), in this order (step limits in brackets; 30 device minutes a session, which
+# these do not all fit: the first three first):
 #   bash experiments/h200_session.sh capacity_rest  # [560 s] the edges left open: optax, the two
 #                                                   #   unrolled steps and int8 states, two lanes
-#   then bench_models --preallocate at each edge and one multiple of 8 above it (as edges32 and
-#   over_edges did for FORGE and optax+clip), and over_edges' landed32 step alone
-#   bash experiments/h200_session.sh clip_jump      # [400 s] optax+clip's live buffers at 48 and 56:
-#                                                   #   what makes its 12.16 GiB plan jump
+#   then prealloc_row's command (bench_models --preallocate --steps 1) at each edge found and one
+#   multiple of 8 above it, as edges32 and over_edges did for FORGE and optax+clip
 #   bash experiments/h200_session.sh whole_tile     # [350 s] issue #4 at T=1024: the whole tile's
 #                                                   #   W/states loaded while its main loop runs
 #                                                   #   (64-row tiles, a ring as deep as the tile)
 #                                                   #   against the defaults and XLA's GEMM
+#   over_edges' landed32 step alone                 # [240 s] the landed loss timed side by side
+#   bash experiments/h200_session.sh clip_jump      # [400 s] optax+clip's live buffers at 48 and 56:
+#                                                   #   what makes its 12.16 GiB plan jump
 # Later sessions:
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
