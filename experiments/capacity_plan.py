@@ -62,10 +62,9 @@ def find_edge(plan, limit_gib: float, probes, multiple: int = 1, max_compiles: i
   try:
     for b in probes:
       fits(b)
-    fitted = dict(plans)
     guess = min(probes)
-    if len(fitted) >= 2:
-      intercept, slope = memory_analysis.fit_line(fitted)
+    if len(plans) >= 2:
+      intercept, slope = memory_analysis.fit_line(plans)
       out.update(intercept_gib=intercept, slope_gib=slope)
       if slope > 0:
         guess = math.floor((limit_gib - intercept) / slope)

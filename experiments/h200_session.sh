@@ -75,10 +75,9 @@
 #
 # Parts run before (kept to repeat them):
 #   bash experiments/h200_session.sh plans|capacity_lanes|edges32|over_edges   # session 13's parts
-#   bash experiments/h200_session.sh model_32b|landed|capacity_all   # session 13 ran their steps
-#                                               #   inside plans and edges32 (model_32b's run, landed's
-#                                               #   live buffers); capacity_all's six searches at once
-#                                               #   run the autotuner out of memory: use capacity_lanes
+#   (The parts model_32b, landed, capacity_all, capacity_plan and capacity_edges, planned in session
+#   12, were removed in session 13: their steps ran inside plans, edges32 and over_edges, or are
+#   replaced by capacity_lanes, capacity_rest and prealloc_row.)
 #   bash experiments/h200_session.sh capacity_prealloc|live_buffers|grid_1x   # session 11's parts
 #   bash experiments/h200_session.sh live_hlo|grid_8x_small|grid_8x_large|grid_14b  # session 12's
 #   bash experiments/h200_session.sh live_optax     # optax+clip's listing alone (done inline in session 11)
@@ -128,7 +127,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh capacity_rest|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|landed|capacity_all|model_32b|capacity_plan|capacity_edges|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh capacity_rest|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -150,26 +149,6 @@ if [ -n "${H200_DRY_RUN:-}" ]; then  # tests: record each step's command (fields
     printf '%s\n' "$line" >> "$H200_DRY_RUN"
   }
 fi
-
-capacity_all_steps() {  # issue #8's capacity searches, in the background (callers wait)
-    # Issue #8's capacity per implementation: Llama-3.1-8B, 1024-token sequences, the largest batch
-    # (a multiple of 8) whose compiled step plan fits jax's default limit (104.85 GiB), for the grid's
-    # five implementations and int8 states. Compile-only, one process per implementation, all at once:
-    # none preallocates (six share the device; a plan does not depend on the allocator), and the
-    # limit is given, not read from the device. Unrolled steps compile in 2-3 minutes: fewer compiles.
-    for impl in optax optax_clip forge forge_int8; do
-      ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
-        step "cap_$impl" 560 python -m experiments.capacity_plan --out "$work/cap_$impl" \
-          --model llama-3.1-8b --impls "$impl" --tokens 1024 --probes 32,64 --multiple 8 \
-          --max-compiles 6 --limit-gib 104.8515625 ) &
-    done
-    for impl in optax_unrolled forge_unrolled; do
-      ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
-        step "cap_$impl" 560 python -m experiments.capacity_plan --out "$work/cap_$impl" \
-          --model llama-3.1-8b --impls "$impl" --tokens 1024 --probes 16,32 --multiple 8 \
-          --max-compiles 4 --limit-gib 104.8515625 ) &
-    done
-}
 
 capacity_lane() {  # capacity_lane IMPL PROBES LIMIT_S [IMPL PROBES LIMIT_S ...]: capacity_plan
   # searches (Llama-3.1-8B, 1024 tokens, multiples of 8, jax's default limit) one after another
@@ -358,37 +337,28 @@ case "$part" in
       python -m experiments.bench_models --out "$work/b32_patched" --models llama-3.1-8b --impls forge \
       --batch 32 --steps 1 --timeout 100
     ;;
-  model_32b)
-    # The largest model: Qwen3-32B. With int8 states its weights and states take 125.9 GiB (exact,
-    # from shapes: results/cpu/memory_analysis_qwen3_32b), leaving 6.9 GiB under 95% of the device;
-    # optax, and FORGE with bf16 states, hold 183.1 GiB. XLA:CPU plans its init (weights and int8
-    # states in one program) with 19 GiB of temporaries on top. First the GPU's plans (compile-only,
-    # init and step), then a run at 97%, preallocated and compiled before the state exists.
-    step plan32 280 python -m experiments.memory_analysis --out "$work/plan32" --model qwen3-32b \
-      --impls forge_int8
-    step run32 300 python -m experiments.bench_models --out "$work/run32" --models qwen3-32b \
-      --impls forge_int8 --mem-fraction 0.97 --preallocate --compile-first --steps 1 --timeout 290
-    ;;
-  capacity_plan)
-    # Llama-3.1-8B at 1024 tokens: the largest batch whose step plan fits the default limit
-    # (compile-only; preallocated runs peaked at their plans), optax+clip and FORGE.
-    step cap_plan 560 python -m experiments.capacity_plan --out "$work/cap_plan" --model llama-3.1-8b \
-      --impls optax_clip,forge --tokens 1024 --probes 32,64 --max-compiles 6
-    ;;
-  capacity_all)
-    # Six searches at once: the autotuner runs out of device memory at large batches (see plans).
-    capacity_all_steps
-    wait
-    ;;
   plans)
     # Every compile-only plan of session 13 at once (no process preallocates, so they share the
-    # device): capacity_all's six searches, the landed loss's live buffers at 64x1024 (FORGE and
-    # optax+clip) and Qwen3-32B's init and step plans with int8 states.
+    # device): issue #8's capacity searches (Llama-3.1-8B, 1024-token sequences, the largest
+    # multiple of 8 whose compiled step fits jax's default limit, given rather than read from the
+    # device) for the grid's five implementations and int8 states, the landed loss's live buffers at
+    # 64x1024 (FORGE and optax+clip) and Qwen3-32B's init and step plans with int8 states.
     # As run in session 13, kept as it ran: eight compiles at once ran XLA's autotuner out of device
     # memory (it allocates real operands), so most large batches failed to compile and the searches'
     # edges were wrong (results/h200/capacity_per_impl/concurrent_autotuner_oom). Use capacity_lanes
     # or capacity_rest for edges.
-    capacity_all_steps
+    for impl in optax optax_clip forge forge_int8; do
+      ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
+        step "cap_$impl" 560 python -m experiments.capacity_plan --out "$work/cap_$impl" \
+          --model llama-3.1-8b --impls "$impl" --tokens 1024 --probes 32,64 --multiple 8 \
+          --max-compiles 6 --limit-gib 104.8515625 ) &
+    done
+    for impl in optax_unrolled forge_unrolled; do
+      ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
+        step "cap_$impl" 560 python -m experiments.capacity_plan --out "$work/cap_$impl" \
+          --model llama-3.1-8b --impls "$impl" --tokens 1024 --probes 16,32 --multiple 8 \
+          --max-compiles 4 --limit-gib 104.8515625 ) &
+    done
     ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
       step live_landed 400 python -m experiments.live_buffers --out "$work/live_landed" \
         --model llama-3.1-8b --impls forge,optax_clip --batch 64 --timeout 190 ) &
@@ -398,7 +368,7 @@ case "$part" in
     wait
     ;;
   capacity_lanes)
-    # capacity_all again in three serial lanes, each started near the edge that session 13's
+    # plans' six capacity searches again in three serial lanes, each started near the edge that session 13's
     # plans part predicted: eight compiles at once ran the autotuner out of device memory (it
     # allocates real operands: 27 GiB for the logits at 112x1024), so most large batches failed
     # to compile. At most three compile at once here.
@@ -410,7 +380,7 @@ case "$part" in
     ;;
   edges32)
     # The edges capacity_lanes found, run with the pool preallocated (jax's default limit): FORGE
-    # at 112 and optax+clip at 64 (plans 103.83 and 102.13 GiB); first model_32b's run (its plan
+    # at 112 and optax+clip at 64 (plans 103.83 and 102.13 GiB); first Qwen3-32B's run (its plan
     # came from the plans part: 130.97 GiB, 125.86 of them weights and states).
     step run32 250 python -m experiments.bench_models --out "$work/run32" --models qwen3-32b \
       --impls forge_int8 --mem-fraction 0.97 --preallocate --compile-first --steps 1 --timeout 240
@@ -421,7 +391,7 @@ case "$part" in
     # One multiple of 8 past edges32's batches, preallocated (session 13 ran these inline, the same
     # commands): FORGE at 120 and optax+clip at 72 (plans 108.04 and 106.6 GiB) must run out of
     # memory. Then the landed loss timed side by side at 32x1024 (session 13 gave it --timeout 80,
-    # which both rows ran past; 115 here, as in landed).
+    # which both rows ran past; 115 here).
     prealloc_row over_forge 130 forge 120 120
     prealloc_row over_optax_clip 130 optax_clip 72 120
     step landed32 240 python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
@@ -437,28 +407,12 @@ case "$part" in
     capacity_lane optax 96,104 200 forge_int8 128,136 360 &
     wait
     ;;
-  capacity_edges)
-    # Llama-3.1-8B, 1024-token sequences, the whole default limit preallocated (as jax runs by
-    # default): optax+clip fits 40 and FORGE 64 (session 11); where does each stop?
-    step edge_optax_clip 280 python -m experiments.bench_models --out "$work/edge_optax_clip" \
-      --models llama-3.1-8b --impls optax_clip --batch 48,64 --steps 1 --preallocate --timeout 135
-    step edge_forge 280 python -m experiments.bench_models --out "$work/edge_forge" \
-      --models llama-3.1-8b --impls forge --batch 72,80 --steps 1 --preallocate --timeout 135
-    ;;
   live_hlo)
     # FORGE's step at 64x1024: the buffers live at the peak and the optimized HLO (compile-only).
     # Session 12 ran it with --patch experiments/patches/picked_by_reduction.diff --patch
     # experiments/patches/dlogits_in_place.diff beside main; the second landed, the first was deleted.
     step live_hlo 400 python -m experiments.live_buffers --out "$work/live_hlo" --model llama-3.1-8b \
       --impls forge --batch 64 --timeout 130 --save-hlo
-    ;;
-  landed)
-    # The landed loss (the gradient written over the logits, models/_loss.py) for both sides: which
-    # buffers are live at each step's peak at 64x1024, then both timed side by side at 32x1024.
-    step live_landed 250 python -m experiments.live_buffers --out "$work/live_landed" \
-      --model llama-3.1-8b --impls forge,optax_clip --batch 64 --timeout 110
-    step landed32 240 python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
-      --impls forge,optax_clip --batch 32 --steps 5 --timeout 115
     ;;
   live_optax)
     step live_optax 120 python -m experiments.live_buffers --out "$work/live_optax" --model llama-3.1-8b \
