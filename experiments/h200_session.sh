@@ -45,17 +45,12 @@
 # OOM runs inline (bench_models_edge_{forge_120,optax_clip_72}; its landed32 step ran with
 # --timeout 80 and timed out: capacity_per_impl/landed32_timeout).
 #
-# Next (session 14), in this order (step limits in brackets; 30 device minutes a session, which
-# these do not all fit: the first three first):
-#   bash experiments/h200_session.sh capacity_rest  # [560 s] the edges left open: optax, the two
-#                                                   #   unrolled steps and int8 states, two lanes
-#   then prealloc_row's command (bench_models --preallocate --steps 1) at each edge found and one
-#   multiple of 8 above it, as edges32 and over_edges did for FORGE and optax+clip
-#   bash experiments/h200_session.sh whole_tile     # [350 s] issue #4 at T=1024: the whole tile's
-#                                                   #   W/states loaded while its main loop runs
-#                                                   #   (64-row tiles, a ring as deep as the tile)
-#                                                   #   against the defaults and XLA's GEMM
-#   over_edges' landed32 step alone                 # [240 s] the landed loss timed side by side
+# Session 14 (2026-12-01) ran capacity_rest (results/h200/capacity_per_impl/rest), whole_tile
+# (results/h200/mosaic_whole_tile: slower than the defaults everywhere), then inline the commands now
+# in capacity_rest2 (capacity_per_impl/rest2) and edges14 (bench_models_edge_{optax_112,optax_120,
+# forge_unrolled_112}, bench_models_landed32; edges14's last row ran in its own call).
+#
+# Next, in this order:
 #   bash experiments/h200_session.sh clip_jump      # [400 s] optax+clip's live buffers at 48 and 56:
 #                                                   #   what makes its 12.16 GiB plan jump
 # Later sessions:
@@ -75,6 +70,7 @@
 #
 # Parts run before (kept to repeat them):
 #   bash experiments/h200_session.sh plans|capacity_lanes|edges32|over_edges   # session 13's parts
+#   bash experiments/h200_session.sh capacity_rest|capacity_rest2|edges14|whole_tile   # session 14's
 #   (The parts model_32b, landed, capacity_all, capacity_plan and capacity_edges, planned in session
 #   12, were removed in session 13: their steps ran inside plans, edges32 and over_edges, or are
 #   replaced by capacity_lanes, capacity_rest and prealloc_row.)
@@ -127,7 +123,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh capacity_rest|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -406,6 +402,23 @@ case "$part" in
     capacity_lane optax_unrolled 112,120 280 forge_unrolled 112,120 280 &
     capacity_lane optax 96,104 200 forge_int8 128,136 360 &
     wait
+    ;;
+  capacity_rest2)
+    # Session 14 ran these inline after capacity_rest (results/h200/capacity_per_impl/rest2): the
+    # probes that capacity_rest's step limits cut or left over the limit.
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    capacity_lane optax_unrolled 120,128 290 forge_int8 112,120 270 &
+    capacity_lane optax 104,112 300 &
+    wait
+    ;;
+  edges14)
+    # Session 14's preallocated runs, inline (results/h200/bench_models_edge_{optax_112,optax_120,
+    # forge_unrolled_112}), and over_edges' landed32 step with its flags (bench_models_landed32).
+    prealloc_row edge_optax_112 165 optax 112 155
+    prealloc_row over_optax_120 160 optax 120 150
+    step landed32 245 python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
+      --impls forge,optax_clip --batch 32 --steps 5 --timeout 115
+    prealloc_row edge_forge_unrolled_112 290 forge_unrolled 112 280
     ;;
   live_hlo)
     # FORGE's step at 64x1024: the buffers live at the peak and the optimized HLO (compile-only).

@@ -64,7 +64,8 @@ LOSS_NOTE = ("The loss's backward writes its gradient over the logits, a block a
              "2 x 15.66 GiB for Llama-3.1-8B at 64x1024, FORGE's peak there (92.72 GiB, 78.56 with the "
              "loop). Where a row's peak sat in the loss, it should be lower now (not re-measured for these "
              "rows); at 32x1024 FORGE fell from 68.80 to 62.12 GiB at the same step time (3042 vs 3037 "
-             "ms, consecutive runs).")
+             "ms, consecutive runs; the landed strided version, session 14: 1.022x optax+clip's step, as "
+             "1.025x with the one-pass loss).")
 MODEL_ORDER = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "qwen3-14b")
 IMPL_ORDER = ("optax", "optax_unrolled", "optax_clip", "forge", "forge_mosaic", "forge_triton", "forge_unrolled",
               "forge_triton_unrolled", "forge_xla", "forge_int8", "forge_int8_xla",
