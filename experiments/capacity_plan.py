@@ -121,16 +121,19 @@ def markdown(results, meta) -> str:
            f"{meta['loss']}; limit {meta['limit_gib']:.2f} GiB ({meta['limit_source']}). `plan`: the "
            "step's arguments + outputs - aliased + temporaries, which preallocated runs on the H200 "
            "peaked at. `edge`: the largest batch whose plan fits, with the next one compiled and "
-           "over the limit.", "",
+           "over the limit. `GiB per sequence` and `fixed GiB`: the least-squares line through the "
+           "probes' plans, from which the search starts; a fixed part below 0 means the plans jump "
+           "between the probes rather than lie on a line.", "",
            "| impl | edge | plan at edge GiB | next batch: plan GiB | GiB per sequence | fixed GiB | compiles |",
            "|---|---|---|---|---|---|---|"]
   fmt = lambda x: "" if x is None or x != x else (f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}")
+  fixed = lambda x: fmt(x) if x is None or not x < 0 else f"{fmt(x)} (a jump, not a line)"
   for r in results:
     edge, plans = r.get("edge"), r["plans"]
     nxt = None if edge is None else edge + r["multiple"]
     lines.append(f"| {r['impl']} | {edge if edge is not None else r.get('error', 'none fits')} | "
                  f"{fmt(plans.get(edge))} | {'' if nxt is None else f'{nxt}: '}{fmt(plans.get(nxt))} | "
-                 f"{fmt(r.get('slope_gib'))} | {fmt(r.get('intercept_gib'))} | {len(plans)} |")
+                 f"{fmt(r.get('slope_gib'))} | {fixed(r.get('intercept_gib'))} | {len(plans)} |")
   for r in results:
     lines += ["", f"{r['impl']}: " + ", ".join(
         f"{b} -> {fmt(r['plans'][b]) or 'failed'}" for b in r["order"])]

@@ -53,6 +53,8 @@
 # Next, in this order:
 #   bash experiments/h200_session.sh clip_jump      # [400 s] optax+clip's live buffers at 48 and 56:
 #                                                   #   what makes its 12.16 GiB plan jump
+#   bash experiments/h200_session.sh int8_jump      # [400 s] forge_int8's live buffers at 112 and 120:
+#                                                   #   what makes its 21.53 GiB plan jump
 # Later sessions:
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
@@ -123,7 +125,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -525,6 +527,15 @@ case "$part" in
       --impls optax_clip --batch 48 --timeout 150
     step clip56 200 python -m experiments.live_buffers --out "$work/clip56" --model llama-3.1-8b \
       --impls optax_clip --batch 56 --timeout 150
+    ;;
+  int8_jump)
+    # forge_int8's plan jumps by 21.53 GiB from 112 to 120 sequences (91.99 -> 113.52 GiB; bf16
+    # FORGE's grows 4.21; results/h200/capacity_per_impl/rest2): the buffers live at each peak,
+    # compile-only, one after the other.
+    step int8_112 200 python -m experiments.live_buffers --out "$work/int8_112" --model llama-3.1-8b \
+      --impls forge_int8 --batch 112 --timeout 150
+    step int8_120 200 python -m experiments.live_buffers --out "$work/int8_120" --model llama-3.1-8b \
+      --impls forge_int8 --batch 120 --timeout 150
     ;;
   whole_tile)
     # Issue #4 at T=1024, where the W/state TMA stream beside the main loop bounds the kernel

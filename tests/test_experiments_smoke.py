@@ -458,6 +458,14 @@ def test_capacity_plan_search_brackets_the_edge():
     r = capacity_plan.find_edge(f, 30.0, [8, 16])
     e = r["edge"]
     assert r["plans"][e] <= 30.0 < r["plans"][e + 1]
+  # A jump between the probes (forge_int8 on the H200: 91.99 GiB at 112, 113.52 at 120) gives a
+  # line with a negative fixed part: the table says so instead of printing it as memory.
+  jump = capacity_plan.find_edge(lambda b: 10 + 0.5 * b + (20 if b > 12 else 0), 30.0, [8, 16])
+  assert jump["intercept_gib"] < 0
+  meta = dict(command="c", date="d", device="cpu", jax="0", model="m", tokens=16, dtype="f32",
+              loss="lean", limit_gib=30.0, limit_source="--limit-gib")
+  md = capacity_plan.markdown([dict(jump, impl="forge_int8"), dict(r, impl="optax")], meta)
+  assert md.count("(a jump, not a line)") == 1 and "| forge_int8 |" in md
 
 
 def test_capacity_plan_finds_a_tiny_models_edge(tmp_path):
