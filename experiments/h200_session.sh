@@ -51,6 +51,9 @@
 # forge_unrolled_112}, bench_models_landed32; edges14's last row ran in its own call).
 #
 # Next, in this order:
+#   bash experiments/h200_session.sh across_tiles   # [390 s] issue #4: the cooperative 128x256 tile
+#                                                   #   with a block's tiles pipelined across
+#                                                   #   (pipeline_across_tiles), checked then timed
 #   bash experiments/h200_session.sh clip_jump      # [400 s] optax+clip's live buffers at 48 and 56:
 #                                                   #   what makes its 12.16 GiB plan jump
 #   bash experiments/h200_session.sh int8_jump      # [400 s] forge_int8's live buffers at 112 and 120:
@@ -125,7 +128,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -527,6 +530,21 @@ case "$part" in
       --impls optax_clip --batch 48 --timeout 150
     step clip56 200 python -m experiments.live_buffers --out "$work/clip56" --model llama-3.1-8b \
       --impls optax_clip --batch 56 --timeout 150
+    ;;
+  across_tiles)
+    # Issue #4: the cooperative schedule (both warpgroups on one 128x256 tile: jax's GEMM's traffic
+    # per FLOP) with a block's tiles run as one pipeline of pipelines (pipeline_across_tiles: the
+    # next tile's x/dy stages load during this tile's epilogue), each beside the same tiling
+    # without it, the ping-pong default and XLA's GEMM. Every row is checked against the reference
+    # before it is timed. Every config lowers for sm_90 on the CPU; the interpreter hangs on the
+    # knob on 2 cores (MOSAIC_NOTES, session 14), so these rows are its first run.
+    coop='"schedule": "cooperative", "mma_in_flight": false, "epi_slots": 2, "l2_prefetch_steps": 0'
+    bf16="[{$coop, \"max_concurrent_steps\": 2, \"epi_n\": 32}, {$coop, \"max_concurrent_steps\": 2, \"epi_n\": 32, \"pipeline_across_tiles\": true}, {$coop, \"max_concurrent_steps\": 4, \"epi_n\": 16}, {$coop, \"max_concurrent_steps\": 4, \"epi_n\": 16, \"pipeline_across_tiles\": true}]"
+    f32="[{$coop, \"max_concurrent_steps\": 2, \"epi_n\": 16}, {$coop, \"max_concurrent_steps\": 2, \"epi_n\": 16, \"pipeline_across_tiles\": true}]"
+    step xt_bf16 240 python -m experiments.main_loop --out "$work/xt_bf16" --tokens 1024 4096 16384 \
+      --impls xla_gemm mosaic_main_loop mosaic --configs "$bf16"
+    step xt_f32 150 python -m experiments.main_loop --out "$work/xt_f32" --tokens 1024 4096 \
+      --state-dtype float32 --impls xla_gemm mosaic_main_loop mosaic --configs "$f32"
     ;;
   int8_jump)
     # forge_int8's plan jumps by 21.53 GiB from 112 to 120 sequences (91.99 -> 113.52 GiB; bf16

@@ -43,7 +43,9 @@ Kernel structure (one CUDA block per SM, persistent):
   donated there is no copy.
 
 What this file does not do yet (see ``MOSAIC_NOTES.md``): pipelining across
-tiles in the cooperative schedule (``pipeline_state``); clusters only as the
+tiles in the cooperative schedule exists only as the knob
+``pipeline_across_tiles`` (off; lowers for sm_90, not yet run on a GPU, and
+the interpreter hangs on it on 2 cores); clusters only as the
 ping-pong knob ``cluster_n=2`` (x multicast to a pair of blocks; correct on the
 H200 and no faster there, so off by default). (int8 states are done, see ``MOSAIC_NOTES.md``.)
 Stochastic rounding of a bfloat16 weight is done in the
@@ -103,6 +105,11 @@ _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MAX_SLOTS = 4
 _NUM_COMPUTE_WGS = 2
+# START / STEADY / STOP of a pipeline of pipelines (jax's PipelinePipeline; public in 0.10.2).
+try:
+  _PIPELINE = plgpu.PipelinePipeline
+except AttributeError:  # pragma: no cover - where a jax version keeps it private
+  from jax._src.pallas.mosaic_gpu.pipeline import PipelinePipeline as _PIPELINE
 # SM count used when the default device says nothing (CPU interpret mode,
 # cross-lowering); the H200 has 132.
 _DEFAULT_NUM_SMS = 132
@@ -205,6 +212,16 @@ class MosaicTileConfig:
       (cuBLAS 0.719), but not the kernel (bf16 AdamW 4096x4096: 0.795 ->
       0.790 ms at T=16384, 0.226 -> 0.232 at 4096, 0.107 -> 0.114 at 1024;
       no cluster setting tried did better, results/h200/mosaic_cluster_sweep/).
+    pipeline_across_tiles: ``"cooperative"`` only: run a block's tiles as one
+      pipeline of pipelines (``emit_pipeline_warp_specialized``'s
+      ``pipeline_state``: START, STEADY..., STOP), so the memory warpgroup
+      loads the next tile's first ``x``/``dy`` stages while the compute
+      warpgroups finish this tile's main loop and run its epilogue, instead of
+      refilling the pipeline at each tile's start. Applied where every block
+      gets at least two tiles and the stages divide the tile's steps (jax's
+      condition); elsewhere each tile runs its own pipeline, as when off
+      (``_Plan.across_tiles`` says which). Same results. Off by default: not
+      timed on the H200 yet.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -228,6 +245,7 @@ class MosaicTileConfig:
   epi_read_ahead: bool = False
   no_auto_barriers: bool = False
   cluster_n: int = 1
+  pipeline_across_tiles: bool = False
   num_sms: Optional[int] = None
 
 
@@ -331,6 +349,9 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
     return f"cluster_n={cfg.cluster_n} must be 1 or 2"
   if cfg.cluster_n > 1 and cfg.schedule != "pingpong":
     return f"cluster_n={cfg.cluster_n} needs schedule='pingpong'"
+  if cfg.pipeline_across_tiles and cfg.schedule != "cooperative":
+    return ("pipeline_across_tiles=True needs schedule='cooperative' (the ping-pong ring "
+            "already runs across tiles)")
   if cfg.cluster_n > 1 and cfg.num_sms is not None and cfg.num_sms % cfg.cluster_n:
     return f"cluster_n={cfg.cluster_n} needs num_sms={cfg.num_sms} to be a multiple of it"
   return None
@@ -681,6 +702,14 @@ class _Plan:
   @property
   def t_iters(self) -> int:
     return self.t // self.cfg.tile_t
+
+  @property
+  def across_tiles(self) -> bool:
+    """Whether the cooperative tiles of a block run as one pipeline of pipelines: asked for,
+    every block gets two tiles or more (the first is START, the last STOP), and the stages
+    divide the steps (jax's condition for a pipeline of pipelines)."""
+    return (self.cfg.pipeline_across_tiles and self.m_iters * self.n_iters >= 2 * self.num_sms
+            and self.t_iters % self.stages == 0)
 
   @property
   def sub_tiles(self) -> list[tuple[int, int]]:
@@ -1055,7 +1084,7 @@ def _cooperative_body(
   tile_m, tile_n, tile_t = cfg.tile_m, cfg.tile_n, cfg.tile_t
   block_n = _block_n(cfg)
 
-  def get_pipeline(body, compute_context):
+  def get_pipeline(body, compute_context, pipeline_state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(plan.t_iters,),
@@ -1068,6 +1097,7 @@ def _cooperative_body(
         num_compute_wgs=_NUM_COMPUTE_WGS,
         max_concurrent_steps=plan.stages,
         compute_context=compute_context,
+        pipeline_state=pipeline_state,
     )
 
   ignore = lambda *_, **__: None  # allocations do not depend on the bodies
@@ -1109,7 +1139,12 @@ def _cooperative_body(
              plan.interpreting)
         return acc_ref
 
-      get_pipeline(mma_body, compute_context)(
+      state = None
+      if plan.across_tiles:  # this block's first tile starts the pipeline, its last stops it
+        i, last = loop_info.local_index, loop_info.num_local_steps - 1
+        state = jnp.where(i == 0, int(_PIPELINE.START),
+                          jnp.where(i == last, int(_PIPELINE.STOP), int(_PIPELINE.STEADY)))
+      get_pipeline(mma_body, compute_context, state)(
           x_gmem.at[:, pl.ds(m_idx * tile_m, tile_m)],
           dy_gmem.at[:, pl.ds(n_idx * block_n, block_n)],
           allocations=pipeline_allocs,

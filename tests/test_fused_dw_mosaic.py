@@ -186,6 +186,26 @@ def test_whole_tile_ring_matches_reference():
   _assert_matches_reference_with_norm(x, dy, w, slots, rule, cfg)
 
 
+def test_pipeline_across_tiles_applies_where_jax_allows():
+  """pipeline_across_tiles runs a block's cooperative tiles as one pipeline of pipelines (START,
+  STEADY..., STOP) where every block gets two tiles or more and the stages divide the steps;
+  elsewhere each tile runs its own pipeline. Under the Mosaic GPU interpreter on this 2-core
+  machine the kernel hangs with the knob on (MOSAIC_NOTES, session 14), so its values are
+  checked on the GPU (check_mosaic_gpu --quick) and its lowering below."""
+  cfg = fm.MosaicTileConfig(schedule="cooperative", tile_m=64, tile_n=64, max_concurrent_steps=2,
+                            epi_n=16, num_sms=2, pipeline_across_tiles=True)
+  plan = lambda c, t: fm._Plan(cfg=c, t=t, k=192, n=256, num_slots=2, num_scalars=1, stages=2,
+                               num_sms=2, with_norm=False, interpreting=False)
+  assert plan(cfg, 256).across_tiles  # 6 tiles of 64x128 on 2 blocks, 4 steps through 2 stages
+  assert not plan(cfg, 192).across_tiles  # 3 steps, 2 stages
+  assert not dataclasses.replace(plan(cfg, 256), num_sms=4).across_tiles  # a block with 1 tile
+  assert not plan(dataclasses.replace(cfg, pipeline_across_tiles=False), 256).across_tiles
+  rule = _rules()["adamw"]
+  x, dy, w, slots = _inputs(7, 256, 192, 256, rule, slot_dtype=BF16)
+  ok, why = fm.supports(x, dy, w, slots, dataclasses.replace(cfg, schedule="pingpong"))
+  assert not ok and "pipeline_across_tiles=True needs schedule='cooperative'" in why
+
+
 @pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
 def test_separate_store_buffers_match_reference(schedule):
   """epi_out_slots: results staged in their own buffers, the ring slot refilled
@@ -241,6 +261,7 @@ def _all_rules():
     [(name, F32, "default") for name in sorted(_all_rules())]
     + [(name, BF16, "default") for name in ("adamw", "lion", "rmsprop_centered_momentum")]
     + [(name, dt, "cooperative") for name in ("adamw", "rmsprop_centered_momentum") for dt in (F32, BF16)]
+    + [("adamw", dt, "across_tiles") for dt in (F32, BF16)]
     + [(name, dt, "pingpong_tuned") for name in ("adamw", "sgd") for dt in (F32, BF16)]
     + [("adamw", dt, "out_slots") for dt in (F32, BF16)]
     + [(name, F32, "approx") for name in ("adamw", "nadamw", "radam", "rmsprop_centered_momentum", "adagrad")],
@@ -254,6 +275,9 @@ def test_lowers_for_cuda(name, state_dtype, schedule):
   config = fm.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
   if schedule == "cooperative":
     config = fm.MosaicTileConfig(max_concurrent_steps=2, epi_n=16, num_sms=132)
+  elif schedule == "across_tiles":  # a block's tiles as one pipeline of pipelines (4 tiles per block)
+    config = fm.MosaicTileConfig(max_concurrent_steps=2, epi_n=16, num_sms=2,
+                                 pipeline_across_tiles=True)
   elif schedule == "pingpong_tuned":  # the knobs the default leaves off
     config = fm.MosaicTileConfig(
         schedule="pingpong", max_concurrent_steps=4, epi_n=16, num_sms=132, mma_in_flight=True,
@@ -269,10 +293,15 @@ def test_lowers_for_cuda(name, state_dtype, schedule):
   kernel = jax.jit(functools.partial(
       fm.fused_dw_update_mosaic, update_fn=rule.update, compute_grad_sq_norm=True, config=config,
   ))
-  lowered = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0))).lower(
+  lower = lambda kernel: kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0))).lower(
       lowering_platforms=("cuda",)
-  )
-  assert "mosaic_gpu" in lowered.as_text()
+  ).as_text()
+  text = lower(kernel)
+  assert "mosaic_gpu" in text
+  if schedule == "across_tiles":  # the knob changes the kernel
+    off = dataclasses.replace(config, pipeline_across_tiles=False)
+    assert text != lower(jax.jit(functools.partial(
+        fm.fused_dw_update_mosaic, update_fn=rule.update, compute_grad_sq_norm=True, config=off)))
 
 
 def test_default_configs_in_the_smem_margin_lower_for_cuda():
@@ -1039,8 +1068,13 @@ def test_check_script_quick_configs_fit_their_cases(monkeypatch):
     t, k, n = shape[0] if shape else check.STACKED_SHAPE if layers else check.RULE_SHAPE
     x, dy, w, slots = jax.eval_shape(lambda: check._inputs(  # pylint: disable=cell-var-from-loop
         t, k, n, rules[name].rule, jnp.dtype(w_dt), check._slot_dtype(s_dt), layers=3 if layers else None))
-    ok, why = fm.supports(x, dy, w, slots, fm.MosaicTileConfig(**fields), compute_grad_sq_norm=bool(layers))
+    cfg = fm.MosaicTileConfig(**fields)
+    ok, why = fm.supports(x, dy, w, slots, cfg, compute_grad_sq_norm=bool(layers))
     assert ok, (label, name, w_dt, s_dt, why)
+    if cfg.pipeline_across_tiles:  # the case checks the knob only where it applies (132 blocks)
+      stages = max(1, min(cfg.max_concurrent_steps, t // cfg.tile_t))
+      assert fm._Plan(cfg=cfg, t=t, k=k, n=n, num_slots=len(slots), num_scalars=1, stages=stages,
+                      num_sms=132, with_norm=False, interpreting=False).across_tiles, (label, shape)
     checked += 1
   assert checked >= 10, checked
 
