@@ -54,6 +54,8 @@
 #   bash experiments/h200_session.sh across_tiles   # [390 s] issue #4: the cooperative 128x256 tile
 #                                                   #   with a block's tiles pipelined across
 #                                                   #   (pipeline_across_tiles), checked then timed
+#   bash experiments/h200_session.sh producer       # [240 s] issue #4: profiles at T=1024
+#                                                   #   with the producer's waits for free stages
 #   bash experiments/h200_session.sh clip_jump      # [400 s] optax+clip's live buffers at 48 and 56:
 #                                                   #   what makes its 12.16 GiB plan jump
 #   bash experiments/h200_session.sh int8_jump      # [400 s] forge_int8's live buffers at 112 and 120:
@@ -128,7 +130,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -545,6 +547,15 @@ case "$part" in
       --impls xla_gemm mosaic_main_loop mosaic --configs "$bf16"
     step xt_f32 150 python -m experiments.main_loop --out "$work/xt_f32" --tokens 1024 4096 \
       --state-dtype float32 --impls xla_gemm mosaic_main_loop mosaic --configs "$f32"
+    ;;
+  producer)
+    # Issue #4 at T=1024: the default's main loop with its W/state stream takes about the sum of the
+    # compute and byte floors (MOSAIC_NOTES, session 14). The ping-pong producer's waits for a free
+    # stage are a profiled region now (fdw_mem_wait_free): long waits mean the consumers (main loop,
+    # epilogues) bound the kernel, short ones the loads. Default tilings, with skip_compute beside.
+    # (At T=1024 a block's producer waits about 120 times: within profile_mosaic's 512 ranges.)
+    step producer 240 python -m experiments.profile_mosaic --out "$work/producer" --no-traces \
+      --problems 1024x4096x4096 --storage fp32 bf16_rtn_bf16 --diagnose skip_compute
     ;;
   int8_jump)
     # forge_int8's plan jumps by 21.53 GiB from 112 to 120 sequences (91.99 -> 113.52 GiB; bf16

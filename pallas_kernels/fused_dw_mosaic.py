@@ -1242,7 +1242,10 @@ def _pingpong_body(
 
           @pl.when(step >= stages)
           def _wait_free():
-            plgpu.barrier_wait(stage_free.at[slot])
+            # Profiled: how long the producer waits for the consumers to free a stage (long:
+            # the main loop or epilogues bound it; short: the loads do).
+            with _region("mem_wait_free"):
+              plgpu.barrier_wait(stage_free.at[slot])
 
           ready = stage_ready.at[owner * stages + slot]
           rows = pl.ds(k * tile_t, tile_t)
