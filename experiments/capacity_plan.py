@@ -127,7 +127,7 @@ def markdown(results, meta) -> str:
            "| impl | edge | plan at edge GiB | next batch: plan GiB | GiB per sequence | fixed GiB | compiles |",
            "|---|---|---|---|---|---|---|"]
   fmt = lambda x: "" if x is None or x != x else (f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}")
-  fixed = lambda x: fmt(x) if x is None or not x < 0 else f"{fmt(x)} (a jump, not a line)"
+  fixed = lambda x: f"{fmt(x)} (a jump, not a line)" if x is not None and x < 0 else fmt(x)
   for r in results:
     edge, plans = r.get("edge"), r["plans"]
     nxt = None if edge is None else edge + r["multiple"]

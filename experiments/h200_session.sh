@@ -169,6 +169,18 @@ prealloc_row() {  # prealloc_row NAME LIMIT_S IMPL BATCH TIMEOUT_S: one Llama-3.
     --impls "$3" --batch "$4" --steps 1 --preallocate --timeout "$5"
 }
 
+landed32_row() {  # landed32_row LIMIT_S: the landed loss timed side by side, FORGE and optax+clip
+  # at 32x1024 (5 steps, on demand)
+  step landed32 "$1" python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
+    --impls forge,optax_clip --batch 32 --steps 5 --timeout 115
+}
+
+live_row() {  # live_row NAME IMPL BATCH: the buffers live at the peak of one Llama-3.1-8B step at
+  # BATCHx1024 (compile-only)
+  step "$1" 200 python -m experiments.live_buffers --out "$work/$1" --model llama-3.1-8b \
+    --impls "$2" --batch "$3" --timeout 150
+}
+
 profile_pair() {  # profile_pair STAGES: bf16 AdamW at T=16384, the bf16 long-T tiling with
   # STAGES stages, profiled without (prof) and with (prof_cl2) clusters of two blocks
   local base="\"schedule\": \"pingpong\", \"max_concurrent_steps\": $1, \"epi_n\": 32, \"epi_l2_lookahead\": 0, \"l2_prefetch_steps\": 0, \"mma_in_flight\": true, \"no_auto_barriers\": true"
@@ -397,8 +409,7 @@ case "$part" in
     # which both rows ran past; 115 here).
     prealloc_row over_forge 130 forge 120 120
     prealloc_row over_optax_clip 130 optax_clip 72 120
-    step landed32 240 python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
-      --impls forge,optax_clip --batch 32 --steps 5 --timeout 115
+    landed32_row 240
     ;;
   capacity_rest)
     # The edges session 13's capacity_lanes left open (plans so far in results/h200/capacity_per_impl):
@@ -423,8 +434,7 @@ case "$part" in
     # forge_unrolled_112}), and over_edges' landed32 step with its flags (bench_models_landed32).
     prealloc_row edge_optax_112 165 optax 112 155
     prealloc_row over_optax_120 160 optax 120 150
-    step landed32 245 python -m experiments.bench_models --out "$work/landed32" --models llama-3.1-8b \
-      --impls forge,optax_clip --batch 32 --steps 5 --timeout 115
+    landed32_row 245
     prealloc_row edge_forge_unrolled_112 290 forge_unrolled 112 280
     ;;
   live_hlo)
@@ -528,10 +538,8 @@ case "$part" in
     # optax+clip's plan jumps by 12.16 GiB between 48 and 56 sequences (1.52 GiB per sequence,
     # against 0.53 from 32 to 48; results/h200/capacity_per_impl): the buffers live at each peak,
     # compile-only, one after the other (never beside other compiles: the autotuner's operands).
-    step clip48 200 python -m experiments.live_buffers --out "$work/clip48" --model llama-3.1-8b \
-      --impls optax_clip --batch 48 --timeout 150
-    step clip56 200 python -m experiments.live_buffers --out "$work/clip56" --model llama-3.1-8b \
-      --impls optax_clip --batch 56 --timeout 150
+    live_row clip48 optax_clip 48
+    live_row clip56 optax_clip 56
     ;;
   across_tiles)
     # Issue #4: the cooperative schedule (both warpgroups on one 128x256 tile: jax's GEMM's traffic
@@ -561,10 +569,8 @@ case "$part" in
     # forge_int8's plan jumps by 21.53 GiB from 112 to 120 sequences (91.99 -> 113.52 GiB; bf16
     # FORGE's grows 4.21; results/h200/capacity_per_impl/rest2): the buffers live at each peak,
     # compile-only, one after the other.
-    step int8_112 200 python -m experiments.live_buffers --out "$work/int8_112" --model llama-3.1-8b \
-      --impls forge_int8 --batch 112 --timeout 150
-    step int8_120 200 python -m experiments.live_buffers --out "$work/int8_120" --model llama-3.1-8b \
-      --impls forge_int8 --batch 120 --timeout 150
+    live_row int8_112 forge_int8 112
+    live_row int8_120 forge_int8 120
     ;;
   whole_tile)
     # Issue #4 at T=1024, where the W/state TMA stream beside the main loop bounds the kernel

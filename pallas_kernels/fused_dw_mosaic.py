@@ -259,6 +259,23 @@ def _block_n(cfg: MosaicTileConfig) -> int:
   return cfg.tile_n * (_NUM_COMPUTE_WGS if cfg.schedule == "cooperative" else 1)
 
 
+def _stages(cfg: MosaicTileConfig, t: int) -> int:
+  """Pipeline stages a call with ``t`` tokens runs: jax's pipeline wants no more stages than
+  steps; the ping-pong ring runs across tiles and keeps them all."""
+  if cfg.schedule == "pingpong":
+    return cfg.max_concurrent_steps
+  return max(1, min(cfg.max_concurrent_steps, t // cfg.tile_t))
+
+
+def _across_tiles(cfg: MosaicTileConfig, t: int, k: int, n: int, num_sms: int) -> bool:
+  """Whether a block's cooperative tiles run as one pipeline of pipelines
+  (``pipeline_across_tiles``): asked for, every one of ``num_sms`` blocks gets two tiles or more
+  (the first is START, the last STOP), and the stages divide the steps (jax's condition)."""
+  tiles = (k // cfg.tile_m) * (n // _block_n(cfg))
+  return (cfg.pipeline_across_tiles and tiles >= 2 * num_sms
+          and (t // cfg.tile_t) % _stages(cfg, t) == 0)
+
+
 def _out_depth(cfg: MosaicTileConfig) -> int:
   """Epilogue store buffers allocated (0: results go back into the ring)."""
   sub_tiles = (cfg.tile_m // cfg.epi_m) * (cfg.tile_n // cfg.epi_n)
@@ -705,11 +722,7 @@ class _Plan:
 
   @property
   def across_tiles(self) -> bool:
-    """Whether the cooperative tiles of a block run as one pipeline of pipelines: asked for,
-    every block gets two tiles or more (the first is START, the last STOP), and the stages
-    divide the steps (jax's condition for a pipeline of pipelines)."""
-    return (self.cfg.pipeline_across_tiles and self.m_iters * self.n_iters >= 2 * self.num_sms
-            and self.t_iters % self.stages == 0)
+    return _across_tiles(self.cfg, self.t, self.k, self.n, self.num_sms)
 
   @property
   def sub_tiles(self) -> list[tuple[int, int]]:
@@ -1596,13 +1609,7 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
 
   plan = _Plan(
       cfg=cfg, t=t, k=k, n=n, num_slots=len(slots), num_scalars=len(leaves),
-      # jax's pipeline wants no more stages than steps; the ping-pong ring
-      # runs across tiles and keeps them all.
-      stages=(
-          cfg.max_concurrent_steps if cfg.schedule == "pingpong"
-          else max(1, min(cfg.max_concurrent_steps, t // cfg.tile_t))
-      ),
-      num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
+      stages=_stages(cfg, t), num_sms=_num_sms(cfg), with_norm=compute_grad_sq_norm,
       interpreting=_interpret_params(interpret) is not None, stochastic=stochastic,
       slot_codecs=slot_codecs,
   )

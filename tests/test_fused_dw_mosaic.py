@@ -194,12 +194,10 @@ def test_pipeline_across_tiles_applies_where_jax_allows():
   checked on the GPU (check_mosaic_gpu --quick) and its lowering below."""
   cfg = fm.MosaicTileConfig(schedule="cooperative", tile_m=64, tile_n=64, max_concurrent_steps=2,
                             epi_n=16, num_sms=2, pipeline_across_tiles=True)
-  plan = lambda c, t: fm._Plan(cfg=c, t=t, k=192, n=256, num_slots=2, num_scalars=1, stages=2,
-                               num_sms=2, with_norm=False, interpreting=False)
-  assert plan(cfg, 256).across_tiles  # 6 tiles of 64x128 on 2 blocks, 4 steps through 2 stages
-  assert not plan(cfg, 192).across_tiles  # 3 steps, 2 stages
-  assert not dataclasses.replace(plan(cfg, 256), num_sms=4).across_tiles  # a block with 1 tile
-  assert not plan(dataclasses.replace(cfg, pipeline_across_tiles=False), 256).across_tiles
+  assert fm._across_tiles(cfg, 256, 192, 256, 2)  # 6 tiles of 64x128 on 2 blocks, 4 steps, 2 stages
+  assert not fm._across_tiles(cfg, 192, 192, 256, 2)  # 3 steps, 2 stages
+  assert not fm._across_tiles(cfg, 256, 192, 256, 4)  # a block with 1 tile
+  assert not fm._across_tiles(dataclasses.replace(cfg, pipeline_across_tiles=False), 256, 192, 256, 2)
   rule = _rules()["adamw"]
   x, dy, w, slots = _inputs(7, 256, 192, 256, rule, slot_dtype=BF16)
   ok, why = fm.supports(x, dy, w, slots, dataclasses.replace(cfg, schedule="pingpong"))
@@ -1072,9 +1070,7 @@ def test_check_script_quick_configs_fit_their_cases(monkeypatch):
     ok, why = fm.supports(x, dy, w, slots, cfg, compute_grad_sq_norm=bool(layers))
     assert ok, (label, name, w_dt, s_dt, why)
     if cfg.pipeline_across_tiles:  # the case checks the knob only where it applies (132 blocks)
-      stages = max(1, min(cfg.max_concurrent_steps, t // cfg.tile_t))
-      assert fm._Plan(cfg=cfg, t=t, k=k, n=n, num_slots=len(slots), num_scalars=1, stages=stages,
-                      num_sms=132, with_norm=False, interpreting=False).across_tiles, (label, shape)
+      assert fm._across_tiles(cfg, t, k, n, 132), (label, shape)
     checked += 1
   assert checked >= 10, checked
 
