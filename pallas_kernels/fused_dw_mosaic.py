@@ -222,6 +222,20 @@ class MosaicTileConfig:
       condition); elsewhere each tile runs its own pipeline, as when off
       (``_Plan.across_tiles`` says which). Same results. Off by default: not
       timed on the H200 yet.
+    epi_direct: the epilogue reads each sub-tile's ``W`` and states from
+      device memory straight into registers (in the accumulator's WGMMA
+      layout) and writes the results straight back, with no shared-memory
+      ring, no TMA copies and no waits for a store to leave shared memory.
+      The ring's shared memory goes to the main loop's stages instead, and
+      the bytes in flight are bounded by registers, not by ring slots. With
+      ``epi_read_ahead`` the next sub-tile's loads are issued before this
+      one's arithmetic. Float states only (an int8 state's per-row scales go
+      through the ring). Same results. Off by default: slower on the H200
+      (AdamW 4096x4096, results/h200/mosaic_direct/): bf16 0.149 ms at best
+      against the default's 0.112 at T=1024, 0.272 against 0.230 at T=4096,
+      0.903 against 0.785 at T=16384; fp32 0.180 against 0.154 at T=1024,
+      0.280 against 0.277 at T=4096. Each sub-tile's loads wait for device
+      memory, where the ring's TMA copies overlap the arithmetic.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -246,6 +260,7 @@ class MosaicTileConfig:
   no_auto_barriers: bool = False
   cluster_n: int = 1
   pipeline_across_tiles: bool = False
+  epi_direct: bool = False
   num_sms: Optional[int] = None
 
 
@@ -283,7 +298,10 @@ def _out_depth(cfg: MosaicTileConfig) -> int:
 
 
 def _ring_depth(cfg: MosaicTileConfig) -> int:
-  """Epilogue slots actually allocated: no more than there are sub-tiles."""
+  """Epilogue slots actually allocated: no more than there are sub-tiles (none when the
+  epilogue reads and writes device memory directly)."""
+  if cfg.epi_direct:
+    return 0
   sub_tiles = (cfg.tile_m // cfg.epi_m) * (cfg.tile_n // cfg.epi_n)
   return min(cfg.epi_slots, sub_tiles)
 
@@ -357,7 +375,10 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
     return (f"no_auto_barriers=True needs epi_out_slots=0 (got {cfg.epi_out_slots}): a store "
             "buffer is rewritten after a wait for its TMA store that only the issuing thread "
             "observes, so the other threads need the automatic barrier")
-  if cfg.epi_read_ahead and cfg.epi_slots < 2:
+  if cfg.epi_direct and cfg.epi_out_slots:
+    return (f"epi_direct=True needs epi_out_slots=0 (got {cfg.epi_out_slots}): results are "
+            "written from registers, with no store buffers")
+  if cfg.epi_read_ahead and cfg.epi_slots < 2 and not cfg.epi_direct:
     return (f"epi_read_ahead=True needs epi_slots >= 2 (got {cfg.epi_slots}): the next sub-tile "
             "is read from another ring slot while this one's is still in use")
   if cfg.lowering_semantics not in ("Warpgroup", "Lane"):
@@ -449,6 +470,9 @@ def supports(
                        f"equal the block (one block per sub-tile row)")
       if cfg.epi_out_slots:
         return False, "int8 slots need epi_out_slots=0 (results go back through the ring)"
+      if cfg.epi_direct:
+        return False, (f"slot {i} is int8: epi_direct=True needs float states (an int8 state's "
+                       "per-row scales go through the shared-memory ring)")
       if cfg.no_auto_barriers:
         return False, (f"slot {i} is int8: no_auto_barriers=True needs float states (the four "
                        "threads of a quad read a row's scale and rewrite it, a race without the "
@@ -865,6 +889,8 @@ class _Epilogue:
     return (self.w_gmem, *(g[0] if isinstance(g, tuple) else g for g in self.slot_gmems))
 
   def begin(self, row0, col0) -> None:
+    if self.plan.cfg.epi_direct:
+      return  # no ring: the epilogue reads device memory itself
     if not self.out_depth:
       # The previous tile's stores must have left the ring before it is refilled.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -931,8 +957,29 @@ class _Epilogue:
     for j in range(self.depth, self.depth + ahead):
       self._prefetch_sub_l2(j, row0, col0)
 
+    direct = cfg.epi_direct
+
+    def load_direct(gmem, win):
+      """A device-memory window read into registers in the accumulator's (WGMMA) layout (the
+      interpreter has neither layouts nor a rule for plgpu.load: a plain read there). Not
+      "optimized": Mosaic GPU's optimized transfer plans are for shared memory only."""
+      if plan.interpreting:
+        return gmem[win]
+      return plgpu.load(gmem, win, layout=plgpu.Layout.WGMMA, optimized=False)
+
     def read(j):
-      """Waits for sub-tile j's ring slot; its W and states as stored (read, not yet decoded)."""
+      """Waits for sub-tile j's ring slot; its W and states as stored (read, not yet decoded).
+      With ``epi_direct``: the sub-tile's device-memory windows, read into registers."""
+      if direct:
+        win = self._window(j, row0, col0)
+        w_ref, s_refs = self.w_gmem.at[win], [g.at[win] for g in self.slot_gmems]
+        with _region("epi_load"):
+          if "skip_compute" in _DIAGNOSE:
+            raw = (None, (None,) * len(s_refs))
+          else:
+            raw = (load_direct(self.w_gmem, win),
+                   tuple(load_direct(g, win) for g in self.slot_gmems))
+        return w_ref, s_refs, raw
       slot = j % self.depth
       with _region("epi_wait"):
         plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
@@ -995,6 +1042,8 @@ class _Epilogue:
         if plan.with_norm:
           part = jnp.sum(g * g, axis=1)
           row_sums[r] = part if r not in row_sums else row_sums[r] + part
+      if direct:
+        continue  # written to device memory above: nothing to store or refill
       with _region("epi_store"):
         plgpu.commit_smem()
         win = self._window(j, row0, col0)
@@ -1033,19 +1082,21 @@ def _fused_kernel(
   in_dtype = x_gmem.dtype
   # Both x and dy blocks hold >= 64 16-bit elements per row: 128-byte swizzle.
   in_transforms = _mma_transforms(64, in_dtype)
+  ring = _ring_depth(cfg) > 0  # no ring with epi_direct
   epilogue_allocs = dict(
-      w_ring=plgpu.SMEM(epi_shape, w_dtype, transforms=_mma_transforms(cfg.epi_n, w_dtype)),
+      w_ring=plgpu.SMEM(epi_shape, w_dtype, transforms=_mma_transforms(cfg.epi_n, w_dtype))
+      if ring else None,
       slot_rings=[
           plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d)) if q is None
           else (plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d)),
                 plgpu.SMEM(epi_shape[:2] + (cfg.epi_m,), jnp.float32))  # codes, scales
           for d, q in zip(slot_dtypes, plan.codecs)
-      ],
+      ] if ring else None,
       # One arrival per TMA copy into a ring slot: W, each slot, each int8 slot's scales.
       ring_ready=plgpu.Barrier(
           num_arrivals=1 + plan.num_slots + sum(c is not None for c in plan.codecs),
           num_barriers=_NUM_COMPUTE_WGS * _ring_depth(cfg),
-      ),
+      ) if ring else None,
       norm_smem=(
           plgpu.SMEM((_NUM_COMPUTE_WGS, cfg.tile_m), jnp.float32) if plan.with_norm else None
       ),
@@ -1561,6 +1612,11 @@ def fused_dw_update_mosaic(
   if _DIAGNOSE and any(map(_quantized, slots)):
     raise ValueError(f"fused_dw_mosaic._DIAGNOSE={sorted(_DIAGNOSE)} takes float states only, "
                      "not int8 ones")
+  if "skip_compute" in _DIAGNOSE and cfg.epi_direct:
+    # On the H200 this pair timed T=16384 at 0.050 ms, 14x cuBLAS's GEMM: with no epilogue
+    # at all, the main loop is not what runs (results/h200/mosaic_direct/).
+    raise ValueError("fused_dw_mosaic._DIAGNOSE=['skip_compute'] with epi_direct=True times no "
+                     "main loop (nothing is read or written); use the ring (epi_direct=False)")
   codec = weight_codec or numerics.Cast()
   if codec.needs_bits and not isinstance(codec, numerics.StochasticRound):
     raise ValueError(f"weight_codec={codec!r}: the Mosaic kernel takes Cast or StochasticRound")

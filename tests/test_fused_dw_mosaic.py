@@ -1125,3 +1125,64 @@ def test_pingpong_tiles_cover_the_grid_once_and_clusters_share_x(cluster):
       assert len({m for m, _ in pair}) == 1 and [n for _, n in pair] == list(range(pair[0][1], pair[0][1] + cluster))
       seen += pair
   assert sorted(seen) == [(m, n) for m in range(m_iters) for n in range(n_iters)]
+
+
+# ----------------------------------------------------------------------------
+# epi_direct: the epilogue reads and writes device memory from registers.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["fp32_pingpong_read_ahead", "bf16_coop_stacked_norm"])
+def test_direct_epilogue_matches_reference(case):
+  """epi_direct (W/states read from device memory into registers and written back, no ring):
+  the same results under the interpreter, ping-pong with the next sub-tile read ahead, and
+  cooperative on a stacked layer with the grad norm (which still leaves through shared memory)."""
+  rule = _rules()["adamw"]
+  cfg = dataclasses.replace(SMALL, epi_direct=True)
+  layer, norm = None, False
+  if case == "fp32_pingpong_read_ahead":
+    cfg = dataclasses.replace(cfg, schedule="pingpong", mma_in_flight=True, epi_read_ahead=True)
+    x, dy, w, slots = _inputs(15, 128, 128, 256, rule)
+  else:
+    x, dy, w, slots = _inputs(15, 128, 128, 256, rule, w_dtype=BF16, slot_dtype=BF16, layers=3)
+    layer, norm = jnp.int32(2), True
+  (new_w, new_slots, g2), (ref_w, ref_slots, ref_g2) = _run_both(
+      x, dy, w, slots, rule, layer=layer, norm=norm, config=cfg)
+  _assert_close(new_w, ref_w, "w")
+  for i, (a, e) in enumerate(zip(new_slots, ref_slots)):
+    _assert_close(a, e, rule.slot_names[i])
+  if norm:
+    np.testing.assert_allclose(float(g2), float(ref_g2), rtol=1e-4)
+  else:
+    assert g2 is None
+
+
+def test_direct_epilogue_frees_the_ring_lowers_and_refuses_what_it_cannot_take(diagnose):
+  """Without the ring its shared memory goes to stages (fp32 AdamW: 7 stages fill the 224 KiB
+  budget that 4 stages and the ring fill); the kernel lowers for sm_90 with device-memory
+  reads (Mosaic GPU's unoptimized transfer plan); int8 states, store buffers and the
+  skip_compute diagnostic are refused, naming the fix."""
+  cfg = fm.MosaicTileConfig(schedule="pingpong", mma_in_flight=True, max_concurrent_steps=7,
+                            epi_n=32, epi_direct=True, no_auto_barriers=True, l2_prefetch_steps=0)
+  assert fm._ring_depth(cfg) == 0
+  assert fm._smem_bytes(cfg, BF16, F32, [F32, F32], False) == fm._SMEM_BUDGET_BYTES
+  assert fm._smem_bytes(dataclasses.replace(cfg, max_concurrent_steps=4, epi_direct=False),
+                        BF16, F32, [F32, F32], False) == fm._SMEM_BUDGET_BYTES
+  rule = _rules()["adamw"]
+  x, dy = _sds((1024, 4096), BF16), _sds((1024, 4096), BF16)
+  w = _sds((4096, 4096), F32)
+  assert fm.supports(x, dy, w, (w, w), cfg) == (True, "")
+  text = lower_for_cuda(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update, config=cfg),
+                        x, dy, w, (w, w), rule.scalars(jnp.int32(0)))
+  assert "mosaic_gpu" in text
+  ok, why = fm.supports(x, dy, w, (w, w), dataclasses.replace(cfg, epi_out_slots=2, no_auto_barriers=False))
+  assert not ok and "epi_direct=True needs epi_out_slots=0 (got 2)" in why
+  qslots = _int8_slots(rule, rule.init_slots(jnp.zeros((128, 256), F32)))
+  ok, why = fm.supports(jnp.zeros((128, 128), BF16), jnp.zeros((128, 256), BF16), jnp.zeros((128, 256), F32),
+                        qslots, dataclasses.replace(INT8, epi_direct=True))
+  assert not ok and "epi_direct=True needs float states" in why
+  diagnose("skip_compute")
+  small = jnp.zeros((128, 128), BF16), jnp.zeros((128, 256), BF16), jnp.zeros((128, 256), F32)
+  with pytest.raises(ValueError, match="skip_compute'] with epi_direct=True times no main loop"):
+    fm.fused_dw_update_mosaic(*small, (small[2], small[2]), rule.scalars(jnp.int32(0)), rule.update,
+                              config=dataclasses.replace(SMALL, epi_direct=True), interpret=True)
