@@ -130,7 +130,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -540,6 +540,43 @@ case "$part" in
     # compile-only, one after the other (never beside other compiles: the autotuner's operands).
     live_row clip48 optax_clip 48
     live_row clip56 optax_clip 56
+    ;;
+  head_order)
+    # The LM head's dX now waits for its update (forge_jax/_dense.py: an optimization barrier on
+    # dX and the update's outputs), so its dY, the 29.4 GiB of dlogits at 120 sequences, dies
+    # before the layers' backward (results/h200/live_jumps/: int8 states kept it live from
+    # instruction 163 to 740). Compile-only listings, one after the other.
+    live_row int8_120 forge_int8 120
+    live_row forge_120 forge 120
+    live_row int8_136 forge_int8 136
+    live_row forge_112 forge 112
+    ;;
+  head_order_check)
+    # The head barrier's cost and gain measured: FORGE at 32x1024 timed on the tree and on a copy
+    # without the barrier (experiments/patches/no_head_barrier.diff), one after the other; then
+    # forge_int8 at 136 sequences preallocated (its plan with the barrier: 102.71 GiB).
+    step b32_main 200 python -m experiments.bench_models --out "$work/b32_main" --models llama-3.1-8b \
+      --impls forge --batch 32 --steps 5 --timeout 170
+    step b32_nobarrier 200 python -m experiments.with_patch experiments/patches/no_head_barrier.diff -- \
+      python -m experiments.bench_models --out "$work/b32_nobarrier" --models llama-3.1-8b --impls forge \
+      --batch 32 --steps 5 --timeout 170
+    prealloc_row int8_136 190 forge_int8 136 170
+    ;;
+  direct)
+    # Issue #4: epi_direct, the epilogue reading W/states from device memory straight into
+    # registers and writing them back (no shared-memory ring, no TMA, no waits for stores to
+    # leave shared memory): the ring's shared memory goes to main-loop stages (6-7 instead of
+    # 4-5). Session 15's producer profile (mosaic_producer/) had the ping-pong producer waiting
+    # 27% of its time for free stages: the consumers, not the loads, bound the kernel, and the
+    # epilogue outlasts the other warpgroup's main loop. Every row is checked against the
+    # reference before it is timed; every config lowers for sm_90 and runs under the interpreter.
+    d='"epi_direct": true'
+    bf16="[{$d}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 32}, {$d, \"max_concurrent_steps\": 7, \"epi_n\": 32}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 64}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 32, \"epi_read_ahead\": true}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 16, \"epi_read_ahead\": true}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 32, \"l2_prefetch_steps\": 8}]"
+    f32="[{$d}, {$d, \"max_concurrent_steps\": 6}, {$d, \"max_concurrent_steps\": 7}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 16, \"epi_read_ahead\": true}, {$d, \"max_concurrent_steps\": 6, \"epi_read_ahead\": true}, {$d, \"max_concurrent_steps\": 6, \"l2_prefetch_steps\": 8}]"
+    step direct_bf16 300 python -m experiments.main_loop --out "$work/direct_bf16" --tokens 1024 4096 16384 \
+      --impls xla_gemm mosaic --configs "$bf16"
+    step direct_f32 240 python -m experiments.main_loop --out "$work/direct_f32" --tokens 1024 4096 \
+      --state-dtype float32 --impls xla_gemm mosaic --configs "$f32"
     ;;
   across_tiles)
     # Issue #4: the cooperative schedule (both warpgroups on one 128x256 tile: jax's GEMM's traffic
