@@ -50,17 +50,13 @@
 # in capacity_rest2 (capacity_per_impl/rest2) and edges14 (bench_models_edge_{optax_112,optax_120,
 # forge_unrolled_112}, bench_models_landed32; edges14's last row ran in its own call).
 #
-# Next, in this order:
-#   bash experiments/h200_session.sh across_tiles   # [390 s] issue #4: the cooperative 128x256 tile
-#                                                   #   with a block's tiles pipelined across
-#                                                   #   (pipeline_across_tiles), checked then timed
-#   bash experiments/h200_session.sh producer       # [240 s] issue #4: profiles at T=1024
-#                                                   #   with the producer's waits for free stages
-#   bash experiments/h200_session.sh clip_jump      # [400 s] optax+clip's live buffers at 48 and 56:
-#                                                   #   what makes its 12.16 GiB plan jump
-#   bash experiments/h200_session.sh int8_jump      # [400 s] forge_int8's live buffers at 112 and 120:
-#                                                   #   what makes its 21.53 GiB plan jump
-# Later sessions:
+# Session 15 (2026-12-01) ran across_tiles (results/h200/mosaic_across_tiles: correct, no faster),
+# producer (mosaic_producer), direct (mosaic_direct: epi_direct slower everywhere), int8_jump and
+# clip_jump (live_jumps: dlogits live through the decoder's backward), then head_order and
+# head_order_check (head_barrier: with the head's dX waiting for its update, forge_int8 runs 136
+# sequences) and check_mosaic_gpu --quick inline (mosaic_quick15: 21/21).
+#
+# Next (none written yet for issue #4's epilogue ring; MOSAIC_NOTES "Session 15" names the ideas):
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
 #                                                   #   experiments.train does): does the xla route lose
@@ -78,6 +74,8 @@
 # Parts run before (kept to repeat them):
 #   bash experiments/h200_session.sh plans|capacity_lanes|edges32|over_edges   # session 13's parts
 #   bash experiments/h200_session.sh capacity_rest|capacity_rest2|edges14|whole_tile   # session 14's
+#   bash experiments/h200_session.sh across_tiles|producer|direct|int8_jump|clip_jump|head_order|head_order_check
+#                                               # session 15's
 #   (The parts model_32b, landed, capacity_all, capacity_plan and capacity_edges, planned in session
 #   12, were removed in session 13: their steps ran inside plans, edges32 and over_edges, or are
 #   replaced by capacity_lanes, capacity_rest and prealloc_row.)
