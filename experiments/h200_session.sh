@@ -56,7 +56,11 @@
 # head_order_check (head_barrier: with the head's dX waiting for its update, forge_int8 runs 136
 # sequences) and check_mosaic_gpu --quick inline (mosaic_quick15: 21/21).
 #
+# Its head_order_unrolled timed out (results/h200/head_barrier/unrolled_timeout); rerun it with the
+# longer limits now in the part.
+#
 # Next (none written yet for issue #4's epilogue ring; MOSAIC_NOTES "Session 15" names the ideas):
+#   bash experiments/h200_session.sh head_order_unrolled   # [560 s] the barrier's cost unrolled
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
 #                                                   #   experiments.train does): does the xla route lose
@@ -74,7 +78,7 @@
 # Parts run before (kept to repeat them):
 #   bash experiments/h200_session.sh plans|capacity_lanes|edges32|over_edges   # session 13's parts
 #   bash experiments/h200_session.sh capacity_rest|capacity_rest2|edges14|whole_tile   # session 14's
-#   bash experiments/h200_session.sh across_tiles|producer|direct|int8_jump|clip_jump|head_order|head_order_check
+#   bash experiments/h200_session.sh across_tiles|producer|direct|int8_jump|clip_jump|head_order|head_order_check|head_order_unrolled
 #                                               # session 15's
 #   (The parts model_32b, landed, capacity_all, capacity_plan and capacity_edges, planned in session
 #   12, were removed in session 13: their steps ran inside plans, edges32 and over_edges, or are
@@ -128,7 +132,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -559,6 +563,16 @@ case "$part" in
       python -m experiments.bench_models --out "$work/b32_nobarrier" --models llama-3.1-8b --impls forge \
       --batch 32 --steps 5 --timeout 170
     prealloc_row int8_136 190 forge_int8 136 170
+    ;;
+  head_order_unrolled)
+    # The head barrier sits on every layer of an unrolled model: qwen3-1.7b unrolled at 8x1024
+    # timed on the tree and on a copy without it, one after the other. (Session 15 gave each run
+    # 120 s and both timed out in the compile: results/h200/head_barrier/unrolled_timeout.)
+    step u8_main 280 python -m experiments.bench_models --out "$work/u8_main" --models qwen3-1.7b \
+      --impls forge_unrolled --batch 8 --steps 5 --timeout 270
+    step u8_nobarrier 280 python -m experiments.with_patch experiments/patches/no_head_barrier.diff -- \
+      python -m experiments.bench_models --out "$work/u8_nobarrier" --models qwen3-1.7b \
+      --impls forge_unrolled --batch 8 --steps 5 --timeout 270
     ;;
   direct)
     # Issue #4: epi_direct, the epilogue reading W/states from device memory straight into
