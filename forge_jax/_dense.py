@@ -3,6 +3,10 @@
 Forward: an ordinary matmul. Backward (``jax.custom_vjp``): ``dX = dY @ W.T``
 with the old weight, then :func:`forge_jax.fused_linear_update` computes the
 weight gradient tile by tile and applies the optimizer to each tile, in place.
+The update waits for ``dX`` (it overwrites the weight ``dX`` reads), and the
+layers below an unstacked layer wait for its update, so that ``dY`` dies there
+(for an LM head, the loss's gradient over the vocabulary); a scanned stack's
+layer ends each iteration with both.
 
 How the new weight leaves the backward pass ("overwrite with gradient", as in
 ``flax.linen.fp8_ops``): the cotangent that autodiff returns for a FORGE
