@@ -973,18 +973,18 @@ class _Epilogue:
       if direct:
         win = self._window(j, row0, col0)
         w_ref, s_refs = self.w_gmem.at[win], [g.at[win] for g in self.slot_gmems]
-        with _region("epi_load"):
-          if "skip_compute" in _DIAGNOSE:
-            raw = (None, (None,) * len(s_refs))
-          else:
-            raw = (load_direct(self.w_gmem, win),
-                   tuple(load_direct(g, win) for g in self.slot_gmems))
-        return w_ref, s_refs, raw
-      slot = j % self.depth
-      with _region("epi_wait"):
-        plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
-      w_ref = self.w_ring.at[self.wg_idx, slot]
-      s_refs = self._slot_refs(self.slot_rings, slot)
+        reads = lambda: (load_direct(self.w_gmem, win),
+                         tuple(load_direct(g, win) for g in self.slot_gmems))
+      else:
+        slot = j % self.depth
+        with _region("epi_wait"):
+          plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
+        w_ref = self.w_ring.at[self.wg_idx, slot]
+        s_refs = self._slot_refs(self.slot_rings, slot)
+        # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
+        # accumulator's, so the rule's arithmetic needs no relayout.
+        reads = lambda: (w_ref[...], tuple(tuple(p[...] for p in ref) if isinstance(ref, tuple)
+                                           else ref[...] for ref in s_refs))
       with _region("epi_load"):
         if "skip_compute" in _DIAGNOSE:  # diagnostic variants (see _DIAGNOSE): no reads
           raw = (None, (None,) * len(s_refs))
@@ -992,10 +992,7 @@ class _Epilogue:
           one = lambda ref: jnp.ones(ref.shape, ref.dtype)
           raw = (one(w_ref), tuple(one(ref) for ref in s_refs))
         else:
-          # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
-          # accumulator's, so the rule's arithmetic needs no relayout.
-          raw = (w_ref[...], tuple(tuple(p[...] for p in ref) if isinstance(ref, tuple) else ref[...]
-                                   for ref in s_refs))
+          raw = reads()
       return w_ref, s_refs, raw
 
     ahead_read = read(0) if cfg.epi_read_ahead else None

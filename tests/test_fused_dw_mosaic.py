@@ -813,18 +813,21 @@ def diagnose(monkeypatch):
   return lambda *variants: monkeypatch.setattr(fm, "_DIAGNOSE", frozenset(variants))
 
 
-@pytest.mark.parametrize("variant", fm.DIAGNOSE_VARIANTS)
-def test_diagnostic_variants_compute_what_they_say(variant, diagnose):
+@pytest.mark.parametrize("variant, direct", [(v, False) for v in fm.DIAGNOSE_VARIANTS]
+                         + [("skip_reads", True)])
+def test_diagnostic_variants_compute_what_they_say(variant, direct, diagnose):
   """The profiler's diagnostic epilogues (fused_dw_mosaic._DIAGNOSE) under the interpreter:
-  "skip_reads" is the rule's step from w = 1 and states = 1; "skip_rule" adds the gradient
-  tile to w and writes the states back unchanged; "skip_compute" stores W and the states back
-  as loaded. The real kernel's results differ from all three."""
+  "skip_reads" is the rule's step from w = 1 and states = 1 (with the ring, and with epi_direct's
+  reads from device memory); "skip_rule" adds the gradient tile to w and writes the states back
+  unchanged; "skip_compute" stores W and the states back as loaded. The real kernel's results
+  differ from all three."""
   rule = _rules()["adamw"]
   x, dy, w, slots = _inputs(14, 128, 128, 256, rule, w_dtype=BF16, slot_dtype=BF16)
   diagnose(variant)
   scalars = rule.scalars(jnp.int32(3))
   update_fn = functools.partial(rule.update, decay=True)
-  kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=update_fn, config=SMALL,
+  kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=update_fn,
+                                     config=dataclasses.replace(SMALL, epi_direct=direct),
                                      interpret=True))
   new_w, new_slots, _ = kernel(x, dy, w, slots, scalars)
   if variant == "skip_reads":
