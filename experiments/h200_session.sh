@@ -59,7 +59,9 @@
 # Its head_order_unrolled timed out (results/h200/head_barrier/unrolled_timeout); rerun it with the
 # longer limits now in the part.
 #
-# Next (none written yet for issue #4's epilogue ring; MOSAIC_NOTES "Session 15" names the ideas):
+# Next:
+#   bash experiments/h200_session.sh stream         # [480 s] issue #4: the W/state ring's stream alone
+#                                                   #   (skip_mainloop) against its depth, T=1024
 #   bash experiments/h200_session.sh head_order_unrolled   # [560 s] the barrier's cost unrolled
 #   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
 #                                                   #   forge_int8 compiled before their state exists (as
@@ -132,7 +134,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh stream|head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -563,6 +565,21 @@ case "$part" in
       python -m experiments.bench_models --out "$work/b32_nobarrier" --models llama-3.1-8b --impls forge \
       --batch 32 --steps 5 --timeout 170
     prealloc_row int8_136 190 forge_int8 136 170
+    ;;
+  stream)
+    # Issue #4 at T=1024: how fast does the W/state ring stream with nothing beside it
+    # (mosaic_stream: the skip_mainloop diagnostic, no main loop and no x/dy loads), and how does
+    # that scale with the ring's depth? If the stream alone reaches the byte floor (fp32 AdamW
+    # 4096x4096: 98 us), the main loop's traffic beside it is what slows it; if not, the ring
+    # (depth, the wait for each store to leave shared memory) is. Deeper rings take main-loop
+    # stages (2 here), which the stream rows do not use. Beside: the kernel and skip_compute.
+    bf16='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"epi_slots": 4, "epi_n": 32, "max_concurrent_steps": 2}, {"epi_slots": 6, "epi_n": 32, "max_concurrent_steps": 2}, {"epi_out_slots": 2, "no_auto_barriers": false, "epi_n": 32, "max_concurrent_steps": 4}]'
+    f32='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"epi_slots": 4, "epi_n": 16, "max_concurrent_steps": 2}, {"epi_slots": 6, "epi_n": 16, "max_concurrent_steps": 2}, {"epi_out_slots": 2, "no_auto_barriers": false, "epi_n": 16}]'
+    step stream_bf16 280 python -m experiments.main_loop --out "$work/stream_bf16" --tokens 1024 4096 \
+      --shapes 4096x4096 --impls xla_gemm mosaic_stream mosaic_main_loop mosaic --configs "$bf16"
+    step stream_f32 200 python -m experiments.main_loop --out "$work/stream_f32" --tokens 1024 \
+      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm mosaic_stream mosaic_main_loop mosaic \
+      --configs "$f32"
     ;;
   head_order_unrolled)
     # The head barrier sits on every layer of an unrolled model: qwen3-1.7b unrolled at 8x1024

@@ -21,10 +21,13 @@ on the same bf16 ``x [T, K]`` and ``dy [T, N]``, side by side:
   ``dy`` block multicast to both (the traffic per FLOP of a 256x256 tile);
 * ``mosaic_main_loop``: the fused kernel's default tiling, ``skip_compute``
   (no epilogue reads, arithmetic or writes: its results are not checked);
+* ``mosaic_stream``: the fused kernel as ``skip_mainloop`` (ping-pong only): no
+  main loop and no x/dy loads, the whole epilogue on a zero accumulator, i.e.
+  the W/state stream through the ring alone (results not checked);
 * ``mosaic``: the fused kernel as it is (checked against the reference).
 
 ``--configs`` adds, per entry ``i`` (MosaicTileConfig field overrides of the
-default tiling), the rows ``mosaic_main_loop@i`` and ``mosaic@i``: e.g. how
+default tiling), a row ``name@i`` for each ``mosaic*`` row asked for: e.g. how
 fast the W/state ring alone streams (``skip_compute`` at T=1024, where that
 stream, not the epilogue's arithmetic, bounds the kernel) with more ring slots
 or L2 prefetch. An entry that does not fit a shape is an error row naming why.
@@ -86,7 +89,8 @@ MGPU_CONFIGS = {
     "mgpu_gemm_cluster": dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, grid_tile_width=8,
                               wg_dimension="N", cluster_dimension="M"),
 }
-IMPLS = ("xla_gemm", *MGPU_CONFIGS, "mosaic_main_loop", "mosaic")
+IMPLS = ("xla_gemm", *MGPU_CONFIGS, "mosaic_main_loop", "mosaic_stream", "mosaic")
+_MOSAIC_IMPLS = ("mosaic_main_loop", "mosaic_stream", "mosaic")  # the rows --configs repeats
 
 
 def mgpu_tuning_config(fields: dict) -> Any:
@@ -139,13 +143,20 @@ def build_main_loop(p: bench.Problem, overrides: Optional[dict] = None) -> bench
   return bench.fused_builder(call)(p)._replace(result=None)
 
 
+def build_stream(p: bench.Problem, overrides: Optional[dict] = None) -> bench.Runner:
+  """The fused kernel as ``skip_mainloop`` (the W/state stream alone); results not checked."""
+  call = functools.partial(_mosaic_call, variants=("skip_mainloop",), overrides=overrides)
+  return bench.fused_builder(call)(p)._replace(result=None)
+
+
 def implementations(configs: Sequence[dict] = ()) -> dict:
-  """name -> builder; per ``--configs`` entry ``i``, ``mosaic_main_loop@i`` and ``mosaic@i``."""
+  """name -> builder; per ``--configs`` entry ``i``, ``name@i`` for each ``mosaic*`` row."""
   impls = {"xla_gemm": bench.build_xla_gemm, "mosaic_main_loop": build_main_loop,
-           "mosaic": bench.fused_builder(_mosaic_call)}
+           "mosaic_stream": build_stream, "mosaic": bench.fused_builder(_mosaic_call)}
   impls.update({name: build_mgpu_gemm(fields) for name, fields in MGPU_CONFIGS.items()})
   for i, overrides in enumerate(configs):
     impls[f"mosaic_main_loop@{i}"] = functools.partial(build_main_loop, overrides=overrides)
+    impls[f"mosaic_stream@{i}"] = functools.partial(build_stream, overrides=overrides)
     impls[f"mosaic@{i}"] = bench.fused_builder(functools.partial(_mosaic_call, overrides=overrides))
   return impls
 
@@ -219,15 +230,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="default: all (--smoke: those a CPU runs)")
   parser.add_argument("--state-dtype", default="bfloat16", choices=("float32", "bfloat16"))
   parser.add_argument("--configs", default=None, metavar="JSON",
-                      help="a JSON list of MosaicTileConfig field overrides; each adds the rows "
-                           "mosaic_main_loop@i and mosaic@i, e.g. '[{\"epi_slots\": 3}]'")
+                      help="a JSON list of MosaicTileConfig field overrides; each adds a row "
+                           "name@i per mosaic* row asked for, e.g. '[{\"epi_slots\": 3}]'")
   parser.add_argument("--smoke", action="store_true",
                       help="CPU: the interpreter, tiny shapes, 2 calls (the mgpu rows need a GPU)")
   args = parser.parse_args(argv)
   tokens = args.tokens or ([128] if args.smoke else list(TOKENS))
   shapes = ([bench._parse_kn(s) for s in args.shapes] if args.shapes  # pylint: disable=protected-access
             else [(128, 256)] if args.smoke else list(SHAPES_KN))
-  impls = args.impls or [i for i in IMPLS if not (args.smoke and i.startswith("mgpu"))]
+  # (--smoke's tiling is cooperative: no mosaic_stream row there, which needs ping-pong)
+  impls = args.impls or [i for i in IMPLS
+                         if not (args.smoke and (i.startswith("mgpu") or i == "mosaic_stream"))]
   try:
     configs = json.loads(args.configs) if args.configs else []
     if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
@@ -237,7 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except (ValueError, TypeError) as e:
     parser.error(f"--configs must be a JSON list of MosaicTileConfig field overrides; got "
                  f"{args.configs!r} ({e})")
-  impls = impls + [f"{name}@{i}" for i in range(len(configs)) for name in ("mosaic_main_loop", "mosaic")]
+  impls = impls + [f"{name}@{i}" for i in range(len(configs)) for name in _MOSAIC_IMPLS if name in impls]
   interpret = args.smoke or jax.default_backend() == "cpu"
   timing = dict(warmup=1, iters=2, repeats=1) if args.smoke else dict(warmup=3, iters=30, repeats=3)
   folder = _timing.out_dir(args.out)

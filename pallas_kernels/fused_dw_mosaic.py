@@ -560,8 +560,12 @@ _PROFILE: Optional[tuple[int, str]] = None
 #     waits and stores only (which copy W and the states back unchanged), i.e.
 #     the main loop plus the epilogue's data movement. The result is w and the
 #     states unchanged (with epi_out_slots, whatever the store buffers held).
+#   "skip_mainloop": no main loop (the memory warpgroup loads no x/dy stage and the
+#     accumulator stays zero) and the whole epilogue: the W/state stream through the
+#     ring alone, with nothing beside it. The result is the rule's step from a zero
+#     gradient. Ping-pong only.
 # Float states only (not int8). Empty (the real kernel) unless an experiment sets it.
-DIAGNOSE_VARIANTS = ("skip_reads", "skip_rule", "skip_compute")
+DIAGNOSE_VARIANTS = ("skip_reads", "skip_rule", "skip_compute", "skip_mainloop")
 _DIAGNOSE: frozenset = frozenset()
 
 
@@ -1287,9 +1291,13 @@ def _pingpong_body(
                             num_units=num_units, cluster=cluster, minor_dim=cfg.grid_minor_dim,
                             width=cfg.grid_tile_width)
 
+    skip_mainloop = "skip_mainloop" in _DIAGNOSE  # a diagnostic variant: no x/dy stream
+
     @pl.when(wg_idx == _NUM_COMPUTE_WGS)
     def _memory_warpgroup():
       plgpu.set_max_registers(cfg.memory_registers, action="decrease")
+      if skip_mainloop:
+        return
 
       @pl.loop(0, num_local)
       def _tile(i):
@@ -1367,7 +1375,8 @@ def _pingpong_body(
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc_scope(acc_ref):
           with _region("mainloop"):
-            _main_loop(acc_ref)
+            if not skip_mainloop:  # (else the accumulator stays zero)
+              _main_loop(acc_ref)
           with _region("epilogue"):
             epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m)
 
@@ -1609,6 +1618,9 @@ def fused_dw_update_mosaic(
   if _DIAGNOSE and any(map(_quantized, slots)):
     raise ValueError(f"fused_dw_mosaic._DIAGNOSE={sorted(_DIAGNOSE)} takes float states only, "
                      "not int8 ones")
+  if "skip_mainloop" in _DIAGNOSE and cfg.schedule != "pingpong":
+    raise ValueError(f"fused_dw_mosaic._DIAGNOSE=['skip_mainloop'] needs schedule='pingpong' "
+                     f"(got {cfg.schedule!r}): jax's pipeline runs the cooperative main loop")
   if "skip_compute" in _DIAGNOSE and cfg.epi_direct:
     # On the H200 this pair timed T=16384 at 0.050 ms, 14x cuBLAS's GEMM: with no epilogue
     # at all, the main loop is not what runs (results/h200/mosaic_direct/).

@@ -819,18 +819,23 @@ def test_diagnostic_variants_compute_what_they_say(variant, direct, diagnose):
   """The profiler's diagnostic epilogues (fused_dw_mosaic._DIAGNOSE) under the interpreter:
   "skip_reads" is the rule's step from w = 1 and states = 1 (with the ring, and with epi_direct's
   reads from device memory); "skip_rule" adds the gradient tile to w and writes the states back
-  unchanged; "skip_compute" stores W and the states back as loaded. The real kernel's results
-  differ from all three."""
+  unchanged; "skip_compute" stores W and the states back as loaded; "skip_mainloop" (ping-pong)
+  is the rule's step from a zero gradient. The real kernel's results differ from all four."""
   rule = _rules()["adamw"]
   x, dy, w, slots = _inputs(14, 128, 128, 256, rule, w_dtype=BF16, slot_dtype=BF16)
   diagnose(variant)
   scalars = rule.scalars(jnp.int32(3))
   update_fn = functools.partial(rule.update, decay=True)
-  kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=update_fn,
-                                     config=dataclasses.replace(SMALL, epi_direct=direct),
+  config = dataclasses.replace(SMALL, epi_direct=direct)
+  if variant == "skip_mainloop":
+    config = dataclasses.replace(config, schedule="pingpong", mma_in_flight=True)
+  kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=update_fn, config=config,
                                      interpret=True))
   new_w, new_slots, _ = kernel(x, dy, w, slots, scalars)
-  if variant == "skip_reads":
+  if variant == "skip_mainloop":
+    want_w, want_slots, _ = fused_dw_update_reference(x, jnp.zeros_like(dy), w, slots, scalars,
+                                                      update_fn)
+  elif variant == "skip_reads":
     ones = lambda a: jnp.ones(a.shape, a.dtype)
     want_w, want_slots, _ = fused_dw_update_reference(x, dy, ones(w), [ones(s) for s in slots],
                                                       scalars, update_fn)
@@ -865,6 +870,10 @@ def test_diagnostic_variants_lower_for_cuda_and_reject_misuse(diagnose):
   with pytest.raises(ValueError, match=r"unknown diagnostic variants \['skip_everything'\]"):
     with fm.diagnosing("skip_everything"):
       pass
+  diagnose("skip_mainloop")
+  with pytest.raises(ValueError, match=r"skip_mainloop'\] needs schedule='pingpong' \(got 'cooperative'\)"):
+    lower_for_cuda(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update,
+                                     config=fm.MosaicTileConfig()), x, dy, w, (w, w), scalars)
   diagnose("skip_rule")
   qslots = _int8_slots(rule, rule.init_slots(jnp.zeros((128, 256), F32)))
   with pytest.raises(ValueError, match="float states only"):
