@@ -346,13 +346,15 @@ case "$part" in
       --precompile 4 --compile-cache /tmp/jax_cache_grid
     ;;
   live_buffers)
-    # What is live at FORGE's peak at 64x1024, without and with the patch (compile-only), then the
-    # patch's measured effect at 32x1024: the same row on the tree as it is and on the patched copy.
+    # What is live at FORGE's peak at 64x1024, with and without the head barrier (compile-only), then
+    # the barrier's effect at 32x1024: the same row on the tree as it is and on the patched copy.
+    # (Session 11 ran this with head_update_first.diff, the barrier's first form, then not landed;
+    # session 15 landed the barrier and retired that patch: git show a88db37:experiments/patches/...)
     step live_forge 200 python -m experiments.live_buffers --out "$work/live_forge" --model llama-3.1-8b \
-      --impls forge,forge_xla --batch 64 --patch experiments/patches/head_update_first.diff --timeout 90
+      --impls forge,forge_xla --batch 64 --patch experiments/patches/no_head_barrier.diff --timeout 90
     step b32_main 110 python -m experiments.bench_models --out "$work/b32_main" --models llama-3.1-8b \
       --impls forge --batch 32 --steps 1 --timeout 100
-    step b32_patched 120 python -m experiments.with_patch experiments/patches/head_update_first.diff -- \
+    step b32_patched 120 python -m experiments.with_patch experiments/patches/no_head_barrier.diff -- \
       python -m experiments.bench_models --out "$work/b32_patched" --models llama-3.1-8b --impls forge \
       --batch 32 --steps 1 --timeout 100
     ;;

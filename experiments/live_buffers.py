@@ -18,7 +18,7 @@ H200 read FORGE's Llama-3.1-8B step at 64x1024 as 100.9 GiB live against a 92.7 
 with a ``git apply``-able patch applied, side by side: the before/after of a scheduling change.
 
     python -m experiments.live_buffers --model llama-3.1-8b --impls forge,optax_clip --batch 64 \\
-        --out $OUT/live_b64 [--patch experiments/patches/head_update_first.diff]
+        --out $OUT/live_b64 [--patch experiments/patches/no_head_barrier.diff]
 """
 
 from __future__ import annotations

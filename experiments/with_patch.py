@@ -1,7 +1,7 @@
 """Runs a command in a copy of the repository with a patch applied: try a change on the GPU before
 it lands, side by side with the same command on the unpatched tree.
 
-    python -m experiments.with_patch experiments/patches/head_update_first.diff -- \\
+    python -m experiments.with_patch experiments/patches/no_head_barrier.diff -- \\
         python -m experiments.bench_models --out $OUT/patched --models llama-3.1-8b --impls forge
 
 The copy holds the repository's files (git's tracked files, or every file but results and caches

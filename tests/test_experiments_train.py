@@ -15,6 +15,8 @@ from experiments import data as data_lib
 from experiments import quickstart
 from experiments import train
 
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+
 # The runs here share one configuration (convergence.SMOKE's: tiny-qwen3, 12 steps of 2x32
 # bytes, lr 3e-3, warmup 1), so that the compilation cache compiles each program once.
 CORPUS = convergence.SMOKE["corpus_bytes"]

@@ -12,6 +12,8 @@ import pytest
 import forge_jax
 from pallas_kernels import fused_dw_mosaic
 
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+
 # Optimizer cases: (id, forge/optax name, kwargs).
 OPTIMIZERS = [
     ("adamw", "adamw", dict(learning_rate=1e-2, weight_decay=0.1)),

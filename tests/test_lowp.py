@@ -21,6 +21,8 @@ from experiments import lowp_bytes
 from experiments import lowp_fidelity
 from pallas_kernels import numerics as nm
 
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+
 F32, BF16 = jnp.float32, jnp.bfloat16
 P = forge_jax.Precision
 SR_INT8 = P("stochastic", state_dtype="int8", min_quantized_size=0)

@@ -12,6 +12,8 @@ import pytest
 import forge_jax
 import models
 
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+
 STEPS = 3
 
 
@@ -60,9 +62,10 @@ def test_resume_is_bit_exact(tmp_path):
   model = models.CausalLM(cfg, optimizer=opt)
   loss_fn = functools.partial(_loss, model.apply)
   batches = _batches(cfg, 4)
+  init = jax.jit(model.init)  # three fresh states: one compile
 
   def fresh():
-    variables = model.init(jax.random.PRNGKey(0), batches[0][:, :-1])
+    variables = init(jax.random.PRNGKey(0), batches[0][:, :-1])
     return forge_jax.TrainState.create(model.apply, variables, opt)
 
   straight = fresh()
@@ -90,9 +93,15 @@ def test_restore_into_another_model_is_an_error(tmp_path):
   forge_jax.save_train_state(tmp_path / "ckpt", state)
   other_cfg = models.get_config("tiny-qwen3", linear="forge", remat="full")
   other = models.CausalLM(other_cfg, optimizer=opt)
-  like = forge_jax.TrainState.create(other.apply, other.init(jax.random.PRNGKey(0), tokens), opt)
+  # The target's shapes suffice (restore_train_state takes jax.eval_shape of a state).
+  like = jax.eval_shape(
+      lambda: forge_jax.TrainState.create(other.apply, other.init(jax.random.PRNGKey(0), tokens), opt))
   with pytest.raises(ValueError, match="does not match"):
     forge_jax.restore_train_state(tmp_path / "ckpt", like)
+  # ... while the shapes of the saved model's own state restore it.
+  same = jax.eval_shape(
+      lambda: forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), tokens), opt))
+  assert int(forge_jax.restore_train_state(tmp_path / "ckpt", same).step) == 0
 
 
 def test_restore_into_other_dtypes_is_an_error(tmp_path):
@@ -101,13 +110,16 @@ def test_restore_into_other_dtypes_is_an_error(tmp_path):
   opt = forge_jax.sgd(1e-2, momentum=0.9)
   tokens = jnp.ones((1, 8), jnp.int32)
 
-  def state(param_dtype):
+  def state(param_dtype, abstract=False):
     cfg = models.get_config("tiny-llama", linear="forge", remat="full", param_dtype=param_dtype)
     model = models.CausalLM(cfg, optimizer=opt)
-    return forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), tokens), opt)
+    create = lambda: forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), tokens), opt)
+    return jax.eval_shape(create) if abstract else create()
 
-  forge_jax.save_train_state(tmp_path / "ckpt", state("float32"))
+  saved = state("float32")
+  forge_jax.save_train_state(tmp_path / "ckpt", saved)
   with pytest.raises(ValueError, match=r"holds other dtypes .*stored float32, expected bfloat16"):
-    forge_jax.restore_train_state(tmp_path / "ckpt", state("bfloat16"))
-  restored = forge_jax.restore_train_state(tmp_path / "ckpt", state("float32"))
+    # The target's dtypes are what is compared: its shapes suffice (jax.eval_shape).
+    forge_jax.restore_train_state(tmp_path / "ckpt", state("bfloat16", abstract=True))
+  restored = forge_jax.restore_train_state(tmp_path / "ckpt", saved)  # a float32 target restores
   assert int(restored.step) == 0

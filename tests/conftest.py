@@ -1,0 +1,25 @@
+"""Fixtures shared by the test modules that ask for them (none is autouse)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def fast_cpu_compiles():
+  """XLA compiles without LLVM's optimizations while the module runs.
+
+  ``jax_disable_most_optimizations`` sets ``xla_backend_optimization_level=0`` and
+  ``xla_llvm_disable_expensive_passes`` on each compile. Compilation dominates these tests on a
+  CPU, and this takes a third to a half off it. XLA's HLO passes still run: the optimized HLO and
+  its buffer assignment (what the in-place, copy and memory checks read) are the same, only the
+  machine code is less optimized. The subprocess tests in test_bench_models and the notebook
+  test already compile this way, through XLA_FLAGS. A module opts in with
+  ``pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")``.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  saved = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", saved)
