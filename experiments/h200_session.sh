@@ -586,7 +586,7 @@ case "$part" in
   head_order_unrolled)
     # The head barrier sits on every layer of an unrolled model: qwen3-1.7b unrolled at 8x1024
     # timed on the tree and on a copy without it, one after the other. (Session 15 gave each run
-    # 120 s and both timed out in the compile: results/h200/head_barrier/unrolled_timeout.)
+    # 120 s and both timed out: results/h200/head_barrier/unrolled_timeout.)
     step u8_main 280 python -m experiments.bench_models --out "$work/u8_main" --models qwen3-1.7b \
       --impls forge_unrolled --batch 8 --steps 5 --timeout 270
     step u8_nobarrier 280 python -m experiments.with_patch experiments/patches/no_head_barrier.diff -- \
@@ -598,7 +598,7 @@ case "$part" in
     # registers and writing them back (no shared-memory ring, no TMA, no waits for stores to
     # leave shared memory): the ring's shared memory goes to main-loop stages (6-7 instead of
     # 4-5). Session 15's producer profile (mosaic_producer/) had the ping-pong producer waiting
-    # 27% of its time for free stages: the consumers, not the loads, bound the kernel, and the
+    # most of its time for free stages: the consumers, not the loads, bound the kernel, and the
     # epilogue outlasts the other warpgroup's main loop. Every row is checked against the
     # reference before it is timed; every config lowers for sm_90 and runs under the interpreter.
     d='"epi_direct": true'
