@@ -137,16 +137,16 @@ def _mosaic_call(x, dy, w, slots, scalars, update_fn, *, interpret=False, varian
                                      interpret=interpret)
 
 
-def build_main_loop(p: bench.Problem, overrides: Optional[dict] = None) -> bench.Runner:
-  """The fused kernel as ``skip_compute`` (main loop + ring traffic); results not checked."""
-  call = functools.partial(_mosaic_call, variants=("skip_compute",), overrides=overrides)
+def build_diagnostic(p: bench.Problem, variant: str, overrides: Optional[dict] = None) -> bench.Runner:
+  """The fused kernel as a diagnostic ``variant`` (fused_dw_mosaic.DIAGNOSE_VARIANTS); its
+  results compute something else on purpose, so they are not checked."""
+  call = functools.partial(_mosaic_call, variants=(variant,), overrides=overrides)
   return bench.fused_builder(call)(p)._replace(result=None)
 
 
-def build_stream(p: bench.Problem, overrides: Optional[dict] = None) -> bench.Runner:
-  """The fused kernel as ``skip_mainloop`` (the W/state stream alone); results not checked."""
-  call = functools.partial(_mosaic_call, variants=("skip_mainloop",), overrides=overrides)
-  return bench.fused_builder(call)(p)._replace(result=None)
+# skip_compute: main loop + ring traffic; skip_mainloop: the W/state stream alone.
+build_main_loop = functools.partial(build_diagnostic, variant="skip_compute")
+build_stream = functools.partial(build_diagnostic, variant="skip_mainloop")
 
 
 def implementations(configs: Sequence[dict] = ()) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -23,3 +25,11 @@ def fast_cpu_compiles():
   jax.config.update("jax_disable_most_optimizations", True)
   yield
   jax.config.update("jax_disable_most_optimizations", saved)
+
+
+@pytest.fixture
+def fast_subprocess_compiles(monkeypatch):
+  """The same for the processes a test starts (XLA_FLAGS, which they read at start-up; the
+  numbers are float-identical here, and CPU step times are meaningless anyway)."""
+  flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())

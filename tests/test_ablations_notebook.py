@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
@@ -14,16 +13,13 @@ pytest.importorskip("ipykernel")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_ablations_notebook_runs(tmp_path, monkeypatch):
+def test_ablations_notebook_runs(tmp_path, monkeypatch, fast_subprocess_compiles):
+  del fast_subprocess_compiles  # the kernel's XLA_FLAGS: compilation dominates at this size
   monkeypatch.setenv("ABLATIONS_OUT", str(tmp_path / "runs"))
   monkeypatch.setenv("FORGE_DATA_CACHE", str(tmp_path / "data"))
   # The runs share their eval (forward) programs: compile each once.
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
   monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  # Compilation dominates at this size: skip LLVM's costly optimizations (the
-  # numbers are float-identical here, the CPU step times slower and meaningless anyway).
-  flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-  monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
   nb = nbformat.read(ROOT / "experiments" / "ablations.ipynb", as_version=4)
   assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
       "commit the notebook without outputs"

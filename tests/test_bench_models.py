@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 
 import pytest
 
@@ -23,10 +22,8 @@ TINY = ["--models", "tiny-qwen3", "--tokens", "16", "--steps", "1"]
 
 
 @pytest.fixture(autouse=True)
-def _fast_cpu_compiles(monkeypatch):
-  flags = os.environ.get("XLA_FLAGS", "")
-  monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_backend_optimization_level=0 "
-                     "--xla_llvm_disable_expensive_passes=true".strip())
+def _cpu_workers(monkeypatch, fast_subprocess_compiles):
+  del fast_subprocess_compiles  # (the workers' XLA_FLAGS)
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.delenv("BENCH_TAG", raising=False)
 
