@@ -583,6 +583,37 @@ case "$part" in
       --shapes 4096x4096 --state-dtype float32 --impls xla_gemm mosaic_stream mosaic_main_loop mosaic \
       --configs "$f32"
     ;;
+  copy)
+    # Issue #4 at T=1024, after stream (results/h200/mosaic_stream: the stream alone is 61-71% of
+    # the byte floor and no deeper ring helps). Where do the epilogue's microseconds go? Side by
+    # side: XLA's in-place rule on a zero gradient (xla_stream: what device memory gives an
+    # elementwise pass over the same bytes), the ring's TMA round trip with nothing read into
+    # registers (mosaic_copy: skip_mainloop + skip_compute), the stream with the rule
+    # (mosaic_stream), and the kernel; per config: 3 slots, 1 slot (no overlap at all), the same
+    # bytes per sub-tile as 128 rows (128x32 bf16 / 128x16 fp32), and half-width sub-tiles.
+    bf16='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"epi_slots": 1}, {"epi_m": 128, "epi_n": 32}, {"epi_n": 32}]'
+    f32='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"epi_slots": 1}, {"epi_m": 128, "epi_n": 16}, {"epi_n": 16}]'
+    step copy_bf16 280 python -m experiments.main_loop --out "$work/copy_bf16" --tokens 1024 \
+      --shapes 4096x4096 --impls xla_gemm xla_stream mosaic_copy mosaic_stream mosaic --configs "$bf16"
+    step copy_f32 280 python -m experiments.main_loop --out "$work/copy_f32" --tokens 1024 \
+      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_stream mosaic_copy mosaic_stream \
+      mosaic --configs "$f32"
+    ;;
+  wide)
+    # After copy (results/h200/mosaic_copy): the ring's TMA round trip alone is what bounds the
+    # stream (the rule adds 0-6%), it does not care for the ring's depth, and it halves with
+    # 64-byte rows (64x32 bf16, 128x32 bf16, 64x16 fp32) against 128-byte ones. Do rows of 256 bytes
+    # (the tile's whole width: 64x128 bf16, 64x64 fp32) stream faster, in one slot (the shared
+    # memory two would need is the main loop's)? 128x64 bf16 / 128x32 fp32: the same box bytes
+    # with 128-byte rows.
+    bf16='[{"epi_n": 128, "epi_slots": 1, "max_concurrent_steps": 3}, {"epi_n": 128, "epi_slots": 1, "max_concurrent_steps": 4}, {"epi_m": 128, "epi_n": 64, "epi_slots": 1, "max_concurrent_steps": 3}, {"epi_slots": 1}]'
+    f32='[{"epi_n": 64, "epi_slots": 1, "max_concurrent_steps": 3}, {"epi_n": 64, "epi_slots": 1, "max_concurrent_steps": 4}, {"epi_m": 128, "epi_n": 32, "epi_slots": 1, "max_concurrent_steps": 3}]'
+    step wide_bf16 280 python -m experiments.main_loop --out "$work/wide_bf16" --tokens 1024 4096 \
+      --shapes 4096x4096 --impls xla_gemm xla_stream mosaic_copy mosaic_stream mosaic --configs "$bf16"
+    step wide_f32 280 python -m experiments.main_loop --out "$work/wide_f32" --tokens 1024 \
+      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_stream mosaic_copy mosaic_stream \
+      mosaic --configs "$f32"
+    ;;
   head_order_unrolled)
     # The head barrier sits on every layer of an unrolled model: qwen3-1.7b unrolled at 8x1024
     # timed on the tree and on a copy without it, one after the other. (Session 15 gave each run

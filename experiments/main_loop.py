@@ -24,6 +24,12 @@ on the same bf16 ``x [T, K]`` and ``dy [T, N]``, side by side:
 * ``mosaic_stream``: the fused kernel as ``skip_mainloop`` (ping-pong only): no
   main loop and no x/dy loads, the whole epilogue on a zero accumulator, i.e.
   the W/state stream through the ring alone (results not checked);
+* ``mosaic_copy``: ``skip_mainloop`` with ``skip_compute``: the ring's TMA round
+  trip alone (each sub-tile loaded into its slot and stored back as loaded, nothing
+  read into registers; W and the states come back unchanged, not checked);
+* ``xla_stream``: XLA's in-place rule on a zero gradient (the rule of ``mosaic_stream``
+  on the same bytes, one donated jit, not checked): what device memory gives an
+  elementwise pass over W and the states outside our kernel;
 * ``mosaic``: the fused kernel as it is (checked against the reference).
 
 ``--configs`` adds, per entry ``i`` (MosaicTileConfig field overrides of the
@@ -73,7 +79,9 @@ import jax.numpy as jnp
 from experiments import _timing
 from experiments import bench_fused_dw as bench
 from experiments import check_mosaic_gpu
+from pallas_kernels import fused_dw
 from pallas_kernels import fused_dw_mosaic as fm
+from pallas_kernels import numerics
 
 TOKENS = (16384, 4096, 1024)
 SHAPES_KN = ((4096, 4096),)
@@ -89,8 +97,10 @@ MGPU_CONFIGS = {
     "mgpu_gemm_cluster": dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, grid_tile_width=8,
                               wg_dimension="N", cluster_dimension="M"),
 }
-IMPLS = ("xla_gemm", *MGPU_CONFIGS, "mosaic_main_loop", "mosaic_stream", "mosaic")
-_MOSAIC_IMPLS = ("mosaic_main_loop", "mosaic_stream", "mosaic")  # the rows --configs repeats
+IMPLS = ("xla_gemm", *MGPU_CONFIGS, "xla_stream", "mosaic_main_loop", "mosaic_stream", "mosaic_copy",
+         "mosaic")
+_MOSAIC_IMPLS = ("mosaic_main_loop", "mosaic_stream", "mosaic_copy", "mosaic")  # rows --configs repeats
+_NEEDS_PINGPONG = ("mosaic_stream", "mosaic_copy")  # skip_mainloop: not in --smoke's cooperative tiling
 
 
 def mgpu_tuning_config(fields: dict) -> Any:
@@ -137,26 +147,46 @@ def _mosaic_call(x, dy, w, slots, scalars, update_fn, *, interpret=False, varian
                                      interpret=interpret)
 
 
-def build_diagnostic(p: bench.Problem, variant: str, overrides: Optional[dict] = None) -> bench.Runner:
-  """The fused kernel as a diagnostic ``variant`` (fused_dw_mosaic.DIAGNOSE_VARIANTS); its
+def build_diagnostic(p: bench.Problem, variants: tuple[str, ...],
+                     overrides: Optional[dict] = None) -> bench.Runner:
+  """The fused kernel as the diagnostic ``variants`` (fused_dw_mosaic.DIAGNOSE_VARIANTS); its
   results compute something else on purpose, so they are not checked."""
-  call = functools.partial(_mosaic_call, variants=(variant,), overrides=overrides)
+  call = functools.partial(_mosaic_call, variants=variants, overrides=overrides)
   return bench.fused_builder(call)(p)._replace(result=None)
 
 
-# skip_compute: main loop + ring traffic; skip_mainloop: the W/state stream alone.
-build_main_loop = functools.partial(build_diagnostic, variant="skip_compute")
-build_stream = functools.partial(build_diagnostic, variant="skip_mainloop")
+# skip_compute: main loop + ring traffic; skip_mainloop: the W/state stream alone; both: the
+# ring's TMA round trip alone.
+build_main_loop = functools.partial(build_diagnostic, variants=("skip_compute",))
+build_stream = functools.partial(build_diagnostic, variants=("skip_mainloop",))
+build_copy = functools.partial(build_diagnostic, variants=("skip_mainloop", "skip_compute"))
+
+
+def _xla_stream_call(x, dy, w, slots, scalars, update_fn, *, interpret=False):
+  """The rule on a zero gradient in XLA (``fused_dw_update``'s signature; x and dy unused
+  beyond the zero, which XLA cannot fold away: fused_dw.zero_after)."""
+  del dy, interpret
+  g = jnp.broadcast_to(fused_dw.zero_after(x), w.shape)
+  w32, s32 = w.astype(jnp.float32), tuple(s.astype(jnp.float32) for s in slots)
+  u, new = update_fn(g, w32, s32, scalars)
+  return (numerics.store_cast(w32 + u, w.dtype),
+          tuple(numerics.store_cast(n, s.dtype) for n, s in zip(new, slots)), None)
+
+
+def build_xla_stream(p: bench.Problem) -> bench.Runner:
+  return bench.fused_builder(_xla_stream_call)(p)._replace(result=None)
 
 
 def implementations(configs: Sequence[dict] = ()) -> dict:
   """name -> builder; per ``--configs`` entry ``i``, ``name@i`` for each ``mosaic*`` row."""
-  impls = {"xla_gemm": bench.build_xla_gemm, "mosaic_main_loop": build_main_loop,
-           "mosaic_stream": build_stream, "mosaic": bench.fused_builder(_mosaic_call)}
+  impls = {"xla_gemm": bench.build_xla_gemm, "xla_stream": build_xla_stream,
+           "mosaic_main_loop": build_main_loop, "mosaic_stream": build_stream,
+           "mosaic_copy": build_copy, "mosaic": bench.fused_builder(_mosaic_call)}
   impls.update({name: build_mgpu_gemm(fields) for name, fields in MGPU_CONFIGS.items()})
   for i, overrides in enumerate(configs):
     impls[f"mosaic_main_loop@{i}"] = functools.partial(build_main_loop, overrides=overrides)
     impls[f"mosaic_stream@{i}"] = functools.partial(build_stream, overrides=overrides)
+    impls[f"mosaic_copy@{i}"] = functools.partial(build_copy, overrides=overrides)
     impls[f"mosaic@{i}"] = bench.fused_builder(functools.partial(_mosaic_call, overrides=overrides))
   return impls
 
@@ -171,9 +201,12 @@ def bench_shape(t: int, k: int, n: int, impls: Sequence[str], *, interpret: bool
   p = bench.make_problem(x, dy, w0, OPTIMIZER, interpret)
   reference = bench.reference_step(p)
   builders = implementations(configs)
+  # W and the states, read once and written once: what every row but the GEMMs moves.
+  state_bytes = 2 * sum(a.nbytes for a in (p.w0, *p.rule.init_slots(p.w0)))
   rows = []
   for impl in impls:
     row = bench.measure(impl, builders[impl], p, reference, timing)
+    row["state_bytes"] = state_bytes
     if impl.startswith("mosaic"):
       try:
         used = resolve_config(p.x, p.dy, p.w0, p.rule.init_slots(p.w0), interpret=interpret,
@@ -193,12 +226,15 @@ def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
       f"{info['state_dtype']} w/slots (`mosaic*` rows); `mgpu_gemm*` write bf16, `xla_gemm` float32.", "",
       f"Each cell: median ms per call ({info['timing']['iters']} back-to-back calls blocked once, median of "
       f"{info['timing']['repeats']}), TFLOP/s at 2TKN; "
-      "`vs xla_gemm`: the GEMM's time / this row's.", "",
+      "`vs xla_gemm`: the GEMM's time / this row's; `W/state TB/s`: W and the states read and "
+      "written once (2 x their bytes) / this row's time (for the GEMM rows, which move none of "
+      "them, a scale only).", "",
   ]
   if info.get("configs"):
     out += ["`@i`: the default tiling with `--configs` entry i replaced: "
             + "; ".join(f"{i}: `{json.dumps(c)}`" for i, c in enumerate(info["configs"])), ""]
-  out += ["| T x K x N | impl | config | status | ms | TF/s | vs xla_gemm |", "|---|---|---|---|---|---|---|"]
+  out += ["| T x K x N | impl | config | status | ms | TF/s | vs xla_gemm | W/state TB/s |",
+          "|---|---|---|---|---|---|---|---|"]
   by_shape: dict[str, dict[str, dict]] = {}
   for row in rows:
     by_shape.setdefault(row["shape"], {})[row["impl"]] = row
@@ -210,11 +246,12 @@ def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
         continue
       cfg = row.get("config", "")
       if "ms" not in row:
-        out.append(f"| {shape} | {impl} | {cfg} | {row['status']}: {row.get('error', '')[:160]} | - | - | - |")
+        out.append(f"| {shape} | {impl} | {cfg} | {row['status']}: {row.get('error', '')[:160]} | - | - | - | - |")
         continue
       ratio = f"{base['ms'] / row['ms']:.2f}x" if "ms" in base else "-"
+      tbs = f"{row['state_bytes'] / (row['ms'] * 1e-3) / 1e12:.2f}" if "state_bytes" in row else "-"
       out.append(f"| {shape} | {impl} | {cfg} | {row['status']} | {row['ms']:.3f} | {row['tflops']:.0f} | "
-                 f"{ratio} |")
+                 f"{ratio} | {tbs} |")
   return "\n".join(out) + "\n"
 
 
@@ -238,9 +275,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   tokens = args.tokens or ([128] if args.smoke else list(TOKENS))
   shapes = ([bench._parse_kn(s) for s in args.shapes] if args.shapes  # pylint: disable=protected-access
             else [(128, 256)] if args.smoke else list(SHAPES_KN))
-  # (--smoke's tiling is cooperative: no mosaic_stream row there, which needs ping-pong)
+  # (--smoke's tiling is cooperative: no skip_mainloop rows there, which need ping-pong)
   impls = args.impls or [i for i in IMPLS
-                         if not (args.smoke and (i.startswith("mgpu") or i == "mosaic_stream"))]
+                         if not (args.smoke and (i.startswith("mgpu") or i in _NEEDS_PINGPONG))]
   try:
     configs = json.loads(args.configs) if args.configs else []
     if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):

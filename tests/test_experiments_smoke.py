@@ -12,6 +12,7 @@ import pathlib
 import re
 
 import jax
+import numpy as np
 import optax
 
 import pytest
@@ -242,19 +243,33 @@ def test_main_loop_script_runs_and_its_gemm_configs_lower(tmp_path, monkeypatch)
   p = bench_fused_dw.make_problem(x, dy, w0, "adamw", interpret=True)
   runner = main_loop.build_main_loop(p)
   assert bool(jnp.array_equal(runner.step(runner.init())[0], w0))  # loaded and stored back untouched
+  # xla_stream is the rule's step from a zero gradient, in place (what mosaic_stream computes):
+  # from nonzero states, so that the step moves them.
+  slots = tuple(jnp.abs(w0) * (i + 1) for i in range(2))  # AdamW's m, v
+  scalars = p.rule.scalars(jnp.int32(3))
+  got = main_loop._xla_stream_call(x, dy, w0, slots, scalars, p.rule.update)  # pylint: disable=protected-access
+  want = fused_dw.fused_dw_update_reference(x, jnp.zeros_like(dy), w0, slots, scalars, p.rule.update)
+  for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert not bool(jnp.array_equal(got[0], w0)) and not bool(jnp.array_equal(got[1][0], slots[0]))
   # The real kernel, by contrast, does update W: main()'s "mosaic" row below is "ok" only if its
   # update (w - w0) matches the reference's to bench_fused_dw.tolerances (w == w0 fails that).
   # A --configs entry that does not fit the shape: error rows naming why, the others still run.
-  assert main_loop.main(["--smoke", "--impls", "xla_gemm", "mosaic_main_loop", "mosaic",
+  assert main_loop.main(["--smoke", "--impls", "xla_gemm", "xla_stream", "mosaic_main_loop", "mosaic",
                          "--configs", '[{"tile_n": 96}]', "--out", str(tmp_path)]) == 0
   rows = json.loads((tmp_path / "main_loop.json").read_text())["rows"]
   assert [(r["impl"], r["status"]) for r in rows] == [
-      ("xla_gemm", "ok"), ("mosaic_main_loop", "ok"), ("mosaic", "ok"), ("mosaic_main_loop@0", "error"),
-      ("mosaic@0", "error")], rows
-  assert "err_update" in rows[2] and "err_update" not in rows[1]
-  assert rows[2]["err_update"] <= bench_fused_dw.tolerances(jnp.bfloat16)[0], rows[2]
-  assert "tile_n=96 must be a multiple of 64" in rows[3]["error"]
-  assert "| mosaic | coop 64x64x64 st2 epi64x16/2" in (tmp_path / "main_loop.md").read_text()
+      ("xla_gemm", "ok"), ("xla_stream", "ok"), ("mosaic_main_loop", "ok"), ("mosaic", "ok"),
+      ("mosaic_main_loop@0", "error"), ("mosaic@0", "error")], rows
+  assert "err_update" in rows[3] and "err_update" not in rows[2]
+  assert rows[3]["err_update"] <= bench_fused_dw.tolerances(jnp.bfloat16)[0], rows[3]
+  assert "tile_n=96 must be a multiple of 64" in rows[4]["error"]
+  # W and the states (bf16 w, m, v of 128x256), read and written once.
+  assert rows[1]["state_bytes"] == 2 * 3 * 128 * 256 * 2
+  table = (tmp_path / "main_loop.md").read_text()
+  assert "| mosaic | coop 64x64x64 st2 epi64x16/2" in table
+  ms = rows[1]["ms"]
+  assert f"| {ms:.3f} | {rows[1]['tflops']:.0f} | {rows[0]['ms'] / ms:.2f}x | {rows[1]['state_bytes'] / ms / 1e9:.2f} |" in table
   with pytest.raises(SystemExit):
     main_loop.main(["--smoke", "--configs", '[{"bogus": 1}]', "--out", str(tmp_path)])
 

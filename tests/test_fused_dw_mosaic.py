@@ -814,20 +814,23 @@ def diagnose(monkeypatch):
 
 
 @pytest.mark.parametrize("variant, direct", [(v, False) for v in fm.DIAGNOSE_VARIANTS]
-                         + [("skip_reads", True)])
+                         + [("skip_reads", True), ("skip_mainloop+skip_compute", False)])
 def test_diagnostic_variants_compute_what_they_say(variant, direct, diagnose):
   """The profiler's diagnostic epilogues (fused_dw_mosaic._DIAGNOSE) under the interpreter:
   "skip_reads" is the rule's step from w = 1 and states = 1 (with the ring, and with epi_direct's
   reads from device memory); "skip_rule" adds the gradient tile to w and writes the states back
   unchanged; "skip_compute" stores W and the states back as loaded; "skip_mainloop" (ping-pong)
-  is the rule's step from a zero gradient. The real kernel's results differ from all four."""
+  is the rule's step from a zero gradient, and with "skip_compute" (experiments.main_loop's
+  ``mosaic_copy``: the ring's TMA round trip alone) leaves W and the states as they were. The real
+  kernel's results differ from all of them."""
   rule = _rules()["adamw"]
   x, dy, w, slots = _inputs(14, 128, 128, 256, rule, w_dtype=BF16, slot_dtype=BF16)
-  diagnose(variant)
+  variants = variant.split("+")
+  diagnose(*variants)
   scalars = rule.scalars(jnp.int32(3))
   update_fn = functools.partial(rule.update, decay=True)
   config = dataclasses.replace(SMALL, epi_direct=direct)
-  if variant == "skip_mainloop":
+  if "skip_mainloop" in variants:
     config = dataclasses.replace(config, schedule="pingpong", mma_in_flight=True)
   kernel = jax.jit(functools.partial(fm.fused_dw_update_mosaic, update_fn=update_fn, config=config,
                                      interpret=True))
