@@ -614,6 +614,18 @@ case "$part" in
       --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_stream mosaic_copy mosaic_stream \
       mosaic --configs "$f32"
     ;;
+  shared)
+    # Issue #4 after wide (results/h200/mosaic_stream): the new epi_shared_ring knob (one W/state
+    # ring for both warpgroups, the next tile's sub-tiles loaded by this tile's epilogue) at the
+    # default tiling, with one slot per warpgroup and 5 stages, and with 256-byte rows (64x128
+    # bf16 / 64x64 fp32 sub-tiles, two shared slots), against XLA's GEMM + optax (#4's baseline).
+    bf16='[{"epi_shared_ring": true}, {"epi_shared_ring": true, "epi_slots": 1, "max_concurrent_steps": 5}, {"epi_shared_ring": true, "epi_n": 128, "epi_slots": 1, "max_concurrent_steps": 4}]'
+    f32='[{"epi_shared_ring": true}, {"epi_shared_ring": true, "epi_n": 64, "epi_slots": 1}]'
+    step shared_bf16 300 python -m experiments.main_loop --out "$work/shared_bf16" --tokens 1024 4096 16384 \
+      --shapes 4096x4096 --impls xla_gemm xla_optax mosaic --configs "$bf16"
+    step shared_f32 200 python -m experiments.main_loop --out "$work/shared_f32" --tokens 1024 4096 \
+      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic --configs "$f32"
+    ;;
   head_order_unrolled)
     # The head barrier sits on every layer of an unrolled model: qwen3-1.7b unrolled at 8x1024
     # timed on the tree and on a copy without it, one after the other. (Session 15 gave each run

@@ -12,6 +12,8 @@ puts both warpgroups on one 128x256 tile: 85 FLOP per byte. Per implementation,
 on the same bf16 ``x [T, K]`` and ``dy [T, N]``, side by side:
 
 * ``xla_gemm``: ``jnp.dot(x.T, dy)`` with float32 output (cuBLAS);
+* ``xla_optax``: that GEMM + optax's update in one donated jit (issue #4's baseline,
+  checked against the reference);
 * ``mgpu_gemm``: ``hopper_matmul_mgpu`` on ``x.T`` (transposed once, outside
   the timed call) and ``dy``, bf16 output, its best config of FINDINGS: 128x128
   per warpgroup, both on one 128x256 tile, 4 stages;
@@ -97,7 +99,7 @@ MGPU_CONFIGS = {
     "mgpu_gemm_cluster": dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, grid_tile_width=8,
                               wg_dimension="N", cluster_dimension="M"),
 }
-IMPLS = ("xla_gemm", *MGPU_CONFIGS, "xla_stream", "mosaic_main_loop", "mosaic_stream", "mosaic_copy",
+IMPLS = ("xla_gemm", "xla_optax", *MGPU_CONFIGS, "xla_stream", "mosaic_main_loop", "mosaic_stream", "mosaic_copy",
          "mosaic")
 _MOSAIC_IMPLS = ("mosaic_main_loop", "mosaic_stream", "mosaic_copy", "mosaic")  # rows --configs repeats
 _NEEDS_PINGPONG = ("mosaic_stream", "mosaic_copy")  # skip_mainloop: not in --smoke's cooperative tiling
@@ -179,7 +181,8 @@ def build_xla_stream(p: bench.Problem) -> bench.Runner:
 
 def implementations(configs: Sequence[dict] = ()) -> dict:
   """name -> builder; per ``--configs`` entry ``i``, ``name@i`` for each ``mosaic*`` row."""
-  impls = {"xla_gemm": bench.build_xla_gemm, "xla_stream": build_xla_stream,
+  impls = {"xla_gemm": bench.build_xla_gemm, "xla_optax": bench.build_xla_optax,
+           "xla_stream": build_xla_stream,
            "mosaic_main_loop": build_main_loop, "mosaic_stream": build_stream,
            "mosaic_copy": build_copy, "mosaic": bench.fused_builder(_mosaic_call)}
   impls.update({name: build_mgpu_gemm(fields) for name, fields in MGPU_CONFIGS.items()})

@@ -236,6 +236,18 @@ class MosaicTileConfig:
       0.903 against 0.785 at T=16384; fp32 0.180 against 0.154 at T=1024,
       0.280 against 0.277 at T=4096. Each sub-tile's loads wait for device
       memory, where the ring's TMA copies overlap the arithmetic.
+    epi_shared_ring: ``"pingpong"`` only: the two compute warpgroups' rings
+      become one ring of ``2 * epi_slots`` slots (the same shared memory)
+      that a block's tiles stream through in order. Each slot is refilled,
+      once its store has left it, with the sub-tile ``2 * epi_slots`` ahead,
+      which near a tile's end is the next tile's, owned by the other
+      warpgroup: so a tile's first sub-tiles are loaded while the previous
+      tile's epilogue finishes and its own main loop runs, and the epilogue
+      in progress (one at a time in ping-pong) has all slots ahead of it
+      instead of half. Needs the sub-tiles per tile to be a multiple of
+      ``2 * epi_slots``, no store buffers, no ``epi_direct``, no L2
+      lookahead and ``cluster_n=1``. Same results. Off by default: not yet
+      timed on the H200.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -261,6 +273,7 @@ class MosaicTileConfig:
   cluster_n: int = 1
   pipeline_across_tiles: bool = False
   epi_direct: bool = False
+  epi_shared_ring: bool = False
   num_sms: Optional[int] = None
 
 
@@ -390,6 +403,23 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
   if cfg.pipeline_across_tiles and cfg.schedule != "cooperative":
     return ("pipeline_across_tiles=True needs schedule='cooperative' (the ping-pong ring "
             "already runs across tiles)")
+  if cfg.epi_shared_ring:
+    sub_tiles = (cfg.tile_m // cfg.epi_m) * (cfg.tile_n // cfg.epi_n)
+    shared = _NUM_COMPUTE_WGS * cfg.epi_slots
+    if cfg.schedule != "pingpong":
+      return ("epi_shared_ring=True needs schedule='pingpong' (the warpgroups take turns at "
+              "whole tiles there)")
+    if sub_tiles % shared:
+      return (f"epi_shared_ring=True needs the {sub_tiles} epilogue sub-tiles of a "
+              f"{cfg.tile_m}x{cfg.tile_n} tile to be a multiple of 2 x epi_slots = {shared}: "
+              "lower epi_slots or the sub-tile")
+    for name in ("epi_out_slots", "epi_l2_lookahead"):
+      if getattr(cfg, name):
+        return f"epi_shared_ring=True needs {name}=0 (got {getattr(cfg, name)})"
+    if cfg.epi_direct:
+      return "epi_shared_ring=True needs epi_direct=False (it is a ring)"
+    if cfg.cluster_n != 1:
+      return f"epi_shared_ring=True needs cluster_n=1 (got {cfg.cluster_n})"
   if cfg.cluster_n > 1 and cfg.num_sms is not None and cfg.num_sms % cfg.cluster_n:
     return f"cluster_n={cfg.cluster_n} needs num_sms={cfg.num_sms} to be a multiple of it"
   return None
@@ -852,6 +882,30 @@ class _Epilogue:
   def depth(self) -> int:
     return _ring_depth(self.plan.cfg)
 
+  @property
+  def shared(self) -> bool:
+    return self.plan.cfg.epi_shared_ring
+
+  @property
+  def slots_ahead(self) -> int:
+    """Ring slots this warpgroup's sub-tiles cycle through: its own ``depth``, or with
+    ``epi_shared_ring`` both warpgroups' (one ring for the block's tiles in order)."""
+    return _NUM_COMPUTE_WGS * self.depth if self.shared else self.depth
+
+  def _ring_at(self, slot: int) -> tuple:
+    """Index of ring slot ``slot`` in the ``[warpgroup, depth]`` ring arrays."""
+    if self.shared:
+      return divmod(slot, self.depth)  # the shared ring spans both warpgroups' halves
+    return self.wg_idx, slot
+
+  def _ready(self, slot: int, owner=None):
+    """The barrier a fill of ``slot`` for a sub-tile of ``owner``'s (default: this
+    warpgroup's) tile arrives on. Shared ring: one per (owner, slot), so that each warpgroup
+    waits on every completion of the barriers it waits on (Mosaic GPU tracks their parity per
+    thread)."""
+    owner = self.wg_idx if owner is None else owner
+    return self.ring_ready.at[owner * self.slots_ahead + slot]
+
   def _window(self, j: int, row0, col0):
     r, c = self.plan.sub_tiles[j]
     return (pl.ds(row0 + r, self.plan.cfg.epi_m), pl.ds(col0 + c, self.plan.cfg.epi_n))
@@ -865,8 +919,9 @@ class _Epilogue:
   def _slot_refs(self, rings, slot: int) -> list:
     """Each optimizer slot's buffer in ring slot ``slot`` of ``rings``: one ref for a float
     slot, ``(codes, scales)`` for an int8 one."""
-    return [tuple(part.at[self.wg_idx, slot] for part in ring) if isinstance(ring, tuple)
-            else ring.at[self.wg_idx, slot] for ring in rings]
+    a, b = self._ring_at(slot)
+    return [tuple(part.at[a, b] for part in ring) if isinstance(ring, tuple)
+            else ring.at[a, b] for ring in rings]
 
   def _slot_copies(self, j: int, row0, col0, s_refs):
     """``(shared-memory buffer, device-memory window)`` of sub-tile ``j`` for every stored
@@ -879,11 +934,13 @@ class _Epilogue:
       else:
         yield ref, gmem.at[win]
 
-  def _fetch(self, j: int, row0, col0) -> None:
-    slot = j % self.depth
-    barrier = self.ring_ready.at[self.wg_idx * self.depth + slot]
-    plgpu.copy_gmem_to_smem(self.w_gmem.at[self._window(j, row0, col0)], self.w_ring.at[self.wg_idx, slot],
-                            barrier)
+  def _fetch(self, j: int, row0, col0, owner=None) -> None:
+    """Loads sub-tile ``j`` of the tile at ``row0, col0`` (``owner``'s: default this
+    warpgroup's) into its ring slot."""
+    slot = j % self.slots_ahead
+    barrier = self._ready(slot, owner)
+    plgpu.copy_gmem_to_smem(self.w_gmem.at[self._window(j, row0, col0)],
+                            self.w_ring.at[self._ring_at(slot)], barrier)
     for smem, gmem in self._slot_copies(j, row0, col0, self._slot_refs(self.slot_rings, slot)):
       plgpu.copy_gmem_to_smem(gmem, smem, barrier)
 
@@ -895,11 +952,35 @@ class _Epilogue:
   def begin(self, row0, col0) -> None:
     if self.plan.cfg.epi_direct:
       return  # no ring: the epilogue reads device memory itself
+    if self.shared:
+      return  # filled by the previous tile's epilogue (the block's first tile: fill_first)
     if not self.out_depth:
       # The previous tile's stores must have left the ring before it is refilled.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for j in range(self.depth):
       self._fetch(j, row0, col0)  # lands while the main loop runs
+
+  def _refill_shared(self, j: int, row0, col0, next_tile) -> None:
+    """Shared ring: once sub-tile ``j``'s results have left its slot, load the sub-tile
+    ``slots_ahead`` further on in the block's order: this tile's, or the next tile's (for
+    the other warpgroup, if there is a next tile)."""
+    with _region("epi_store_read"):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    ahead = j + self.slots_ahead
+    sub_tiles = len(self.plan.sub_tiles)
+    with _region("epi_refill"):
+      if ahead < sub_tiles:
+        self._fetch(ahead, row0, col0)
+      else:
+        exists, next_row0, next_col0 = next_tile
+        other = _NUM_COMPUTE_WGS - 1 - self.wg_idx
+        pl.when(exists)(lambda: self._fetch(ahead - sub_tiles, next_row0, next_col0, owner=other))
+
+  def fill_first(self, row0, col0) -> None:
+    """Shared ring: the block's first tile's first sub-tiles (warpgroup 0's), loaded once
+    before anything else runs."""
+    for j in range(self.slots_ahead):
+      self._fetch(j, row0, col0, owner=0)
 
   def prefetch_l2(self, row0, col0) -> None:
     cfg = self.plan.cfg
@@ -950,7 +1031,9 @@ class _Epilogue:
     codes_ref[...] = codes.astype(codes_ref.dtype)
     scale_ref[...] = scale
 
-  def finish(self, acc, row0, col0, norm_block, norm_row0) -> None:
+  def finish(self, acc, row0, col0, norm_block, norm_row0, next_tile=None) -> None:
+    """The tile's epilogue. ``next_tile``: ``(exists, row0, col0)`` of the block's next tile
+    (the other warpgroup's), whose first sub-tiles a shared ring loads from here."""
     plan, cfg = self.plan, self.plan.cfg
     scalars = jax.tree.unflatten(
         self.scalars_treedef, [self.sc_gmem[i] for i in range(plan.num_scalars)]
@@ -980,10 +1063,10 @@ class _Epilogue:
         reads = lambda: (load_direct(self.w_gmem, win),
                          tuple(load_direct(g, win) for g in self.slot_gmems))
       else:
-        slot = j % self.depth
+        slot = j % self.slots_ahead
         with _region("epi_wait"):
-          plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * self.depth + slot])
-        w_ref = self.w_ring.at[self.wg_idx, slot]
+          plgpu.barrier_wait(self._ready(slot))
+        w_ref = self.w_ring.at[self._ring_at(slot)]
         s_refs = self._slot_refs(self.slot_rings, slot)
         # Reads of tiled, swizzled SMEM come back in the WGMMA layout, the
         # accumulator's, so the rule's arithmetic needs no relayout.
@@ -1054,7 +1137,9 @@ class _Epilogue:
         plgpu.commit_smem_to_gmem_group()
         if ahead:
           self._prefetch_sub_l2(j + self.depth + ahead, row0, col0)
-      if j + self.depth < len(plan.sub_tiles):
+      if self.shared:
+        self._refill_shared(j, row0, col0, next_tile)
+      elif j + self.depth < len(plan.sub_tiles):
         if not self.out_depth:
           # Refill this slot once its results have been read out.
           with _region("epi_store_read"):
@@ -1096,7 +1181,9 @@ def _fused_kernel(
       # One arrival per TMA copy into a ring slot: W, each slot, each int8 slot's scales.
       ring_ready=plgpu.Barrier(
           num_arrivals=1 + plan.num_slots + sum(c is not None for c in plan.codecs),
-          num_barriers=_NUM_COMPUTE_WGS * _ring_depth(cfg),
+          # (a shared ring: one per owner warpgroup and slot of both halves)
+          num_barriers=_NUM_COMPUTE_WGS * _ring_depth(cfg) * (
+              _NUM_COMPUTE_WGS if cfg.epi_shared_ring else 1),
       ) if ring else None,
       norm_smem=(
           plgpu.SMEM((_NUM_COMPUTE_WGS, cfg.tile_m), jnp.float32) if plan.with_norm else None
@@ -1341,6 +1428,9 @@ def _pingpong_body(
       xt = xt_smem.at[wg_idx] if plan.interpreting else None
       # Tiles wg_idx, wg_idx + 2, ... of this block's list.
       num_mine = lax.div(num_local - wg_idx + (_NUM_COMPUTE_WGS - 1), _NUM_COMPUTE_WGS)
+      if cfg.epi_shared_ring:  # the block's first tile's sub-tiles; later ones load each other's
+        pl.when((wg_idx == 0) & (num_local > 0))(
+            lambda: epi.fill_first(*tile_origin(*tile_coords(0), 0)))
 
       @pl.loop(0, num_mine)
       def _tile(j):
@@ -1377,8 +1467,12 @@ def _pingpong_body(
           with _region("mainloop"):
             if not skip_mainloop:  # (else the accumulator stays zero)
               _main_loop(acc_ref)
+          next_tile = None
+          if cfg.epi_shared_ring:
+            next_tile = (i + 1 < num_local, *tile_origin(*tile_coords(i + 1), 1 - wg_idx))
           with _region("epilogue"):
-            epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m)
+            epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m,
+                       next_tile=next_tile)
 
     # All results must be in device memory before the kernel exits.
     plgpu.wait_smem_to_gmem(0)

@@ -186,6 +186,39 @@ def test_whole_tile_ring_matches_reference():
   _assert_matches_reference_with_norm(x, dy, w, slots, rule, cfg)
 
 
+@pytest.mark.parametrize("epi_slots, k, state_dtype", [(1, 128, BF16), (2, 128, F32), (2, 192, BF16)])
+def test_shared_ring_matches_reference(epi_slots, k, state_dtype):
+  """epi_shared_ring: one ring of 2 x epi_slots slots for both warpgroups, each slot refilled
+  with the sub-tile 2 x epi_slots ahead in the block's order, which near a tile's end is the
+  next tile's (the other warpgroup's). 64x64 tiles of 4 sub-tiles on 2 blocks: K=128 gives 4
+  tiles per block (the ring passes between the warpgroups three times), K=192 gives 6 and 6
+  with 2 slots, i.e. every fill of a tile's sub-tiles from the other warpgroup's epilogue."""
+  rule = _rules()["adamw"]
+  cfg = fm.MosaicTileConfig(schedule="pingpong", tile_m=64, tile_n=64, max_concurrent_steps=2,
+                            epi_n=16, epi_slots=epi_slots, num_sms=2, mma_in_flight=True,
+                            epi_shared_ring=True)
+  x, dy, w, slots = _inputs(8, 128, k, 256, rule, w_dtype=state_dtype, slot_dtype=state_dtype)
+  _assert_matches_reference_with_norm(x, dy, w, slots, rule, cfg)
+
+
+def test_shared_ring_config_problems():
+  """What epi_shared_ring cannot take is named, with the fix."""
+  base = fm.MosaicTileConfig(schedule="pingpong", tile_m=64, tile_n=64, max_concurrent_steps=2,
+                             epi_n=16, epi_slots=2, epi_shared_ring=True)
+  assert fm._config_problem(base) is None
+  cases = {
+      "needs schedule='pingpong'": dict(schedule="cooperative"),
+      "the 4 epilogue sub-tiles of a 64x64 tile to be a multiple of 2 x epi_slots = 6": dict(epi_slots=3),
+      "needs epi_out_slots=0 (got 2)": dict(epi_out_slots=2, no_auto_barriers=False),
+      "needs epi_l2_lookahead=0 (got 2)": dict(epi_l2_lookahead=2),
+      "needs epi_direct=False": dict(epi_direct=True),
+      "needs cluster_n=1 (got 2)": dict(cluster_n=2),
+  }
+  for want, change in cases.items():
+    problem = fm._config_problem(dataclasses.replace(base, **change))
+    assert problem is not None and want in problem, (change, problem)
+
+
 def test_pipeline_across_tiles_applies_where_jax_allows():
   """pipeline_across_tiles runs a block's cooperative tiles as one pipeline of pipelines (START,
   STEADY..., STOP) where every block gets two tiles or more and the stages divide the steps;
@@ -262,6 +295,7 @@ def _all_rules():
     + [("adamw", dt, "across_tiles") for dt in (F32, BF16)]
     + [(name, dt, "pingpong_tuned") for name in ("adamw", "sgd") for dt in (F32, BF16)]
     + [("adamw", dt, "out_slots") for dt in (F32, BF16)]
+    + [("adamw", dt, "shared_ring") for dt in (F32, BF16)]
     + [(name, F32, "approx") for name in ("adamw", "nadamw", "radam", "rmsprop_centered_momentum", "adagrad")],
 )
 def test_lowers_for_cuda(name, state_dtype, schedule):
@@ -286,6 +320,8 @@ def test_lowers_for_cuda(name, state_dtype, schedule):
         schedule="pingpong", max_concurrent_steps=3, epi_n=16, num_sms=132, mma_in_flight=True,
         epi_out_slots=2,
     )
+  elif schedule == "shared_ring":  # one epilogue ring for both warpgroups, at the default tiling
+    config = dataclasses.replace(config, epi_shared_ring=True)
   elif schedule == "approx":  # approximate math (a sweep knob)
     config = dataclasses.replace(config, approx_math=True)
   kernel = jax.jit(functools.partial(
@@ -296,8 +332,8 @@ def test_lowers_for_cuda(name, state_dtype, schedule):
   ).as_text()
   text = lower(kernel)
   assert "mosaic_gpu" in text
-  if schedule == "across_tiles":  # the knob changes the kernel
-    off = dataclasses.replace(config, pipeline_across_tiles=False)
+  if schedule in ("across_tiles", "shared_ring"):  # the knob changes the kernel
+    off = dataclasses.replace(config, pipeline_across_tiles=False, epi_shared_ring=False)
     assert text != lower(jax.jit(functools.partial(
         fm.fused_dw_update_mosaic, update_fn=rule.update, compute_grad_sq_norm=True, config=off)))
 
