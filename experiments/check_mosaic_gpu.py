@@ -764,6 +764,10 @@ def cfg_text(cfg) -> str:
     text += f" cl{get('cluster_n')}"
   if get("pipeline_across_tiles", False):
     text += " xt"
+  if get("epi_direct", False):
+    text += " direct"
+  if get("epi_shared_ring", False):
+    text += " shr"
   return text
 
 

@@ -459,8 +459,14 @@ case "$part" in
       --layers 2 --impls forge forge_xla forge_int8 --layouts scanned
     ;;
   compile_first)
+    # The same four rows compiled from shapes before the state exists (--compile-first) and, side
+    # by side, next to the resident state (the default): peak minus XLA's plan says what the GEMM
+    # autotuner's buffers add to each.
     step compile_first 230 python -m experiments.bench_models --out "$work/compile_first" \
       --models llama-3.1-8b --impls optax,forge,forge_xla,forge_int8 --compile-first --timeout 100 \
+      --time-budget 220
+    step compile_next 230 python -m experiments.bench_models --out "$work/compile_next" \
+      --models llama-3.1-8b --impls optax,forge,forge_xla,forge_int8 --timeout 100 \
       --time-budget 220
     ;;
   capacity_prealloc)
@@ -625,6 +631,22 @@ case "$part" in
       --shapes 4096x4096 --impls xla_gemm xla_optax mosaic --configs "$bf16"
     step shared_f32 200 python -m experiments.main_loop --out "$work/shared_f32" --tokens 1024 4096 \
       --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic --configs "$f32"
+    ;;
+  shared_profile)
+    # After shared (results/h200/mosaic_shared: correct, no faster): where does the epilogue's
+    # time go once its loads are issued a tile ahead? Profiles at T=1024 of the default tiling
+    # and of the same with epi_shared_ring (bf16: 64x64 sub-tiles, 2 slots each; fp32: 64x32, and
+    # the shared ring's best fp32 row, 64x64 in one slot each).
+    # (3 stages, one fewer than the kernel runs with: the profiler's buffer takes shared memory.)
+    ping="\"schedule\": \"pingpong\", \"max_concurrent_steps\": 3, \"epi_l2_lookahead\": 0, \"l2_prefetch_steps\": 0, \"mma_in_flight\": true, \"no_auto_barriers\": true"
+    step prof_bf16 110 python -m experiments.profile_mosaic --out "$work/prof_bf16" --no-traces \
+      --problems 1024x4096x4096 --storage bf16_rtn_bf16 --config-json "{$ping, \"epi_n\": 64}"
+    step prof_bf16_shr 110 python -m experiments.profile_mosaic --out "$work/prof_bf16_shr" --no-traces \
+      --problems 1024x4096x4096 --storage bf16_rtn_bf16 --config-json "{$ping, \"epi_n\": 64, \"epi_shared_ring\": true}"
+    step prof_f32 110 python -m experiments.profile_mosaic --out "$work/prof_f32" --no-traces \
+      --problems 1024x4096x4096 --storage fp32 --config-json "{$ping, \"epi_n\": 32}"
+    step prof_f32_shr 110 python -m experiments.profile_mosaic --out "$work/prof_f32_shr" --no-traces \
+      --problems 1024x4096x4096 --storage fp32 --config-json "{$ping, \"epi_n\": 64, \"epi_slots\": 1, \"epi_shared_ring\": true}"
     ;;
   head_order_unrolled)
     # The head barrier sits on every layer of an unrolled model: qwen3-1.7b unrolled at 8x1024
