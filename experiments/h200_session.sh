@@ -56,17 +56,15 @@
 # head_order_check (head_barrier: with the head's dX waiting for its update, forge_int8 runs 136
 # sequences) and check_mosaic_gpu --quick inline (mosaic_quick15: 21/21).
 #
-# Its head_order_unrolled timed out (results/h200/head_barrier/unrolled_timeout); rerun it with the
-# longer limits now in the part.
+# Its head_order_unrolled timed out (results/h200/head_barrier/unrolled_timeout).
+#
+# Session 16 (2026-12-01) ran stream, head_order_unrolled, copy, wide (results/h200/mosaic_stream:
+# the W/state stream alone is the ring's TMA round trip; head_barrier/unrolled: the barrier costs
+# nothing), shared and shared_profile (mosaic_shared: epi_shared_ring correct, not faster; the
+# first shared_profile call asked for 4 stages and overflowed shared memory, the part now asks for
+# 3) and compile_first (compile_first: compiling first puts the peak at XLA's plan).
 #
 # Next:
-#   bash experiments/h200_session.sh stream         # [480 s] issue #4: the W/state ring's stream alone
-#                                                   #   (skip_mainloop) against its depth, T=1024
-#   bash experiments/h200_session.sh head_order_unrolled   # [560 s] the barrier's cost unrolled
-#   bash experiments/h200_session.sh compile_first  # [230 s] Llama-3.1-8B optax, forge, forge_xla and
-#                                                   #   forge_int8 compiled before their state exists (as
-#                                                   #   experiments.train does): does the xla route lose
-#                                                   #   its 2.04 GiB of autotuning above the plan?
 #   bash experiments/h200_session.sh xla_route_fusions   # [200 s] the "xla" route's compiled HLO at 2
 #                                                   #   layers (gzipped, with forge's for reference): what
 #                                                   #   its 896 dynamic-update-slice kernel calls (45.8 ms) and
@@ -80,8 +78,10 @@
 # Parts run before (kept to repeat them):
 #   bash experiments/h200_session.sh plans|capacity_lanes|edges32|over_edges   # session 13's parts
 #   bash experiments/h200_session.sh capacity_rest|capacity_rest2|edges14|whole_tile   # session 14's
-#   bash experiments/h200_session.sh across_tiles|producer|direct|int8_jump|clip_jump|head_order|head_order_check|head_order_unrolled
+#   bash experiments/h200_session.sh across_tiles|producer|direct|int8_jump|clip_jump|head_order|head_order_check
 #                                               # session 15's
+#   bash experiments/h200_session.sh stream|head_order_unrolled|copy|wide|shared|shared_profile|compile_first
+#                                               # session 16's
 #   (The parts model_32b, landed, capacity_all, capacity_plan and capacity_edges, planned in session
 #   12, were removed in session 13: their steps ran inside plans, edges32 and over_edges, or are
 #   replaced by capacity_lanes, capacity_rest and prealloc_row.)

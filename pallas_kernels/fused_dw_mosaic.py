@@ -246,8 +246,13 @@ class MosaicTileConfig:
       in progress (one at a time in ping-pong) has all slots ahead of it
       instead of half. Needs the sub-tiles per tile to be a multiple of
       ``2 * epi_slots``, no store buffers, no ``epi_direct``, no L2
-      lookahead and ``cluster_n=1``. Same results. Off by default: not yet
-      timed on the H200.
+      lookahead and ``cluster_n=1``. Same results. Off by default: not
+      faster on the H200 (AdamW 4096x4096, results/h200/mosaic_shared/): bf16
+      0.114 ms against the default's 0.111 at T=1024, 0.224 against 0.223 at
+      T=4096, 0.806 against 0.774 at T=16384; fp32 0.161 against 0.156 at
+      T=1024 (0.150 with 64x64 sub-tiles in one slot each, which is 0.289
+      against 0.275 at T=4096). The epilogue outlasts the main loop, so one
+      warpgroup's epilogue waits for slots the other's still holds.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
