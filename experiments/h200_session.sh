@@ -65,6 +65,9 @@
 # 3) and compile_first (compile_first: compiling first puts the peak at XLA's plan).
 #
 # Next:
+#   bash experiments/h200_session.sh ncu            # [560 s] issue #4: Nsight Compute counters of the
+#                                                   #   kernel and its variants beside XLA's (L2 hits,
+#                                                   #   DRAM bytes, stall reasons per SASS instruction)
 #   bash experiments/h200_session.sh xla_route_fusions   # [200 s] the "xla" route's compiled HLO at 2
 #                                                   #   layers (gzipped, with forge's for reference): what
 #                                                   #   its 896 dynamic-update-slice kernel calls (45.8 ms) and
@@ -134,7 +137,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh stream|head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh ncu|stream|head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -631,6 +634,14 @@ case "$part" in
       --shapes 4096x4096 --impls xla_gemm xla_optax mosaic --configs "$bf16"
     step shared_f32 200 python -m experiments.main_loop --out "$work/shared_f32" --tokens 1024 4096 \
       --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic --configs "$f32"
+    ;;
+  ncu)
+    # Hardware counters (Nsight Compute; Firecracker machines read them): the fused kernel, its
+    # skip_compute main loop and its W/state copy beside XLA's GEMM, GEMM + optax and elementwise
+    # pass, and jax's Hopper GEMMs; bf16 and fp32 AdamW at T=1024, bf16 at T=4096. Does the W/state
+    # stream evict x/dy from L2 (DRAM bytes read against the 16.8 MB of x/dy + the stream's), is the
+    # tensor pipe idle, and what do the epilogue's warps stall on (per SASS instruction)?
+    step ncu 560 python -m experiments.ncu_kernel --out "$work/ncu"
     ;;
   shared_profile)
     # After shared (results/h200/mosaic_shared: correct, no faster): where does the epilogue's

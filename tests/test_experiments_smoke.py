@@ -530,3 +530,38 @@ def test_capacity_plan_finds_a_tiny_models_edge(tmp_path, monkeypatch):
   assert "cut short" in saved[0]["error"] and "cut short" in (cut / "capacity_plan.md").read_text()
   with pytest.raises(SystemExit):  # XLA:CPU reports no limit
     capacity_plan.main(["--model", "tiny-llama", "--out", str(tmp_path)])
+
+
+def test_ncu_kernel_summary_command_and_rows(tmp_path):
+  """experiments.ncu_kernel on CPU: its rows are main_loop's, the ncu command profiles only the
+  child's window with the clocks left alone, and the raw page's CSV (header, units, one row per
+  kernel, ncu's '==' messages mixed in) becomes the summary, units converted."""
+  from experiments import main_loop, ncu_kernel  # pylint: disable=g-import-not-at-top
+
+  assert set(ncu_kernel.IMPLS) <= set(main_loop.implementations())
+  cmd = ncu_kernel.ncu_command("/x/ncu", tmp_path / "kernels", ["--cases", "bf16:1024"], "full")
+  assert cmd[:5] == ["/x/ncu", "--clock-control", "none", "--profile-from-start", "off"]
+  assert cmd[cmd.index("--set") + 1] == "full" and cmd[-3:] == ["--child", "--cases", "bf16:1024"]
+  listed = ncu_kernel.ncu_command("ncu", tmp_path / "k", [], "SpeedOfLight,WarpStateStats")
+  assert listed.count("--section") == 2 and "--set" not in listed
+  raw = "\n".join([
+      "==PROF== Disconnected from process 1",
+      '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","lts__t_sector_hit_rate.pct",'
+      '"sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",'
+      '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",'
+      '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"',
+      '"","","usecond","Mbyte","%","%","inst","inst"',
+      '"0","mosaic_gpu_kernel","107.5","201.3","61.2","55.0","3.5","0.25"',
+      '"1","gemm_fusion","1,060.0","16.8","90.0","80.0","0","1.5"',
+  ])
+  kernels = ncu_kernel.summarize_raw(raw)
+  assert [k["name"] for k in kernels] == ["mosaic_gpu_kernel", "gemm_fusion"]
+  first, second = kernels
+  assert first["duration"] == pytest.approx(107.5) and first["dram_read"] == pytest.approx(201.3e6)
+  assert first["l2_hit_pct"] == 61.2 and first["tensor_pct"] == 55.0
+  assert list(first["stalls"]) == ["long_scoreboard", "barrier"]
+  assert second["duration"] == pytest.approx(1060.0) and list(second["stalls"]) == ["barrier"]
+  info = {"command": "python -m experiments.ncu_kernel", "date": "d"}
+  text = ncu_kernel.markdown(info, kernels, [{"case": "bf16:1024", "impl": "mosaic", "config": "ping"}])
+  assert "| 0 | `mosaic_gpu_kernel` | 107.5 | 201.3 |" in text and "long_scoreboard 3.50" in text
+  assert ncu_kernel.summarize_raw("") == []
