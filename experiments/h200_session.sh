@@ -137,7 +137,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh ncu|stream|head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh mma_live|ncu|stream|head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -634,6 +634,20 @@ case "$part" in
       --shapes 4096x4096 --impls xla_gemm xla_optax mosaic --configs "$bf16"
     step shared_f32 200 python -m experiments.main_loop --out "$work/shared_f32" --tokens 1024 4096 \
       --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic --configs "$f32"
+    ;;
+  mma_live)
+    # skip_compute (mosaic_main_loop) keeps its MMAs now (before, ptxas dropped them as dead code:
+    # results/h200/ncu). The main loop + ring traffic against the GEMMs and the kernel, with and
+    # without approx_math (the epilogue's instruction count: 39 per element, results/h200/ncu),
+    # then Nsight Compute on both variants to see the tensor pipe busy.
+    step live_bf16 260 python -m experiments.main_loop --out "$work/live_bf16" --tokens 1024 4096 16384 \
+      --shapes 4096x4096 --impls xla_gemm xla_optax mgpu_gemm mgpu_gemm_m mosaic_main_loop mosaic \
+      --configs '[{"approx_math": true}]'
+    step live_f32 160 python -m experiments.main_loop --out "$work/live_f32" --tokens 1024 4096 \
+      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic_main_loop mosaic \
+      --configs '[{"approx_math": true}]'
+    step ncu_live 150 python -m experiments.ncu_kernel --out "$work/ncu_live" --cases bf16:1024 bf16:4096 \
+      --impls mosaic mosaic_main_loop
     ;;
   ncu)
     # Hardware counters (Nsight Compute; Firecracker machines read them): the fused kernel, its

@@ -22,7 +22,13 @@ on the same bf16 ``x [T, K]`` and ``dy [T, N]``, side by side:
 * ``mgpu_gemm_cluster``: 128x256 tiles in clusters of two along M, each
   ``dy`` block multicast to both (the traffic per FLOP of a 256x256 tile);
 * ``mosaic_main_loop``: the fused kernel's default tiling, ``skip_compute``
-  (no epilogue reads, arithmetic or writes: its results are not checked);
+  (no epilogue reads or arithmetic, and one write per row band of a tile that
+  keeps the MMAs: its results are not checked). Before session 17 it had no
+  use of the accumulator at all, and ptxas dropped every wgmma as dead code
+  (Nsight Compute read its tensor pipe idle: results/h200/ncu/): the
+  ``mosaic_main_loop`` rows of earlier results (mosaic_cluster, mosaic_ring_1024,
+  mosaic_stream, mosaic_profile_diagnose and others) timed the x/dy and W/state
+  data movement without the GEMM;
 * ``mosaic_stream``: the fused kernel as ``skip_mainloop`` (ping-pong only): no
   main loop and no x/dy loads, the whole epilogue on a zero accumulator, i.e.
   the W/state stream through the ring alone (results not checked);
@@ -50,10 +56,8 @@ Measured on the H200 (2026-11-30, results/h200/mosaic_cluster/, bf16, T=16384,
 (our tile size costs the plain GEMM 7%), ``mgpu_gemm_cluster`` 0.704;
 ``mosaic_main_loop`` 0.876, with ``cluster_n=2`` 0.734; ``mosaic`` 0.795, with
 ``cluster_n=2`` 0.790. The clusters recover the stream but not the kernel.
-``mosaic_main_loop`` is not the main loop alone: ``skip_compute`` issues the
-epilogue's W/state loads and stores back to back, with no arithmetic between
-them, and in these runs took longer than the whole kernel (in an earlier
-harness, ``profile_mosaic``, 0.794 against the kernel's 0.830).
+(Those ``mosaic_main_loop`` rows ran without MMAs, see above: 0.876 ms is x/dy and
+W/state data movement alone, which took longer than the whole kernel.)
 
     PYTHONPATH=$PWD python -m experiments.main_loop --out $OUT            # GPU (~2 min)
     PYTHONPATH=$PWD python -m experiments.main_loop --tokens 16384 4096 --shapes 4096x4096

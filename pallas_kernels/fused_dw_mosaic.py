@@ -591,10 +591,17 @@ _PROFILE: Optional[tuple[int, str]] = None
 #   "skip_rule": the update is the gradient tile itself and the states are
 #     written back as read: the reads and writes without the rule's arithmetic.
 #     The result is w + x.T @ dy, states unchanged.
-#   "skip_compute": no reads, no arithmetic, no writes: the ring's TMA loads,
-#     waits and stores only (which copy W and the states back unchanged), i.e.
-#     the main loop plus the epilogue's data movement. The result is w and the
-#     states unchanged (with epi_out_slots, whatever the store buffers held).
+#   "skip_compute": no reads, no arithmetic, and no writes but one: the ring's
+#     TMA loads, waits and stores (which copy W and the states back unchanged),
+#     i.e. the main loop plus the epilogue's data movement. The one write keeps
+#     the main loop's MMAs: the first sub-tile of each row band of the tile
+#     (c == 0) gets the gradient tile itself, cast to W's dtype. Without any use
+#     of the accumulator ptxas drops every wgmma as dead code (Nsight Compute on
+#     the H200 read a tensor pipe idle in this variant before session 17:
+#     results/h200/ncu/), so it timed the data movement without the GEMM. The
+#     result: W's first epi_n columns of each tile_n block are x.T @ dy in W's
+#     dtype, the rest of W and the states unchanged (with epi_out_slots, the
+#     other sub-tiles hold whatever the store buffers held).
 #   "skip_mainloop": no main loop (the memory warpgroup loads no x/dy stage and the
 #     accumulator stays zero) and the whole epilogue: the W/state stream through the
 #     ring alone, with nothing beside it. The result is the rule's step from a zero
@@ -1097,6 +1104,8 @@ class _Epilogue:
         w_ref, s_refs, (w_raw, s_raw) = read(j)
       g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
       compute = "skip_compute" not in _DIAGNOSE  # False only in a diagnostic variant
+      # skip_compute keeps the accumulator live (see _DIAGNOSE) unless there is no main loop.
+      keep_mma = not compute and c == 0 and "skip_mainloop" not in _DIAGNOSE
       with _region("epi_decode"):
         if compute:
           w32 = w_raw.astype(jnp.float32)
@@ -1119,7 +1128,9 @@ class _Epilogue:
         s_refs = self._slot_refs(self.out_rings[1:], out)
       with _region("epi_write"):
         bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits and compute else None
-        if not compute:
+        if keep_mma:
+          w_ref[...] = store_cast(g, w_ref.dtype)
+        elif not compute:
           pass
         elif plan.stochastic:
           w_ref[...] = numerics.stochastic_round(w32 + u, bits, w_ref.dtype)

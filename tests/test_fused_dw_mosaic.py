@@ -855,7 +855,9 @@ def test_diagnostic_variants_compute_what_they_say(variant, direct, diagnose):
   """The profiler's diagnostic epilogues (fused_dw_mosaic._DIAGNOSE) under the interpreter:
   "skip_reads" is the rule's step from w = 1 and states = 1 (with the ring, and with epi_direct's
   reads from device memory); "skip_rule" adds the gradient tile to w and writes the states back
-  unchanged; "skip_compute" stores W and the states back as loaded; "skip_mainloop" (ping-pong)
+  unchanged; "skip_compute" stores W and the states back as loaded, except that the first
+  sub-tile of each row band of a warpgroup tile gets the gradient (x.T @ dy cast to W's dtype: the
+  one use of the accumulator that keeps ptxas from dropping the MMAs); "skip_mainloop" (ping-pong)
   is the rule's step from a zero gradient, and with "skip_compute" (experiments.main_loop's
   ``mosaic_copy``: the ring's TMA round trip alone) leaves W and the states as they were. The real
   kernel's results differ from all of them."""
@@ -881,6 +883,11 @@ def test_diagnostic_variants_compute_what_they_say(variant, direct, diagnose):
   elif variant == "skip_rule":
     grad = jnp.dot(x.T, dy, preferred_element_type=F32)
     want_w, want_slots = (w.astype(F32) + grad).astype(w.dtype), slots
+  elif variant == "skip_compute":
+    grad = jnp.dot(x.T, dy, preferred_element_type=F32).astype(w.dtype)
+    first = (jnp.arange(w.shape[-1]) % config.tile_n) < config.epi_n  # c == 0 sub-tiles
+    assert 0 < int(first.sum()) < w.shape[-1]
+    want_w, want_slots = jnp.where(first[None, :], grad, w), slots
   else:
     want_w, want_slots = w, slots
   _assert_close(new_w, want_w, "w")
