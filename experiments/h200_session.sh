@@ -646,8 +646,13 @@ case "$part" in
     step live_f32 160 python -m experiments.main_loop --out "$work/live_f32" --tokens 1024 4096 \
       --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic_main_loop mosaic \
       --configs '[{"approx_math": true}]'
-    step ncu_live 150 python -m experiments.ncu_kernel --out "$work/ncu_live" --cases bf16:1024 bf16:4096 \
-      --impls mosaic mosaic_main_loop
+    # The PTX and SASS of the bf16 kernel (default tiling, T=1024): which division and square
+    # root the epilogue compiles to (div.rn/div.full/div.approx, sqrt.rn/sqrt.approx, MUFU).
+    # (Nsight Compute on the live main loop runs in part ncu, whose rows include it.)
+    step ptx_bf16 100 env MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_SASS=1 python -c \
+      'from experiments import ptxas_report as p; p.worker(p.cases(["bf16_rtn_bf16"], 1024, False)[0])'
+    grep -oE "(div|sqrt|rsqrt|rcp|ex2|lg2)\.[a-z0-9.]*f32" "$work/ptx_bf16.log" | sort | uniq -c
+    grep -oE "MUFU\.[A-Z0-9]+" "$work/ptx_bf16.log" | sort | uniq -c
     ;;
   ncu)
     # Hardware counters (Nsight Compute; Firecracker machines read them): the fused kernel, its
