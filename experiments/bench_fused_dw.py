@@ -142,8 +142,10 @@ def tolerances(state_dtype) -> tuple[float, float]:
   return (UPDATE_TOL, SLOT_TOL) if jnp.dtype(state_dtype).itemsize >= 4 else (UPDATE_TOL_16, SLOT_TOL_16)
 
 
-def make_problem(x, dy, w0, optimizer: str, interpret: bool) -> Problem:
-  forge_ctor, optax_ctor, kwargs = OPTIMIZERS[optimizer]
+def make_problem(x, dy, w0, optimizer: str, interpret: bool,
+                 optimizers: Optional[dict] = None) -> Problem:
+  """``optimizer`` names an entry of ``optimizers`` (default :data:`OPTIMIZERS`)."""
+  forge_ctor, optax_ctor, kwargs = (OPTIMIZERS if optimizers is None else optimizers)[optimizer]
   t, k = x.shape
   return Problem(t, k, dy.shape[1], optimizer, x, dy, w0, forge_ctor(**kwargs), optax_ctor(**kwargs), interpret)
 

@@ -768,6 +768,8 @@ def cfg_text(cfg) -> str:
     text += " direct"
   if get("epi_shared_ring", False):
     text += " shr"
+  if get("stage_l2_lookahead", 0):
+    text += f" stla{get('stage_l2_lookahead')}"
   return text
 
 

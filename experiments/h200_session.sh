@@ -137,7 +137,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh mma_live|ncu|stream|head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh grid_order|rules|tile_t128|stage_lookahead|mma_live|ncu|stream|head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -649,10 +649,62 @@ case "$part" in
     # The PTX and SASS of the bf16 kernel (default tiling, T=1024): which division and square
     # root the epilogue compiles to (div.rn/div.full/div.approx, sqrt.rn/sqrt.approx, MUFU).
     # (Nsight Compute on the live main loop runs in part ncu, whose rows include it.)
-    step ptx_bf16 100 env MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_SASS=1 python -c \
-      'from experiments import ptxas_report as p; p.worker(p.cases(["bf16_rtn_bf16"], 1024, False)[0])'
-    grep -oE "(div|sqrt|rsqrt|rcp|ex2|lg2)\.[a-z0-9.]*f32" "$work/ptx_bf16.log" | sort | uniq -c
-    grep -oE "MUFU\.[A-Z0-9]+" "$work/ptx_bf16.log" | sort | uniq -c
+    # (Session 17 ran this step as an inline python -c with MOSAIC_GPU_DUMP_PTX=1 and grep;
+    # ptxas_report --ptx does the same and keeps the dump: results/h200/mma_live/ptx_bf16.log.gz.)
+    step ptx_bf16 100 python -m experiments.ptxas_report --out "$work/ptx_bf16" --storage bf16_rtn_bf16 --ptx
+    ;;
+  stage_lookahead)
+    # Issue #4 after ncu (results/h200/ncu: the main loop is latency-bound, the producer waiting
+    # for free stages while the consumers wait for loaded ones; x/dy read from device memory 2-3
+    # times their size): the producer prefetches x/dy into L2 2, 4 or 8 steps ahead of its
+    # shared-memory loads (stage_l2_lookahead), beside skip_compute (main loop + ring traffic).
+    la='[{"stage_l2_lookahead": 2}, {"stage_l2_lookahead": 4}, {"stage_l2_lookahead": 8}]'
+    step la_bf16 300 python -m experiments.main_loop --out "$work/la_bf16" --tokens 1024 4096 16384 \
+      --shapes 4096x4096 --impls xla_gemm xla_optax mosaic_main_loop mosaic --configs "$la"
+    step la_f32 200 python -m experiments.main_loop --out "$work/la_f32" --tokens 1024 4096 \
+      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic_main_loop mosaic \
+      --configs "$la"
+    ;;
+  tile_t128)
+    # After stage_lookahead (results/h200/stage_lookahead: the x/dy L2 prefetch slows the kernel
+    # 1.4x at T >= 4096, as if the producer's TMA work, not latency, bounded the main loop): steps
+    # of 128 tokens (half the TMA copies, barrier waits and producer iterations per FLOP, the same
+    # bytes) with 2 stages (the default's shared memory), and with 3 stages and one ring slot.
+    bf16='[{"tile_t": 128, "max_concurrent_steps": 2}, {"tile_t": 128, "max_concurrent_steps": 3, "epi_slots": 1}, {"tile_t": 128, "max_concurrent_steps": 3, "epi_slots": 1, "epi_n": 32}]'
+    f32='[{"tile_t": 128, "max_concurrent_steps": 2}, {"tile_t": 128, "max_concurrent_steps": 3, "epi_slots": 1, "epi_n": 16}]'
+    step t128_bf16 300 python -m experiments.main_loop --out "$work/t128_bf16" --tokens 1024 4096 16384 \
+      --shapes 4096x4096 --impls xla_gemm xla_optax mosaic_main_loop mosaic --configs "$bf16"
+    step t128_f32 200 python -m experiments.main_loop --out "$work/t128_f32" --tokens 1024 4096 \
+      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic_main_loop mosaic \
+      --configs "$f32"
+    ;;
+  rules)
+    # After tile_t128 (results/h200/tile_t128): how much of the main loop's gap to the GEMM is the
+    # W/state ring's traffic? The default kernel for plain SGD (W alone), SGD with momentum, Lion
+    # and AdamW (W + 1 / 1 / 2 states) side by side with the GEMMs, bf16 and fp32 (issue #4's
+    # rules); then --quick, every rule's correctness on the tree as it stands (the epilogue's
+    # scalar divisions became reciprocal products, session 17).
+    for opt in sgd sgd_momentum lion adamw; do
+      step "r_bf16_$opt" 150 python -m experiments.main_loop --out "$work/r_bf16_$opt" --optimizer "$opt" \
+        --tokens 1024 4096 16384 --shapes 4096x4096 --impls xla_gemm xla_optax mgpu_gemm_m mosaic_main_loop mosaic
+    done
+    for opt in sgd sgd_momentum lion; do
+      step "r_f32_$opt" 100 python -m experiments.main_loop --out "$work/r_f32_$opt" --optimizer "$opt" \
+        --state-dtype float32 --tokens 1024 4096 --shapes 4096x4096 --impls xla_gemm xla_optax mosaic
+    done
+    step quick 170 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
+    ;;
+  grid_order)
+    # After rules (results/h200/rules: with plain SGD's W-only stream the ping-pong main loop
+    # runs at jax's GEMM's speed with the same tile, 0.198 ms at T=4096; each bf16 state adds
+    # ~0.02 ms; x/dy are read from device memory 3x their size under AdamW's stream, 2.2x in jax's
+    # GEMM): the persistent grid's tile order (never swept for ping-pong; always n8), which sets
+    # how many x/dy blocks are live in L2 at once beside the stream.
+    go='[{"grid_tile_width": 4}, {"grid_tile_width": 16}, {"grid_tile_width": 32}, {"grid_minor_dim": "m", "grid_tile_width": 4}, {"grid_minor_dim": "m", "grid_tile_width": 8}, {"grid_minor_dim": "m", "grid_tile_width": 16}]'
+    step go_bf16 260 python -m experiments.main_loop --out "$work/go_bf16" --tokens 1024 4096 16384 \
+      --shapes 4096x4096 --impls xla_gemm xla_optax mosaic --configs "$go"
+    step go_f32 160 python -m experiments.main_loop --out "$work/go_f32" --tokens 1024 4096 \
+      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic --configs "$go"
     ;;
   ncu)
     # Hardware counters (Nsight Compute; Firecracker machines read them): the fused kernel, its

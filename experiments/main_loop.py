@@ -81,6 +81,9 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
+
+import forge_jax
 
 from experiments import _timing
 from experiments import bench_fused_dw as bench
@@ -91,7 +94,9 @@ from pallas_kernels import numerics
 
 TOKENS = (16384, 4096, 1024)
 SHAPES_KN = ((4096, 4096),)
-OPTIMIZER = "adamw"
+OPTIMIZER = "adamw"  # the default of --optimizer
+# bench_fused_dw's rules and plain SGD: W alone, no state (the smallest W/state stream).
+OPTIMIZERS = dict(bench.OPTIMIZERS, sgd=(forge_jax.sgd, optax.sgd, dict(learning_rate=1e-2)))
 # hopper_matmul_mgpu.TuningConfig fields per implementation (FINDINGS: 128x128x64, 4 stages,
 # grid_tile_width 8 were its best on the H200). wg_dimension / cluster_dimension are
 # MatmulDimension names, resolved against the installed module.
@@ -203,9 +208,9 @@ def _overrides(impl: str, configs: Sequence[dict]) -> Optional[dict]:
 
 
 def bench_shape(t: int, k: int, n: int, impls: Sequence[str], *, interpret: bool, timing: dict,
-                state_dtype, configs: Sequence[dict] = ()) -> list[dict]:
+                state_dtype, configs: Sequence[dict] = (), optimizer: str = OPTIMIZER) -> list[dict]:
   x, dy, w0 = bench.make_inputs(t, k, n, state_dtype=state_dtype)
-  p = bench.make_problem(x, dy, w0, OPTIMIZER, interpret)
+  p = bench.make_problem(x, dy, w0, optimizer, interpret, OPTIMIZERS)
   reference = bench.reference_step(p)
   builders = implementations(configs)
   # W and the states, read once and written once: what every row but the GEMMs moves.
@@ -229,7 +234,8 @@ def bench_shape(t: int, k: int, n: int, impls: Sequence[str], *, interpret: bool
 def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
   out = [
       "# The Mosaic kernel's main loop against GEMMs alone", "",
-      f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}. AdamW, bf16 x/dy, "
+      f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}. "
+      f"{info.get('optimizer', OPTIMIZER)}, bf16 x/dy, "
       f"{info['state_dtype']} w/slots (`mosaic*` rows); `mgpu_gemm*` write bf16, `xla_gemm` float32.", "",
       f"Each cell: median ms per call ({info['timing']['iters']} back-to-back calls blocked once, median of "
       f"{info['timing']['repeats']}), TFLOP/s at 2TKN; "
@@ -276,6 +282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--configs", default=None, metavar="JSON",
                       help="a JSON list of MosaicTileConfig field overrides; each adds a row "
                            "name@i per mosaic* row asked for, e.g. '[{\"epi_slots\": 3}]'")
+  parser.add_argument("--optimizer", default=OPTIMIZER, choices=list(OPTIMIZERS),
+                      help="the rule of the mosaic*/xla_optax rows (sgd: W only, no state)")
   parser.add_argument("--smoke", action="store_true",
                       help="CPU: the interpreter, tiny shapes, 2 calls (the mgpu rows need a GPU)")
   args = parser.parse_args(argv)
@@ -299,14 +307,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   timing = dict(warmup=1, iters=2, repeats=1) if args.smoke else dict(warmup=3, iters=30, repeats=3)
   folder = _timing.out_dir(args.out)
   info = _timing.run_info("experiments.main_loop", argv)
-  info.update(state_dtype=args.state_dtype, timing=timing, interpret=interpret, configs=configs)
+  info.update(state_dtype=args.state_dtype, timing=timing, interpret=interpret, configs=configs,
+              optimizer=args.optimizer)
   state_dtype = jnp.dtype(args.state_dtype)
   json_path = folder / "main_loop.json"
   rows = _timing.run_shapes(
       json_path, info, tokens, shapes,
       lambda t, k, n: bench_shape(t, k, n, impls, interpret=interpret, timing=timing,
-                                  state_dtype=state_dtype, configs=configs),
-      {"impl": "-", "optimizer": OPTIMIZER})
+                                  state_dtype=state_dtype, configs=configs, optimizer=args.optimizer),
+      {"impl": "-", "optimizer": args.optimizer})
   _timing.write_table(folder / "main_loop.md", markdown(info, rows, impls), json_path)
   return 0
 

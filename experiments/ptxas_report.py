@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -105,6 +107,19 @@ def parse_sass(text: str) -> dict[str, Any]:
           "sass_top": [list(kv) for kv in top]}
 
 
+_PTX_MATH = re.compile(r"\b((?:div|sqrt|rsqrt|rcp|ex2|lg2)\.[a-z0-9.]*f32)\b")
+
+
+def parse_ptx_math(text: str) -> dict[str, int]:
+  """Counts of the float32 division and special-function PTX instructions in ``text``
+  (``div.full.f32``, ``sqrt.approx.f32``, ``rcp.approx.f32``, ...): which division and square
+  root the epilogue's rule compiled to (correctly rounded ``.rn`` or approximate)."""
+  counts: dict[str, int] = {}
+  for op in _PTX_MATH.findall(text):
+    counts[op] = counts.get(op, 0) + 1
+  return dict(sorted(counts.items()))
+
+
 def cases(storages: Sequence[str], tokens: int, read_ahead: bool,
           diagnose: Sequence[str] = ()) -> list[dict[str, Any]]:
   """One dict per compile: storage, tokens, diagnostic variant ("" for the kernel) and the
@@ -141,8 +156,12 @@ def worker(case: dict[str, Any]) -> int:
   return 0
 
 
-def run_case(case: dict[str, Any], timeout: float, sass: bool = False) -> dict[str, Any]:
-  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", **({"MOSAIC_GPU_DUMP_SASS": "1"} if sass else {}))
+def run_case(case: dict[str, Any], timeout: float, sass: bool = False,
+             ptx_path: Optional[pathlib.Path] = None) -> dict[str, Any]:
+  """One compile in a fresh process; with ``ptx_path`` its PTX is also dumped, counted
+  (:func:`parse_ptx_math`) and saved there, gzipped."""
+  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", **({"MOSAIC_GPU_DUMP_SASS": "1"} if sass else {}),
+             **({"MOSAIC_GPU_DUMP_PTX": "1"} if ptx_path else {}))
   env.pop("MOSAIC_GPU_DUMP_TO", None)  # with it set, Mosaic GPU writes files and skips ptxas -v
   cmd = [sys.executable, "-m", "experiments.ptxas_report", "--worker", json.dumps(case)]
   try:
@@ -151,6 +170,11 @@ def run_case(case: dict[str, Any], timeout: float, sass: bool = False) -> dict[s
     return dict(case, status="timeout", error=f"no result in {timeout:.0f} s")
   text = proc.stdout + proc.stderr
   row = dict(case, **parse_ptxas(text))
+  if ptx_path is not None:
+    row["ptx_math"] = parse_ptx_math(text)
+    with gzip.open(ptx_path, "wt") as f:
+      f.write(text)
+    row["ptx_file"] = ptx_path.name
   if sass:
     row.update(parse_sass(text))
     if not row["sass_instructions"]:
@@ -195,6 +219,13 @@ def markdown(info: dict, rows: Sequence[dict]) -> str:
       out.append(f"| {r['storage']} | {r['tokens']} | {r.get('variant') or 'kernel'} | "
                  f"{r['sass_instructions']} | "
                  + " | ".join(str(r["sass_classes"].get(c, 0)) for c in classes) + " |")
+  with_ptx = [r for r in rows if "ptx_math" in r]
+  if with_ptx:
+    out += ["", "Float32 division and special functions in the PTX (static counts; `--ptx`; the "
+            "whole dump is in the row's `ptx_file`):", ""]
+    for r in with_ptx:
+      ops = ", ".join(f"`{op}` {n}" for op, n in r["ptx_math"].items()) or "none found"
+      out.append(f"- {r['storage']} T={r['tokens']} {r.get('variant') or 'kernel'}: {ops}")
   return "\n".join(out) + "\n"
 
 
@@ -211,6 +242,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--timeout", type=float, default=120.0, help="seconds per compile")
   parser.add_argument("--sass", action="store_true",
                       help="also count the kernels' SASS instructions (needs nvdisasm)")
+  parser.add_argument("--ptx", action="store_true",
+                      help="also dump each kernel's PTX (MOSAIC_GPU_DUMP_PTX=1): saved gzipped, "
+                           "its float32 division/sqrt/rcp instructions counted")
   parser.add_argument("--diagnose", nargs="+", default=[], choices=fm.DIAGNOSE_VARIANTS,
                       help="also compile these diagnostic epilogues (fused_dw_mosaic._DIAGNOSE)")
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -230,8 +264,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   folder = _timing.out_dir(args.out)
   info = _timing.run_info("experiments.ptxas_report", argv)
   rows = []
-  for case in cases(args.storage, args.tokens, args.read_ahead, args.diagnose):
-    row = run_case(case, args.timeout, args.sass)
+  for i, case in enumerate(cases(args.storage, args.tokens, args.read_ahead, args.diagnose)):
+    row = run_case(case, args.timeout, args.sass, folder / f"ptx_{i}.txt.gz" if args.ptx else None)
     rows.append(row)
     _timing.log(f"  {row['storage']:<14} {row.get('variant') or 'kernel':<12} {row['status']:<9} "
                 f"regs={row.get('registers')} "

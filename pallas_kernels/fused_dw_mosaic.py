@@ -169,12 +169,17 @@ class MosaicTileConfig:
       default, layouts inferred for whole warpgroup arrays) or ``"Lane"``
       (the per-thread lowering jax 0.10 defaults to). Same results; a knob
       for the sweep.
-    approx_math: cheaper, inexact epilogue arithmetic: Mosaic GPU's
-      ``approx_math`` (approximate ``rsqrt``/``sqrt``/``exp``, a few ulp) and
-      division by a scalar (e.g. Adam's bias corrections) as multiplication
-      by its reciprocal (within 2 ulp). Off by default: the update then
-      differs from the exact rule by a few ulp per element. A knob to measure
-      how much of the epilogue the rule's arithmetic costs.
+    approx_math: Mosaic GPU's ``approx_math``: its approximate ``rsqrt``,
+      ``exp``, ``log``, ``tanh``, ``sin``/``cos`` (``.approx.ftz`` PTX
+      instructions, a few ulp). Off by default. (Before session 17 it also
+      turned divisions by a scalar into products with the reciprocal; the
+      kernel now always does that, see ``_eval_for_mosaic``.) Without it the
+      epilogue's float32 division and square root are still PTX's
+      approximate ones, as Mosaic GPU compiles them: ``div.full.f32`` (2 ulp)
+      and ``sqrt.approx.f32`` (jax 0.11.2's PTX of the bf16 AdamW kernel,
+      results/h200/mma_live/ptx_bf16.log.gz; in its SASS, MUFU.RCP and
+      MUFU.SQRT, results/h200/ncu/), not XLA's correctly rounded ones; the
+      tests' tolerances cover the difference.
     epi_read_ahead: software-pipeline the epilogue's shared-memory reads:
       wait for sub-tile ``j + 1``'s ring slot and read its ``W``/states into
       registers before sub-tile ``j``'s arithmetic, so the reads' latency
@@ -253,6 +258,17 @@ class MosaicTileConfig:
       T=1024 (0.150 with 64x64 sub-tiles in one slot each, which is 0.289
       against 0.275 at T=4096). The epilogue outlasts the main loop, so one
       warpgroup's epilogue waits for slots the other's still holds.
+    stage_l2_lookahead: ``"pingpong"`` only: when the memory warpgroup loads
+      pipeline step ``s`` into shared memory, it also asks TMA to prefetch the
+      ``x``/``dy`` blocks of step ``s + stage_l2_lookahead`` (the next tile's
+      near a tile's end) into L2, so those loads hit L2 instead of device
+      memory when their stage comes (0: off). Why: Nsight Compute on the H200
+      (results/h200/ncu/) found the main loop latency-bound: the producer waits
+      for free stages while the consumers wait for loaded ones, i.e. every
+      stage is a load in flight, and the x/dy blocks are read from device
+      memory 2-3 times their size (the W/state stream evicts them from L2).
+      The prefetch adds bytes in flight without shared memory. Hint only;
+      skipped under the interpreter (which has no L2). Same results.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -279,6 +295,7 @@ class MosaicTileConfig:
   pipeline_across_tiles: bool = False
   epi_direct: bool = False
   epi_shared_ring: bool = False
+  stage_l2_lookahead: int = 0
   num_sms: Optional[int] = None
 
 
@@ -387,6 +404,11 @@ def _config_problem(cfg: MosaicTileConfig) -> Optional[str]:
     return "mma_in_flight=True needs schedule='pingpong'"
   if cfg.epi_l2_lookahead < 0:
     return f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"
+  if cfg.stage_l2_lookahead < 0:
+    return f"stage_l2_lookahead={cfg.stage_l2_lookahead} must be >= 0"
+  if cfg.stage_l2_lookahead and cfg.schedule != "pingpong":
+    return (f"stage_l2_lookahead={cfg.stage_l2_lookahead} needs schedule='pingpong' (the "
+            "cooperative schedule's loads are jax's pipeline's)")
   if cfg.epi_out_slots < 0:
     return f"epi_out_slots={cfg.epi_out_slots} must be >= 0"
   if cfg.no_auto_barriers and cfg.epi_out_slots:
@@ -667,15 +689,23 @@ def _open_jaxpr(j) -> tuple[Any, list]:
   return inner, list(getattr(j, "consts", ()))
 
 
-def _eval_for_mosaic(closed_jaxpr, *args, rewrites=None, scalar_reciprocal: bool = False):
+def _eval_for_mosaic(closed_jaxpr, *args, rewrites=None, scalar_reciprocal: bool = True):
   """Evaluates a closed jaxpr with the primitives Mosaic GPU lacks rewritten.
 
   Nested ``jit`` / ``closed_call`` / ``custom_jvp_call`` bodies (``jnp``
   functions are often jitted) are inlined so their primitives are rewritten
   too. Everything else is bound unchanged (as ``jax.core.eval_jaxpr`` does).
-  ``scalar_reciprocal`` (``MosaicTileConfig.approx_math``): an array divided
-  by a scalar becomes the array times the scalar's reciprocal (one division
-  per sub-tile instead of one per element; within 2 ulp).
+  ``scalar_reciprocal`` (on in the kernel): an array divided by a scalar (Adam's
+  bias corrections) becomes the array times the scalar's reciprocal, one
+  division per sub-tile instead of one per element. On the GPU that is the
+  same number: Mosaic GPU compiles float32 division as ``div.full.f32``, i.e.
+  the numerator times ``rcp.approx`` of the divisor, after scaling both when
+  the divisor's magnitude is above 2**126 or below 2**-126 (PTX ISA); for a
+  divisor between the two the product with the reciprocal (itself ``1 / c`` by
+  ``div.full``) is the same value, without the per-element range checks and
+  MUFU.RCP (results/h200/mma_live/ptx_bf16.log.gz has the kernel's PTX).
+  Outside that range (never a bias correction: those lie in (0, 1]) the two
+  can differ. Under the interpreter (exact division) they differ by <= 1 ulp.
   """
   jaxpr, consts = _open_jaxpr(closed_jaxpr)
   rewrites = _active_rewrites() if rewrites is None else rewrites
@@ -719,17 +749,17 @@ class _TracedRule:
   closed_jaxpr: Any
   out_tree: Any
   semantics: str = _LOWERING_SEMANTICS
-  approx: bool = False  # MosaicTileConfig.approx_math
+  scalar_reciprocal: bool = True  # see _eval_for_mosaic
 
   def __call__(self, g, w, slots, scalar_leaves):
     outs = _eval_for_mosaic(self.closed_jaxpr, g, w, *slots, *scalar_leaves,
                             rewrites=_active_rewrites(self.semantics),
-                            scalar_reciprocal=self.approx)
+                            scalar_reciprocal=self.scalar_reciprocal)
     return jax.tree.unflatten(self.out_tree, outs)
 
 
 def _trace_rule(update_fn: UpdateFn, shape, num_slots: int, scalars,
-                semantics: str = _LOWERING_SEMANTICS, approx: bool = False) -> _TracedRule:
+                semantics: str = _LOWERING_SEMANTICS, scalar_reciprocal: bool = True) -> _TracedRule:
   tile = jax.ShapeDtypeStruct(shape, jnp.float32)
   scalar_avals = jax.tree.map(lambda _: jax.ShapeDtypeStruct((), jnp.float32), scalars)
   closed, out_shape = jax.make_jaxpr(update_fn, return_shape=True)(
@@ -741,7 +771,7 @@ def _trace_rule(update_fn: UpdateFn, shape, num_slots: int, scalars,
   for s in jax.tree.leaves(out_shape):
     if tuple(s.shape) != tuple(shape):
       raise ValueError(f"update_fn must be elementwise: got an output of shape {s.shape}")
-  return _TracedRule(closed, jax.tree.structure(out_shape), semantics, approx)
+  return _TracedRule(closed, jax.tree.structure(out_shape), semantics, scalar_reciprocal)
 
 
 # ----------------------------------------------------------------------------
@@ -1402,6 +1432,16 @@ def _pingpong_body(
       if skip_mainloop:
         return
 
+      total = num_local * t_iters
+      lookahead = 0 if plan.interpreting else cfg.stage_l2_lookahead  # no L2 to fill there
+
+      def prefetch_l2(step):
+        """TMA prefetch into L2 of the x/dy blocks of the block's ``step``-th step."""
+        m_ahead, n_ahead = tile_coords(lax.div(step, t_iters))
+        rows = pl.ds(lax.rem(step, t_iters) * tile_t, tile_t)
+        plgpu.async_prefetch(x_gmem.at[rows, pl.ds(m_ahead * tile_m, tile_m)])
+        plgpu.async_prefetch(dy_gmem.at[rows, pl.ds(n_ahead * tile_n, tile_n)])
+
       @pl.loop(0, num_local)
       def _tile(i):
         m_idx, n_idx = tile_coords(i)
@@ -1411,6 +1451,8 @@ def _pingpong_body(
         def _step(k):
           step = i * t_iters + k
           slot = lax.rem(step, stages)
+          if lookahead:  # before the wait for a free stage: as early as this step allows
+            pl.when(step + lookahead < total)(lambda: prefetch_l2(step + lookahead))
 
           @pl.when(step >= stages)
           def _wait_free():
@@ -1431,8 +1473,6 @@ def _pingpong_body(
           )
 
       # Every completion of a barrier must be awaited before it goes away.
-      total = num_local * t_iters
-
       @pl.loop(jnp.maximum(total - stages, 0), total)
       def _drain(step):
         plgpu.barrier_wait(stage_free.at[lax.rem(step, stages)])
@@ -1789,7 +1829,7 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
       slot_codecs=slot_codecs,
   )
   rule = _trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars,
-                     cfg.lowering_semantics, cfg.approx_math)
+                     cfg.lowering_semantics)
   # The kernel addresses one 2-D [L*K, N] array; the layer is a row offset.
   flat = lambda a: a.reshape(num_layers * k, n)
   # One row of per-W-row partial sums per warpgroup column block; each entry

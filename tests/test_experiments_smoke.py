@@ -293,6 +293,19 @@ def test_main_loop_script_runs_and_its_gemm_configs_lower(tmp_path, monkeypatch)
     assert "mosaic_gpu" in text, name
 
 
+
+def test_main_loop_optimizer_flag_takes_plain_sgd(tmp_path):
+  """experiments.main_loop --optimizer sgd: W alone, no state (the smallest W/state stream); the
+  xla_optax row is checked against the reference with that rule, and the table names it."""
+  from experiments import main_loop  # pylint: disable=g-import-not-at-top
+
+  assert main_loop.main(["--smoke", "--optimizer", "sgd", "--impls", "xla_gemm", "xla_optax",
+                         "--out", str(tmp_path)]) == 0
+  got = json.loads((tmp_path / "main_loop.json").read_text())
+  assert [(r["impl"], r["status"]) for r in got["rows"]] == [("xla_gemm", "ok"), ("xla_optax", "ok")]
+  assert got["rows"][0]["state_bytes"] == 2 * 128 * 256 * 2  # W alone, bf16, read and written
+  assert "sgd, bf16 x/dy" in (tmp_path / "main_loop.md").read_text()
+
 def test_stack_copies_script_counts_no_copies_after_the_ordering_fix(tmp_path):
   from experiments import stack_copies  # pylint: disable=g-import-not-at-top
   assert stack_copies.main(["--out", str(tmp_path), "--layers", "2", "--optimizers", "adamw", "sgd_momentum"]) == 0

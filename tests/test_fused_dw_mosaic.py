@@ -219,6 +219,33 @@ def test_shared_ring_config_problems():
     assert problem is not None and want in problem, (change, problem)
 
 
+def test_steps_of_128_tokens_match_reference():
+  """tile_t=128 (two 64-token wgmma K-chunks per stage, h200_session.sh tile_t128): ping-pong
+  over 4 steps and 2 tiles per block, stacked layer and grad norm."""
+  rule = _rules()["adamw"]
+  cfg = fm.MosaicTileConfig(schedule="pingpong", tile_m=64, tile_n=64, tile_t=128,
+                            max_concurrent_steps=2, epi_n=16, num_sms=2, mma_in_flight=True)
+  x, dy, w, slots = _inputs(10, 512, 128, 256, rule)
+  _assert_matches_reference_with_norm(x, dy, w, slots, rule, cfg)
+
+
+def test_stage_l2_lookahead_config_problems_and_interpreter_parity():
+  """stage_l2_lookahead is a ping-pong producer's hint: negative or cooperative configs are
+  named; under the interpreter (no L2) the kernel is the same and matches the reference over
+  several tiles per block (the lookahead crosses tiles). Its GPU code is checked by lowering
+  (test_lowers_for_cuda) and on the H200 (check_mosaic_gpu, main_loop rows checked first)."""
+  base = fm.MosaicTileConfig(schedule="pingpong", tile_m=64, tile_n=64, max_concurrent_steps=2,
+                             epi_n=16, num_sms=2, mma_in_flight=True, stage_l2_lookahead=3)
+  assert fm._config_problem(base) is None
+  problem = fm._config_problem(dataclasses.replace(base, stage_l2_lookahead=-1))
+  assert problem is not None and "stage_l2_lookahead=-1 must be >= 0" in problem
+  problem = fm._config_problem(dataclasses.replace(base, schedule="cooperative", mma_in_flight=False))
+  assert problem is not None and "stage_l2_lookahead=3 needs schedule='pingpong'" in problem
+  rule = _rules()["adamw"]
+  x, dy, w, slots = _inputs(9, 128, 128, 256, rule)
+  _assert_matches_reference_with_norm(x, dy, w, slots, rule, base)
+
+
 def test_pipeline_across_tiles_applies_where_jax_allows():
   """pipeline_across_tiles runs a block's cooperative tiles as one pipeline of pipelines (START,
   STEADY..., STOP) where every block gets two tiles or more and the stages divide the steps;
@@ -296,6 +323,7 @@ def _all_rules():
     + [(name, dt, "pingpong_tuned") for name in ("adamw", "sgd") for dt in (F32, BF16)]
     + [("adamw", dt, "out_slots") for dt in (F32, BF16)]
     + [("adamw", dt, "shared_ring") for dt in (F32, BF16)]
+    + [("adamw", dt, "stage_lookahead") for dt in (F32, BF16)]
     + [(name, F32, "approx") for name in ("adamw", "nadamw", "radam", "rmsprop_centered_momentum", "adagrad")],
 )
 def test_lowers_for_cuda(name, state_dtype, schedule):
@@ -324,6 +352,8 @@ def test_lowers_for_cuda(name, state_dtype, schedule):
     config = dataclasses.replace(config, epi_shared_ring=True)
   elif schedule == "approx":  # approximate math (a sweep knob)
     config = dataclasses.replace(config, approx_math=True)
+  elif schedule == "stage_lookahead":  # the producer prefetches x/dy into L2, 4 steps ahead
+    config = dataclasses.replace(config, stage_l2_lookahead=4)
   kernel = jax.jit(functools.partial(
       fm.fused_dw_update_mosaic, update_fn=rule.update, compute_grad_sq_norm=True, config=config,
   ))
@@ -332,8 +362,9 @@ def test_lowers_for_cuda(name, state_dtype, schedule):
   ).as_text()
   text = lower(kernel)
   assert "mosaic_gpu" in text
-  if schedule in ("across_tiles", "shared_ring"):  # the knob changes the kernel
-    off = dataclasses.replace(config, pipeline_across_tiles=False, epi_shared_ring=False)
+  if schedule in ("across_tiles", "shared_ring", "stage_lookahead"):  # the knob changes the kernel
+    off = dataclasses.replace(config, pipeline_across_tiles=False, epi_shared_ring=False,
+                              stage_l2_lookahead=0)
     assert text != lower(jax.jit(functools.partial(
         fm.fused_dw_update_mosaic, update_fn=rule.update, compute_grad_sq_norm=True, config=off)))
 
@@ -398,28 +429,30 @@ def test_wide_sub_tiles_match_reference_stacked_with_norm():
   np.testing.assert_array_equal(np.asarray(new_w[0]), np.asarray(w[0]))
 
 
-def test_approx_math_rewrites_scalar_divisions_and_matches_reference():
-  """approx_math: ``array / scalar`` becomes ``array * (1 / scalar)`` (Adam's bias
-  corrections), other divisions stay; results within the fp32 tolerance."""
+def test_scalar_divisions_become_reciprocal_products_and_match_reference():
+  """The kernel's rule: ``array / scalar`` becomes ``array * (1 / scalar)`` (Adam's bias
+  corrections; on the GPU the same value as Mosaic GPU's div.full.f32, see _eval_for_mosaic),
+  divisions by an array stay; results within the tolerances, at the default config (where it
+  is always on) for AdamW and NAdamW."""
   rule = _rules()["adamw"]
   scalars = rule.scalars(jnp.int32(3))
   leaves = jax.tree.leaves(scalars)
   tile = jnp.ones((64, 16), F32)
 
-  def divisions(approx):
-    traced = fm._trace_rule(rule.update, (64, 16), 2, scalars, approx=approx)
+  def divisions(reciprocal):
+    traced = fm._trace_rule(rule.update, (64, 16), 2, scalars, scalar_reciprocal=reciprocal)
     jaxpr = jax.make_jaxpr(lambda *a: traced(a[0], a[1], a[2:4], a[4:]))(
         tile, tile, tile, tile, *leaves)
     return [tuple(v.aval.shape) for e in jaxpr.eqns if e.primitive is jax.lax.div_p for v in e.invars[1:]]
 
-  exact, approx = divisions(False), divisions(True)
-  assert exact.count(()) == 2 and exact.count((64, 16)) == 1, exact  # mu / bc1, nu / bc2, mu_hat / denom
-  assert approx.count((64, 16)) == 1 and approx.count(()) == 2, approx  # now 1 / bc1, 1 / bc2 only
-  cfg = dataclasses.replace(SMALL, approx_math=True)
+  plain, products = divisions(False), divisions(True)
+  assert plain.count(()) == 2 and plain.count((64, 16)) == 1, plain  # mu / bc1, nu / bc2, mu_hat / denom
+  assert products.count((64, 16)) == 1 and products.count(()) == 2, products  # now 1 / bc1, 1 / bc2 only
+  assert fm._trace_rule(rule.update, (64, 16), 2, scalars).scalar_reciprocal  # the kernel's default
   for name in ("adamw", "nadamw"):  # nadamw: more scalar divisors (mu / bc1_next, g / bc1)
     rule = _rules()[name] if name in _rules() else _all_rules()[name].rule
     x, dy, w, slots = _inputs(7, 128, 128, 256, rule)
-    (new_w, new_slots, _), (ref_w, ref_slots, _) = _run_both(x, dy, w, slots, rule, config=cfg)
+    (new_w, new_slots, _), (ref_w, ref_slots, _) = _run_both(x, dy, w, slots, rule, config=SMALL)
     _assert_close(new_w, ref_w, f"{name} w")
     for a, e in zip(new_slots, ref_slots):
       _assert_close(a, e, f"{name} slot")
@@ -1063,6 +1096,43 @@ def test_ptxas_report_counts_sass_and_compiles_diagnostic_variants(monkeypatch):
                                          sass_error="nvdisasm invocation failed")])
   assert "| fp32 | 1024 | kernel | 9 | 1 | 1 | 0 | 3 | 2 | 1 | 0 | 1 |" in md
   assert "| fp32 | 1024 | skip_reads | nvdisasm invocation failed |" in md
+
+
+def test_ptxas_report_counts_the_ptx_division_and_sqrt(monkeypatch, tmp_path):
+  """experiments.ptxas_report --ptx: the float32 division / special-function instructions of a
+  PTX dump are counted by opcode (the kernel's epilogue: div.full and sqrt.approx, session 17),
+  other f32 arithmetic is not, and the dump is saved gzipped beside the report."""
+  from experiments import ptxas_report  # pylint: disable=g-import-not-at-top
+
+  ptx = """\tadd.f32 \t%r620, %r184, %r589;
+\tdiv.full.f32 \t%r622, %r494, %r591;
+\tdiv.full.f32 \t%r623, %r493, %r590;
+\tsqrt.approx.f32 \t%r7, %r6;
+\trcp.approx.ftz.f32 \t%r9, %r8;
+\tdiv.rn.f32 \t%r10, %r1, %r2;
+\tmul.f32 \t%r11, %r1, %r2;
+"""
+  assert ptxas_report.parse_ptx_math(ptx) == {"div.full.f32": 2, "div.rn.f32": 1,
+                                              "rcp.approx.ftz.f32": 1, "sqrt.approx.f32": 1}
+  assert ptxas_report.parse_ptx_math("no ptx") == {}
+  monkeypatch.setattr(fm, "_device_problem", lambda: None)
+  case = ptxas_report.cases(["bf16_rtn_bf16"], 1024, read_ahead=False)[0]
+  envs = []
+
+  def fake_run(cmd, env, **kwargs):
+    envs.append(env)
+    return subprocess.CompletedProcess(cmd, 0, ptx + "ptxas info : Used 168 registers\n", "")
+
+  monkeypatch.setattr(ptxas_report.subprocess, "run", fake_run)
+  row = ptxas_report.run_case(case, 10.0, ptx_path=tmp_path / "ptx_0.txt.gz")
+  assert envs[0]["MOSAIC_GPU_DUMP_PTX"] == "1" and row["status"] == "ok"
+  assert row["ptx_math"]["div.full.f32"] == 2 and row["ptx_file"] == "ptx_0.txt.gz"
+  assert "sqrt.approx.f32" in gzip.open(tmp_path / "ptx_0.txt.gz", "rt").read()
+  plain = ptxas_report.run_case(case, 10.0)  # without --ptx: no dump asked for, none counted
+  assert "ptx_math" not in plain and "MOSAIC_GPU_DUMP_PTX" not in envs[1]
+  info = {"command": "c", "date": "d", "device": "cpu", "jax": jax.__version__}
+  md = ptxas_report.markdown(info, [row])
+  assert "- bf16_rtn_bf16 T=1024 kernel: `div.full.f32` 2, `div.rn.f32` 1" in md
 
 
 def test_check_script_times_the_shapes_it_is_given(tmp_path):
