@@ -64,10 +64,15 @@
 # first shared_profile call asked for 4 stages and overflowed shared memory, the part now asks for
 # 3) and compile_first (compile_first: compiling first puts the peak at XLA's plan).
 #
+# Session 17 (2026-12-01) ran mma_live (results/h200/mma_live: with its MMAs the main loop + ring
+# takes the kernel's time; the PTX has div.full.f32 and sqrt.approx.f32; its PTX step ran as an
+# inline python -c, now ptxas_report --ptx), ncu (ncu: the main loop latency-bound, x/dy read 3x
+# from device memory beside the stream), stage_lookahead (slower), tile_t128 (no faster), rules
+# (rules: the W-only stream runs at the same-tile GEMM's speed; --quick 28/28) and grid_order.
+#
 # Next:
-#   bash experiments/h200_session.sh ncu            # [560 s] issue #4: Nsight Compute counters of the
-#                                                   #   kernel and its variants beside XLA's (L2 hits,
-#                                                   #   DRAM bytes, stall reasons per SASS instruction)
+#   (issue #4: nothing queued; MOSAIC_NOTES "Session 17" says what is left: x/dy kept in L2 by
+#   cache hints on the W/state copies, which Mosaic GPU does not expose)
 #   bash experiments/h200_session.sh xla_route_fusions   # [200 s] the "xla" route's compiled HLO at 2
 #                                                   #   layers (gzipped, with forge's for reference): what
 #                                                   #   its 896 dynamic-update-slice kernel calls (45.8 ms) and
@@ -85,6 +90,8 @@
 #                                               # session 15's
 #   bash experiments/h200_session.sh stream|head_order_unrolled|copy|wide|shared|shared_profile|compile_first
 #                                               # session 16's
+#   bash experiments/h200_session.sh mma_live|ncu|stage_lookahead|tile_t128|rules|grid_order
+#                                               # session 17's
 #   (The parts model_32b, landed, capacity_all, capacity_plan and capacity_edges, planned in session
 #   12, were removed in session 13: their steps ran inside plans, edges32 and over_edges, or are
 #   replaced by capacity_lanes, capacity_rest and prealloc_row.)
@@ -637,9 +644,8 @@ case "$part" in
     ;;
   mma_live)
     # skip_compute (mosaic_main_loop) keeps its MMAs now (before, ptxas dropped them as dead code:
-    # results/h200/ncu). The main loop + ring traffic against the GEMMs and the kernel, with and
-    # without approx_math (the epilogue's instruction count: 39 per element, results/h200/ncu),
-    # then Nsight Compute on both variants to see the tensor pipe busy.
+    # Nsight Compute read the tensor pipe idle). The main loop + ring traffic against the GEMMs
+    # and the kernel, with and without approx_math, then the epilogue's PTX.
     step live_bf16 260 python -m experiments.main_loop --out "$work/live_bf16" --tokens 1024 4096 16384 \
       --shapes 4096x4096 --impls xla_gemm xla_optax mgpu_gemm mgpu_gemm_m mosaic_main_loop mosaic \
       --configs '[{"approx_math": true}]'

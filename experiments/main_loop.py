@@ -40,6 +40,9 @@ on the same bf16 ``x [T, K]`` and ``dy [T, N]``, side by side:
   elementwise pass over W and the states outside our kernel;
 * ``mosaic``: the fused kernel as it is (checked against the reference).
 
+``--optimizer`` picks the rule of the ``mosaic*`` and ``xla_optax`` rows (AdamW by default;
+``sgd``, plain SGD, streams W alone: how much of the main loop's gap the W/state stream is).
+
 ``--configs`` adds, per entry ``i`` (MosaicTileConfig field overrides of the
 default tiling), a row ``name@i`` for each ``mosaic*`` row asked for: e.g. how
 fast the W/state ring alone streams (``skip_compute`` at T=1024, where that
@@ -58,6 +61,10 @@ Measured on the H200 (2026-11-30, results/h200/mosaic_cluster/, bf16, T=16384,
 ``cluster_n=2`` 0.790. The clusters recover the stream but not the kernel.
 (Those ``mosaic_main_loop`` rows ran without MMAs, see above: 0.876 ms is x/dy and
 W/state data movement alone, which took longer than the whole kernel.)
+With the MMAs live (2026-12-01, results/h200/mma_live/ and rules/), the main loop with the
+ring's traffic takes as long as the kernel (bf16 AdamW 0.232 / 0.231 ms at T=4096), and with
+plain SGD's W-only stream it takes ``mgpu_gemm_m``'s time (0.198 against 0.197): the W/state
+stream, not the tile, is the main loop's gap to the GEMM; each bf16 state adds about 0.02 ms.
 
     PYTHONPATH=$PWD python -m experiments.main_loop --out $OUT            # GPU (~2 min)
     PYTHONPATH=$PWD python -m experiments.main_loop --tokens 16384 4096 --shapes 4096x4096

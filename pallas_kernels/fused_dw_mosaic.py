@@ -179,7 +179,9 @@ class MosaicTileConfig:
       and ``sqrt.approx.f32`` (jax 0.11.2's PTX of the bf16 AdamW kernel,
       results/h200/mma_live/ptx_bf16.log.gz; in its SASS, MUFU.RCP and
       MUFU.SQRT, results/h200/ncu/), not XLA's correctly rounded ones; the
-      tests' tolerances cover the difference.
+      tests' tolerances cover the difference. No faster since session 17
+      (bf16 AdamW 0.103 against 0.100 ms at T=1024, fp32 0.169 against
+      0.155; results/h200/mma_live/).
     epi_read_ahead: software-pipeline the epilogue's shared-memory reads:
       wait for sub-tile ``j + 1``'s ring slot and read its ``W``/states into
       registers before sub-tile ``j``'s arithmetic, so the reads' latency
@@ -268,7 +270,11 @@ class MosaicTileConfig:
       stage is a load in flight, and the x/dy blocks are read from device
       memory 2-3 times their size (the W/state stream evicts them from L2).
       The prefetch adds bytes in flight without shared memory. Hint only;
-      skipped under the interpreter (which has no L2). Same results.
+      skipped under the interpreter (which has no L2). Same results. Off by
+      default: 1.4x *slower* on the H200 at T >= 4096 for a lookahead of 2, 4
+      or 8 steps, 1.08x at T=1024 (AdamW 4096x4096, bf16 and fp32,
+      results/h200/stage_lookahead/), whatever the distance: the prefetches
+      seem to take the TMA unit's time as loads do (not measured).
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
