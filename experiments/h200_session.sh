@@ -68,11 +68,13 @@
 # takes the kernel's time; the PTX has div.full.f32 and sqrt.approx.f32; its PTX step ran as an
 # inline python -c, now ptxas_report --ptx), ncu (ncu: the main loop latency-bound, x/dy read 3x
 # from device memory beside the stream), stage_lookahead (slower), tile_t128 (no faster), rules
-# (rules: the W-only stream runs at the same-tile GEMM's speed; --quick 28/28) and grid_order.
+# (rules: the W-only stream runs at the same-tile GEMM's speed; --quick 28/28), grid_order and
+# l2_hints (L2 cache policies on the TMA copies: no change) and ncu_rules (SGD's stream against
+# AdamW's: x/dy 2.2x against 2.8x from device memory, tensor pipe 95.6% against 80.3%).
 #
 # Next:
-#   (issue #4: nothing queued; MOSAIC_NOTES "Session 17" says what is left: x/dy kept in L2 by
-#   cache hints on the W/state copies, which Mosaic GPU does not expose)
+#   (issue #4: nothing queued; MOSAIC_NOTES "Session 17" says what is left: an ncu run of the
+#   kernel under experiments.l2_hints, to see whether the policies change the x/dy DRAM bytes)
 #   bash experiments/h200_session.sh xla_route_fusions   # [200 s] the "xla" route's compiled HLO at 2
 #                                                   #   layers (gzipped, with forge's for reference): what
 #                                                   #   its 896 dynamic-update-slice kernel calls (45.8 ms) and
@@ -90,7 +92,7 @@
 #                                               # session 15's
 #   bash experiments/h200_session.sh stream|head_order_unrolled|copy|wide|shared|shared_profile|compile_first
 #                                               # session 16's
-#   bash experiments/h200_session.sh mma_live|ncu|stage_lookahead|tile_t128|rules|grid_order
+#   bash experiments/h200_session.sh mma_live|ncu|stage_lookahead|tile_t128|rules|grid_order|l2_hints|ncu_rules
 #                                               # session 17's
 #   (The parts model_32b, landed, capacity_all, capacity_plan and capacity_edges, planned in session
 #   12, were removed in session 13: their steps ran inside plans, edges32 and over_edges, or are
@@ -144,7 +146,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh grid_order|rules|tile_t128|stage_lookahead|mma_live|ncu|stream|head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh ncu_rules|l2_hints|grid_order|rules|tile_t128|stage_lookahead|mma_live|ncu|stream|head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -711,6 +713,33 @@ case "$part" in
       --shapes 4096x4096 --impls xla_gemm xla_optax mosaic --configs "$go"
     step go_f32 160 python -m experiments.main_loop --out "$work/go_f32" --tokens 1024 4096 \
       --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic --configs "$go"
+    ;;
+  l2_hints)
+    # After rules (results/h200/rules: the W/state stream slows the main loop, x/dy re-read from
+    # device memory): L2 eviction priorities on the kernel's TMA copies (experiments.l2_hints,
+    # inline PTX .L2::cache_hint): every store (all W/state) evict_first, and with it every load
+    # evict_last (x/dy; a W/state line's later store marks it evict_first again). One process
+    # per setting, each with its own xla rows.
+    rows="xla_gemm xla_optax mosaic_main_loop mosaic"
+    step l2_bf16_plain 120 python -m experiments.main_loop --out "$work/l2_bf16_plain" \
+      --tokens 1024 4096 16384 --shapes 4096x4096 --impls $rows
+    step l2_bf16_st 120 python -m experiments.main_loop --out "$work/l2_bf16_st" \
+      --tokens 1024 4096 16384 --shapes 4096x4096 --impls $rows --l2-store-hint evict_first
+    step l2_bf16_stld 120 python -m experiments.main_loop --out "$work/l2_bf16_stld" \
+      --tokens 1024 4096 16384 --shapes 4096x4096 --impls $rows --l2-store-hint evict_first \
+      --l2-load-hint evict_last
+    step l2_f32_plain 90 python -m experiments.main_loop --out "$work/l2_f32_plain" --state-dtype float32 \
+      --tokens 1024 4096 --shapes 4096x4096 --impls $rows
+    step l2_f32_stld 90 python -m experiments.main_loop --out "$work/l2_f32_stld" --state-dtype float32 \
+      --tokens 1024 4096 --shapes 4096x4096 --impls $rows --l2-store-hint evict_first \
+      --l2-load-hint evict_last
+    ;;
+  ncu_rules)
+    # After l2_hints (no change): what differs in the counters between the main loop beside
+    # plain SGD's W-only stream (at the same-tile GEMM's speed) and beside AdamW's (0.04 ms slower
+    # at T=4096): shared-memory wavefronts and bank conflicts, TMA, L2 and DRAM bytes, stalls.
+    step ncu_rules 300 python -m experiments.ncu_kernel --out "$work/ncu_rules" \
+      --cases bf16:4096:sgd bf16:4096 bf16:1024:sgd bf16:1024 --impls mgpu_gemm_m mosaic_main_loop mosaic
     ;;
   ncu)
     # Hardware counters (Nsight Compute; Firecracker machines read them): the fused kernel, its

@@ -80,6 +80,7 @@ median of 3). The ``mgpu_gemm*`` rows need a Hopper GPU; a config this jax's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -95,6 +96,7 @@ import forge_jax
 from experiments import _timing
 from experiments import bench_fused_dw as bench
 from experiments import check_mosaic_gpu
+from experiments import l2_hints as l2_hint_ctx
 from pallas_kernels import fused_dw
 from pallas_kernels import fused_dw_mosaic as fm
 from pallas_kernels import numerics
@@ -215,7 +217,10 @@ def _overrides(impl: str, configs: Sequence[dict]) -> Optional[dict]:
 
 
 def bench_shape(t: int, k: int, n: int, impls: Sequence[str], *, interpret: bool, timing: dict,
-                state_dtype, configs: Sequence[dict] = (), optimizer: str = OPTIMIZER) -> list[dict]:
+                state_dtype, configs: Sequence[dict] = (), optimizer: str = OPTIMIZER,
+                l2_hints: Optional[dict] = None) -> list[dict]:
+  """``l2_hints``: ``experiments.l2_hints.hints`` arguments for the ``mosaic*`` rows (each
+  compiled and timed inside them), or None."""
   x, dy, w0 = bench.make_inputs(t, k, n, state_dtype=state_dtype)
   p = bench.make_problem(x, dy, w0, optimizer, interpret, OPTIMIZERS)
   reference = bench.reference_step(p)
@@ -224,7 +229,9 @@ def bench_shape(t: int, k: int, n: int, impls: Sequence[str], *, interpret: bool
   state_bytes = 2 * sum(a.nbytes for a in (p.w0, *p.rule.init_slots(p.w0)))
   rows = []
   for impl in impls:
-    row = bench.measure(impl, builders[impl], p, reference, timing)
+    hinted = impl.startswith("mosaic") and l2_hints
+    with (l2_hint_ctx.hints(**l2_hints) if hinted else contextlib.nullcontext()):
+      row = bench.measure(impl, builders[impl], p, reference, timing)
     row["state_bytes"] = state_bytes
     if impl.startswith("mosaic"):
       try:
@@ -250,6 +257,9 @@ def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
       "written once (2 x their bytes) / this row's time (for the GEMM rows, which move none of "
       "them, a scale only).", "",
   ]
+  if info.get("l2_hints"):
+    out += [f"L2 policies on the `mosaic*` rows' TMA copies (experiments.l2_hints): "
+            f"{json.dumps(info['l2_hints'])}", ""]
   if info.get("configs"):
     out += ["`@i`: the default tiling with `--configs` entry i replaced: "
             + "; ".join(f"{i}: `{json.dumps(c)}`" for i, c in enumerate(info["configs"])), ""]
@@ -291,6 +301,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "name@i per mosaic* row asked for, e.g. '[{\"epi_slots\": 3}]'")
   parser.add_argument("--optimizer", default=OPTIMIZER, choices=list(OPTIMIZERS),
                       help="the rule of the mosaic*/xla_optax rows (sgd: W only, no state)")
+  parser.add_argument("--l2-store-hint", default=None, choices=l2_hint_ctx.POLICIES,
+                      help="an L2 policy on every TMA store of the mosaic* rows (experiments.l2_hints)")
+  parser.add_argument("--l2-load-hint", default=None, choices=l2_hint_ctx.POLICIES,
+                      help="an L2 policy on every TMA load of the mosaic* rows")
   parser.add_argument("--smoke", action="store_true",
                       help="CPU: the interpreter, tiny shapes, 2 calls (the mgpu rows need a GPU)")
   args = parser.parse_args(argv)
@@ -314,14 +328,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   timing = dict(warmup=1, iters=2, repeats=1) if args.smoke else dict(warmup=3, iters=30, repeats=3)
   folder = _timing.out_dir(args.out)
   info = _timing.run_info("experiments.main_loop", argv)
+  hints = ({"store": args.l2_store_hint, "load": args.l2_load_hint}
+           if args.l2_store_hint or args.l2_load_hint else None)
   info.update(state_dtype=args.state_dtype, timing=timing, interpret=interpret, configs=configs,
-              optimizer=args.optimizer)
+              optimizer=args.optimizer, l2_hints=hints)
   state_dtype = jnp.dtype(args.state_dtype)
   json_path = folder / "main_loop.json"
   rows = _timing.run_shapes(
       json_path, info, tokens, shapes,
       lambda t, k, n: bench_shape(t, k, n, impls, interpret=interpret, timing=timing,
-                                  state_dtype=state_dtype, configs=configs, optimizer=args.optimizer),
+                                  state_dtype=state_dtype, configs=configs, optimizer=args.optimizer,
+                                  l2_hints=hints),
       {"impl": "-", "optimizer": args.optimizer})
   _timing.write_table(folder / "main_loop.md", markdown(info, rows, impls), json_path)
   return 0

@@ -189,6 +189,19 @@ def _profiler(start: bool) -> None:
       raise RuntimeError(f"{call} returned CUDA error {rc}")
 
 
+def _parse_case(case: str) -> tuple[str, int, str]:
+  """``STORAGE:T[:OPTIMIZER]`` -> (storage, T, optimizer); the optimizer defaults to AdamW."""
+  from experiments import main_loop  # pylint: disable=g-import-not-at-top
+
+  parts = case.split(":")
+  if len(parts) not in (2, 3) or parts[0] not in _DTYPES or not parts[1].isdigit():
+    raise ValueError(f"case {case!r} is not STORAGE:T[:OPTIMIZER] with STORAGE in {sorted(_DTYPES)}")
+  optimizer = parts[2] if len(parts) == 3 else main_loop.OPTIMIZER
+  if optimizer not in main_loop.OPTIMIZERS:
+    raise ValueError(f"case {case!r}: optimizer {optimizer!r} is not one of {sorted(main_loop.OPTIMIZERS)}")
+  return parts[0], int(parts[1]), optimizer
+
+
 def child(cases: Sequence[str], impls: Sequence[str], order_path: pathlib.Path) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -199,9 +212,9 @@ def child(cases: Sequence[str], impls: Sequence[str], order_path: pathlib.Path) 
   builders = main_loop.implementations()
   ready, order = [], []
   for case in cases:
-    storage, t = case.split(":")
+    storage, t, optimizer = _parse_case(case)
     x, dy, w0 = bench.make_inputs(int(t), K, N, state_dtype=jnp.dtype(_DTYPES[storage]))
-    p = bench.make_problem(x, dy, w0, main_loop.OPTIMIZER, False)
+    p = bench.make_problem(x, dy, w0, optimizer, False, main_loop.OPTIMIZERS)
     for impl in impls:
       entry = {"case": case, "impl": impl}
       try:
@@ -237,13 +250,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
   parser.add_argument("--cases", nargs="+", default=list(CASES),
-                      help="STORAGE:T, STORAGE bf16 (W and states) or fp32; AdamW, K = N = 4096")
+                      help="STORAGE:T[:OPTIMIZER], STORAGE bf16 (W and states) or fp32, OPTIMIZER "
+                           "an experiments.main_loop rule (default adamw; sgd streams W alone); "
+                           "K = N = 4096")
   parser.add_argument("--impls", nargs="+", default=list(IMPLS), help="experiments.main_loop rows")
   parser.add_argument("--set", default="full",
                       help="ncu section set (full, detailed, basic) or a comma list of sections")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--order", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  for case in args.cases:
+    try:
+      _parse_case(case)
+    except ValueError as e:
+      parser.error(str(e))
   if args.child:
     return child(args.cases, args.impls, pathlib.Path(args.order))
   from experiments import _timing  # pylint: disable=g-import-not-at-top

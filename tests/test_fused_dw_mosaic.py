@@ -1314,3 +1314,29 @@ def test_direct_epilogue_frees_the_ring_lowers_and_refuses_what_it_cannot_take(d
   with pytest.raises(ValueError, match="skip_compute'] with epi_direct=True times no main loop"):
     fm.fused_dw_update_mosaic(*small, (small[2], small[2]), rule.scalars(jnp.int32(0)), rule.update,
                               config=dataclasses.replace(SMALL, epi_direct=True), interpret=True)
+
+
+def test_l2_hints_add_cache_policies_to_the_kernels_tma_copies():
+  """experiments.l2_hints (results/h200/l2_hints/): inside hints(), every TMA store and load the
+  kernel lowers is written with an L2 cache policy (inline PTX), so the lowered module differs;
+  outside, launch_context's own nvvm is back. A name that is no L2 policy is refused."""
+  from experiments import l2_hints  # pylint: disable=g-import-not-at-top
+  from jax.experimental.mosaic.gpu import launch_context  # pylint: disable=g-import-not-at-top
+
+  rule = _rules()["adamw"]
+  x = jax.ShapeDtypeStruct((1024, 256), BF16)
+  w = jax.ShapeDtypeStruct((256, 512), BF16)
+  cfg = fm.default_config(x, x, w, (w, w), num_sms=132)
+  lower = lambda: lower_for_cuda(functools.partial(fm.fused_dw_update_mosaic, update_fn=rule.update,
+                                                   config=cfg), x, jax.ShapeDtypeStruct((1024, 512), BF16),
+                                 w, (w, w), rule.scalars(jnp.int32(0)))
+  plain = lower()
+  base = launch_context.nvvm
+  with l2_hints.hints(store="evict_first", load="evict_last") as used:
+    hinted = lower()
+  assert launch_context.nvvm is base
+  assert used.hinted["store"] > 0 and used.hinted["load"] > 0, used.hinted
+  assert hinted != plain and lower() == plain
+  with pytest.raises(ValueError, match="store='evict_sometimes' is not an L2 policy"):
+    with l2_hints.hints(store="evict_sometimes"):
+      pass
