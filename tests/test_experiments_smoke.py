@@ -561,6 +561,14 @@ def test_ncu_kernel_summary_command_and_rows(tmp_path):
   from experiments import main_loop, ncu_kernel  # pylint: disable=g-import-not-at-top
 
   assert set(ncu_kernel.IMPLS) <= set(main_loop.implementations())
+  # Cases: STORAGE:T[:OPTIMIZER] (AdamW unless named); a bad one is named before ncu starts.
+  assert ncu_kernel._parse_case("bf16:4096:sgd") == ("bf16", 4096, "sgd")  # pylint: disable=protected-access
+  assert ncu_kernel._parse_case("fp32:1024") == ("fp32", 1024, "adamw")  # pylint: disable=protected-access
+  for bad, why in (("bf16:4096:adam", "optimizer 'adam' is not one of"), ("int8:64", "STORAGE:T")):
+    with pytest.raises(SystemExit):
+      ncu_kernel.main(["--cases", bad])
+    with pytest.raises(ValueError, match=why):
+      ncu_kernel._parse_case(bad)  # pylint: disable=protected-access
   cmd = ncu_kernel.ncu_command("/x/ncu", tmp_path / "kernels", ["--cases", "bf16:1024"], "full")
   assert cmd[:5] == ["/x/ncu", "--clock-control", "none", "--profile-from-start", "off"]
   assert cmd[cmd.index("--set") + 1] == "full" and cmd[-3:] == ["--child", "--cases", "bf16:1024"]
