@@ -197,6 +197,15 @@ live_row() {  # live_row NAME IMPL BATCH: the buffers live at the peak of one Ll
     --impls "$2" --batch "$3" --timeout 150
 }
 
+main_loop_pair() {  # main_loop_pair PREFIX BF16_LIMIT_S F32_LIMIT_S "IMPLS" BF16_CONFIGS F32_CONFIGS:
+  # experiments.main_loop on 4096x4096 with --configs, bf16 states at T = 1024/4096/16384
+  # (step PREFIX_bf16) and fp32 states at T = 1024/4096 (step PREFIX_f32)
+  step "${1}_bf16" "$2" python -m experiments.main_loop --out "$work/${1}_bf16" --tokens 1024 4096 16384 \
+    --shapes 4096x4096 --impls $4 --configs "$5"
+  step "${1}_f32" "$3" python -m experiments.main_loop --out "$work/${1}_f32" --tokens 1024 4096 \
+    --shapes 4096x4096 --state-dtype float32 --impls $4 --configs "$6"
+}
+
 profile_pair() {  # profile_pair STAGES: bf16 AdamW at T=16384, the bf16 long-T tiling with
   # STAGES stages, profiled without (prof) and with (prof_cl2) clusters of two blocks
   local base="\"schedule\": \"pingpong\", \"max_concurrent_steps\": $1, \"epi_n\": 32, \"epi_l2_lookahead\": 0, \"l2_prefetch_steps\": 0, \"mma_in_flight\": true, \"no_auto_barriers\": true"
@@ -667,11 +676,7 @@ case "$part" in
     # times their size): the producer prefetches x/dy into L2 2, 4 or 8 steps ahead of its
     # shared-memory loads (stage_l2_lookahead), beside skip_compute (main loop + ring traffic).
     la='[{"stage_l2_lookahead": 2}, {"stage_l2_lookahead": 4}, {"stage_l2_lookahead": 8}]'
-    step la_bf16 300 python -m experiments.main_loop --out "$work/la_bf16" --tokens 1024 4096 16384 \
-      --shapes 4096x4096 --impls xla_gemm xla_optax mosaic_main_loop mosaic --configs "$la"
-    step la_f32 200 python -m experiments.main_loop --out "$work/la_f32" --tokens 1024 4096 \
-      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic_main_loop mosaic \
-      --configs "$la"
+    main_loop_pair la 300 200 "xla_gemm xla_optax mosaic_main_loop mosaic" "$la" "$la"
     ;;
   tile_t128)
     # After stage_lookahead (results/h200/stage_lookahead: the x/dy L2 prefetch slows the kernel
@@ -680,11 +685,7 @@ case "$part" in
     # bytes) with 2 stages (the default's shared memory), and with 3 stages and one ring slot.
     bf16='[{"tile_t": 128, "max_concurrent_steps": 2}, {"tile_t": 128, "max_concurrent_steps": 3, "epi_slots": 1}, {"tile_t": 128, "max_concurrent_steps": 3, "epi_slots": 1, "epi_n": 32}]'
     f32='[{"tile_t": 128, "max_concurrent_steps": 2}, {"tile_t": 128, "max_concurrent_steps": 3, "epi_slots": 1, "epi_n": 16}]'
-    step t128_bf16 300 python -m experiments.main_loop --out "$work/t128_bf16" --tokens 1024 4096 16384 \
-      --shapes 4096x4096 --impls xla_gemm xla_optax mosaic_main_loop mosaic --configs "$bf16"
-    step t128_f32 200 python -m experiments.main_loop --out "$work/t128_f32" --tokens 1024 4096 \
-      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic_main_loop mosaic \
-      --configs "$f32"
+    main_loop_pair t128 300 200 "xla_gemm xla_optax mosaic_main_loop mosaic" "$bf16" "$f32"
     ;;
   rules)
     # After tile_t128 (results/h200/tile_t128): how much of the main loop's gap to the GEMM is the
@@ -709,10 +710,7 @@ case "$part" in
     # GEMM): the persistent grid's tile order (never swept for ping-pong; always n8), which sets
     # how many x/dy blocks are live in L2 at once beside the stream.
     go='[{"grid_tile_width": 4}, {"grid_tile_width": 16}, {"grid_tile_width": 32}, {"grid_minor_dim": "m", "grid_tile_width": 4}, {"grid_minor_dim": "m", "grid_tile_width": 8}, {"grid_minor_dim": "m", "grid_tile_width": 16}]'
-    step go_bf16 260 python -m experiments.main_loop --out "$work/go_bf16" --tokens 1024 4096 16384 \
-      --shapes 4096x4096 --impls xla_gemm xla_optax mosaic --configs "$go"
-    step go_f32 160 python -m experiments.main_loop --out "$work/go_f32" --tokens 1024 4096 \
-      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic --configs "$go"
+    main_loop_pair go 260 160 "xla_gemm xla_optax mosaic" "$go" "$go"
     ;;
   l2_hints)
     # After rules (results/h200/rules: the W/state stream slows the main loop, x/dy re-read from

@@ -229,11 +229,11 @@ def test_steps_of_128_tokens_match_reference():
   _assert_matches_reference_with_norm(x, dy, w, slots, rule, cfg)
 
 
-def test_stage_l2_lookahead_config_problems_and_interpreter_parity():
+def test_stage_l2_lookahead_config_problems():
   """stage_l2_lookahead is a ping-pong producer's hint: negative or cooperative configs are
-  named; under the interpreter (no L2) the kernel is the same and matches the reference over
-  several tiles per block (the lookahead crosses tiles). Its GPU code is checked by lowering
-  (test_lowers_for_cuda) and on the H200 (check_mosaic_gpu, main_loop rows checked first)."""
+  named. The interpreter has no L2 and skips the prefetch, so parity there would not test it:
+  its GPU code is checked by lowering (test_lowers_for_cuda: the module changes) and on the
+  H200 (main_loop rows are checked against the reference before they are timed)."""
   base = fm.MosaicTileConfig(schedule="pingpong", tile_m=64, tile_n=64, max_concurrent_steps=2,
                              epi_n=16, num_sms=2, mma_in_flight=True, stage_l2_lookahead=3)
   assert fm._config_problem(base) is None
@@ -241,9 +241,6 @@ def test_stage_l2_lookahead_config_problems_and_interpreter_parity():
   assert problem is not None and "stage_l2_lookahead=-1 must be >= 0" in problem
   problem = fm._config_problem(dataclasses.replace(base, schedule="cooperative", mma_in_flight=False))
   assert problem is not None and "stage_l2_lookahead=3 needs schedule='pingpong'" in problem
-  rule = _rules()["adamw"]
-  x, dy, w, slots = _inputs(9, 128, 128, 256, rule)
-  _assert_matches_reference_with_norm(x, dy, w, slots, rule, base)
 
 
 def test_pipeline_across_tiles_applies_where_jax_allows():
