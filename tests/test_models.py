@@ -85,7 +85,9 @@ def test_get_config_overrides():
 
 @pytest.mark.parametrize("field, value, message", [
     ("linear", "torch", "linear='torch' is not one of 'flax', 'forge'"),
-    ("remat", "save_only_these_names", "remat='save_only_these_names' is not one of"),
+    ("remat", "save_these_names", "remat='save_these_names' is not one of"),
+    ("remat", "save_only_these_names", "remat='save_only_these_names' needs remat_names"),
+    ("remat_names", ("mlp_hidden",), r"remat_names=\('mlp_hidden',\) is only read by"),
     ("num_kv_heads", 3, "num_heads=4 must be a multiple of num_kv_heads=3"),
     ("dtype", "int8", "dtype='int8' must be the name of a float dtype"),
     ("family", "gemma", "family='gemma' is not one of"),
@@ -633,6 +635,8 @@ def test_cross_entropy_refuses_ids_outside_the_vocabulary():
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(num_kv_heads=0), "num_kv_heads=0 must be at least 1"),
+    (dict(remat="save_anything_except_these_names", remat_names=("mlp_out",)),
+     r"needs remat_names, a non-empty tuple of 'attention_out', 'mlp_hidden'; got .*mlp_out"),
     (dict(dtype="bf16"), "dtype='bf16' must be the name of a float dtype"),
     (dict(param_dtype="float64"), "needs jax_enable_x64"),
     (dict(rope_scaling={"factor": 8.0}), "must be None or a models.RopeScaling"),
