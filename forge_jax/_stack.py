@@ -72,15 +72,46 @@ def _zeros_ct(x):
   return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
+def _depends_on_inputs(jaxpr, inputs=None) -> list[bool]:
+  """For each output of ``jaxpr``, whether it may depend on the inputs marked in ``inputs``
+  (default: all), rather than only on constants. Conservative: the outputs of an equation
+  that reads a dependent value all depend, except that calls (jit, remat, custom
+  derivatives) are followed inside, where a mask built from iotas stays constant."""
+  Literal = jax.extend.core.Literal
+  varying = {v for v, d in zip(jaxpr.invars, inputs or [True] * len(jaxpr.invars)) if d}
+  for eqn in jaxpr.eqns:
+    reads = [not isinstance(v, Literal) and v in varying for v in eqn.invars]
+    if not any(reads):
+      continue
+    inner = _called_jaxpr(eqn)
+    writes = _depends_on_inputs(inner, reads) if inner is not None else [True] * len(eqn.outvars)
+    varying.update(v for v, d in zip(eqn.outvars, writes) if d)
+  return [not isinstance(v, Literal) and v in varying for v in jaxpr.outvars]
+
+
+def _called_jaxpr(eqn):
+  """The jaxpr an equation calls once with its own inputs and outputs, or None (loops too)."""
+  if eqn.primitive.name in ("scan", "while"):
+    return None
+  for name in ("jaxpr", "call_jaxpr"):
+    inner = getattr(eqn.params.get(name), "jaxpr", eqn.params.get(name))
+    if (hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars)
+        and len(inner.outvars) == len(eqn.outvars)):
+      return inner
+  return None
+
+
 class _Residuals(struct.PyTreeNode):
-  """What the forward scan saves for the backward loop: per-layer residuals and where they go.
+  """What the forward scan saves for the backward loop, and where each leaf of a layer's VJP goes.
 
   ``treedef`` is the structure of one layer's VJP; ``where[i]`` says where its
-  ``i``-th leaf comes from in the backward loop: ``("saved", j)``, layer ``l``
-  of ``arrays[j]``, or ``("live", j)``, the loop's ``j``-th live value.
+  ``i``-th leaf comes from in the backward loop at layer ``l``: ``("stacked", j)``,
+  layer ``l`` of ``stacked[j]``; ``("shared", j)``, ``shared[j]`` (the same at
+  every layer); ``("live", j)``, the loop's ``j``-th live value.
   """
 
-  arrays: list
+  stacked: list
+  shared: list
   treedef: Any = struct.field(pytree_node=False)
   where: tuple = struct.field(pytree_node=False)
 
@@ -143,16 +174,19 @@ def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: A
     rest_p = [flat_p[p] for p in rest]
     block = _checkpointed(lambda p, f, x_l: block_apply(p, f, x_l, args), remat, policy)
     stack_types = {(a.shape, a.dtype) for a in jax.tree.leaves((kernels, states)) if a.ndim > 1}
-    layout = {}  # set while the scan's body is traced (once)
+    layout = {}  # set while a layer is traced
 
-    def body(x_l, l):
+    def layer(x_l, l):
+      """Layer l's output and the residuals it saves (each once), and where its VJP's leaves go."""
       y, vjp_fn, given = layer_vjp(block, managed, rest, kernels, states, rest_p, l, x_l)
       live = {id(v): i for i, v in enumerate(given + jax.tree.leaves(args))}
       leaves, layout["treedef"] = jax.tree.flatten(vjp_fn)
-      where, saved = [], []
+      where, saved, index = [], [], {}
       for leaf in leaves:
         if id(leaf) in live:
           where.append(("live", live[id(leaf)]))
+        elif id(leaf) in index:  # one value kept for several uses (x of q, k and v): saved once
+          where.append(("saved", index[id(leaf)]))
         else:
           if (jnp.shape(leaf), jnp.result_type(leaf)) in stack_types:
             raise NotImplementedError(
@@ -160,13 +194,31 @@ def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: A
                 "FORGE kernel or state: this jax's jax.vjp does not keep the stacks it is given "
                 "as they are, and saving them per layer would copy the stack once per layer. "
                 "Please report it with the jax version.")
+          index[id(leaf)] = len(saved)
           where.append(("saved", len(saved)))
           saved.append(leaf)
-      layout["where"] = tuple(where)
+      layout["where"] = where
       return y, saved
 
-    y, saved = jax.lax.scan(body, x, jnp.arange(length), length=length)
-    return y, (params, forge, args, _Residuals(saved, layout["treedef"], layout["where"]))
+    # Residuals that depend on neither the layer's input nor its index (functions of `args`
+    # alone, e.g. a broadcast attention mask) are the same at every layer: kept once, in the
+    # scan's carry, instead of stacked.
+    layers = jnp.arange(length)
+    probe = jax.make_jaxpr(layer)(x, layers[0])
+    varying = _depends_on_inputs(probe.jaxpr)[1:]
+    shared_init = [jnp.zeros(a.shape, a.dtype) for a, v in zip(probe.out_avals[1:], varying) if not v]
+
+    def body(carry, l):
+      y, saved = layer(carry[0], l)
+      return (y, [a for a, v in zip(saved, varying) if not v]), [a for a, v in zip(saved, varying) if v]
+
+    (y, shared), stacked = jax.lax.scan(body, (x, shared_init), layers, length=length)
+    slot = {}  # saved index -> (kind, index in its list)
+    for j, v in enumerate(varying):
+      kind = "stacked" if v else "shared"
+      slot[j] = (kind, sum(1 for k, _ in slot.values() if k == kind))
+    where = tuple(w if w[0] == "live" else slot[w[1]] for w in layout["where"])
+    return y, (params, forge, args, _Residuals(stacked, shared, layout["treedef"], where))
 
   def bwd(res, dy):
     params, forge, args, saved = res
@@ -180,9 +232,8 @@ def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: A
       # stacks it carries (updated at the layers above l only), slices of the other parameters.
       given = jax.tree.leaves((kernels, states, [_index(a, l) for a in rest_p])) + [l]
       live = given + jax.tree.leaves(args)
-      saved_l = _index(saved.arrays, l)
-      vjp_fn = jax.tree.unflatten(
-          saved.treedef, [live[j] if kind == "live" else saved_l[j] for kind, j in saved.where])
+      found = {"live": live, "stacked": _index(saved.stacked, l), "shared": saved.shared}
+      vjp_fn = jax.tree.unflatten(saved.treedef, [found[kind][j] for kind, j in saved.where])
       ct_p, ct_f, dx = vjp_fn(dx)
       ct_p, ct_f = _dense.flat_variables(ct_p), _dense.flat_variables(ct_f)
       # A FORGE kernel's cotangent is its new (stacked) value; its state's is

@@ -406,24 +406,27 @@ def test_error_params_of_the_other_layout():
     hf_io.params_to_hf(params, dataclasses.replace(cfg, scan_layers=False))
 
 
-def _forward_scan_outputs(jaxpr, length):
-  """Output avals of the first scan of ``length`` steps in program order (the forward pass)."""
+def _forward_scan_residuals(jaxpr, length):
+  """Avals of the stacked outputs (``ys``) of the first scan of ``length`` steps in program
+  order: what the forward pass keeps per layer."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan" and eqn.params["length"] == length:
-      return [str(v.aval) for v in eqn.outvars]
+      return sorted(str(v.aval) for v in eqn.outvars[eqn.params["num_carry"]:])
     for p in eqn.params.values():
       inner = getattr(p, "jaxpr", p)
       if hasattr(inner, "eqns"):
-        found = _forward_scan_outputs(inner, length)
+        found = _forward_scan_residuals(inner, length)
         if found is not None:
           return found
   return None
 
 
-def test_forge_scanned_training_saves_the_same_residuals_as_optax():
-  """Scanned layers with full remat: FORGE's train step keeps exactly what the flax + optax
-  step keeps between the forward and backward scans (one block input per layer), so any
-  peak-memory difference between them is in transient buffers, not saved activations."""
+@pytest.mark.parametrize("remat", ["none", "dots_saveable", "full"])
+def test_forge_scanned_training_saves_the_same_residuals_as_optax(remat):
+  """Scanned layers: FORGE's train step keeps per layer exactly what the flax + optax step keeps
+  between the forward and backward scans, whatever the activation checkpointing (with full
+  remat, one block input per layer), so any peak-memory difference between them is in
+  transient buffers, not saved activations."""
   import forge_jax  # pylint: disable=g-import-not-at-top
   from experiments import bench_models  # pylint: disable=g-import-not-at-top
 
@@ -432,7 +435,7 @@ def test_forge_scanned_training_saves_the_same_residuals_as_optax():
   outputs = {}
   for impl in ("optax", "forge"):
     linear = "forge" if impl == "forge" else "flax"
-    cfg = models.get_config("tiny-llama", linear=linear, remat="full", scan_layers=True,
+    cfg = models.get_config("tiny-llama", linear=linear, remat=remat, scan_layers=True,
                             forge_backend="xla", param_dtype="bfloat16", dtype="bfloat16")
     opt = bench_models._forge_optimizer(impl)
     model = models.CausalLM(cfg, optimizer=opt)
@@ -446,9 +449,10 @@ def test_forge_scanned_training_saves_the_same_residuals_as_optax():
       tx, step = bench_models.optax_baseline(impl, loss_fn)
       jaxpr = jax.make_jaxpr(step)((variables["params"], jax.eval_shape(tx.init, variables["params"])),
                                    data)
-    outputs[impl] = _forward_scan_outputs(jaxpr.jaxpr, cfg.num_layers)
+    outputs[impl] = _forward_scan_residuals(jaxpr.jaxpr, cfg.num_layers)
   hidden = f"bfloat16[{cfg.num_layers},{batch},{tokens},{cfg.hidden_size}]"
   assert hidden in outputs["optax"]
+  assert (outputs["optax"] == [hidden]) == (remat == "full")
   assert outputs["forge"] == outputs["optax"]
 
 
