@@ -129,7 +129,8 @@ def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: A
 
   The forward scan takes each block's VJP (``jax.vjp`` of the block, under
   ``jax.checkpoint(policy=policy)`` when ``remat``) and saves its residuals
-  stacked over layers, except those that are the block's own inputs: the
+  stacked over layers (once, where they do not vary with the layer), except
+  those that are the block's own inputs: the
   stacked FORGE kernels and states, the layer index, the slices of the other
   parameters and the broadcast ``args``, recognized by identity (as
   ``jax.vjp`` itself tells the arguments it keeps from the values it
@@ -205,8 +206,9 @@ def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: A
     # scan's carry, instead of stacked.
     layers = jnp.arange(length)
     probe = jax.make_jaxpr(layer)(x, layers[0])
-    varying = _depends_on_inputs(probe.jaxpr)[1:]
-    shared_init = [jnp.zeros(a.shape, a.dtype) for a, v in zip(probe.out_avals[1:], varying) if not v]
+    n_y = len(jax.tree.leaves(x))
+    varying = _depends_on_inputs(probe.jaxpr)[n_y:]
+    shared_init = [jnp.zeros(a.shape, a.dtype) for a, v in zip(probe.out_avals[n_y:], varying) if not v]
 
     def body(carry, l):
       y, saved = layer(carry[0], l)
@@ -348,7 +350,7 @@ class ScannedStack(nn.Module):
         raise ValueError(
             f"a block of ScannedStack {'/'.join(self.scope.path)} draws random numbers "
             "(dropout?). Its FORGE path runs the blocks without RNGs, because the backward "
-            "pass recomputes each block and would need the same random bits again: make the "
+            "pass may recompute a block and would need the same random bits again: make the "
             "block deterministic while training with FORGE, or unroll the layers."
         ) from e
       return y

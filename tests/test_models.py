@@ -250,6 +250,23 @@ def test_scanned_layout_is_forge_scanned_stacks():
   np.testing.assert_allclose(theirs_y, ours_y, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("remat, policy", [(False, "dots_saveable"), (True, "dots_saveable")])
+def test_scanned_stack_policy_errors(remat, policy):
+  """A policy is a jax.checkpoint_policies callable, and means nothing without remat."""
+  forge_jax = pytest.importorskip("forge_jax")
+  cfg = models.get_config("tiny-qwen3")
+  if remat:
+    policy_arg = policy  # the name, where the policy itself is needed
+  else:
+    policy_arg = getattr(jax.checkpoint_policies, policy)
+  stack = forge_jax.ScannedStack(functools.partial(models.DecoderBlock, cfg), 2, remat=remat,
+                                 remat_policy=policy_arg)
+  x_BxLxD = jnp.zeros((1, 4, cfg.hidden_size))
+  rope = rope_sin_cos(jnp.zeros((1, 4), jnp.int32), rope_inv_frequencies(cfg))
+  with pytest.raises(ValueError, match=r"ScannedStack\(remat=.*remat_policy=.*a policy is a callable"):
+    stack.init(jax.random.key(0), x_BxLxD, rope)
+
+
 def test_forge_backend_choices_are_forge_jax_backends():
   from forge_jax import _fused
   assert models.FORGE_BACKENDS == _fused.BACKENDS
