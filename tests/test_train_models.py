@@ -1,6 +1,7 @@
 """Training the model presets with FORGE: parity with optax, and exact resume."""
 
 import dataclasses
+import collections
 import functools
 import re
 
@@ -242,9 +243,34 @@ def test_scanned_forge_equals_unrolled_forge_and_optax_at_every_remat(remat, nam
   else:  # activations inside the blocks too
     assert len(saved) > 3, saved
   # The compiled step: no copy of a stack, and every state buffer updated in place.
-  shapes = {f"f32[{','.join(map(str, s))}]" for s, _ in stacks}
-  copies = [l.strip() for l in compiled.as_text().splitlines() if re.search(r"= \S+ copy\(", l)]
-  bad = [c for c in copies if any(s + "{" in c.split(" copy(")[0] for s in shapes)]
+  hlo = compiled.as_text()
+  kernel_stacks = collections.Counter(_hlo_shape(a) for a in jax.tree.leaves(state.params["decoder"])
+                                      if a.ndim == 3)
+  all_stacks = kernel_stacks + collections.Counter(
+      _hlo_shape(a) for a in jax.tree.leaves(state.forge_state) if a.ndim == 3)
+  copies = [l.strip() for l in hlo.splitlines() if re.search(r"= \S+ copy\(", l)]
+  bad = [c for c in copies if any(s + "{" in c.split(" copy(")[0] for s in all_stacks)]
   assert not bad, "copies of stacked FORGE weight/state buffers:\n" + "\n".join(bad)
   stats = compiled.memory_analysis()
   assert stats.alias_size_in_bytes == stats.argument_size_in_bytes - batches[0].nbytes
+  # The loops' buffers: the forward loop reads each kernel stack, the backward loop carries every
+  # stack (kernels and slots). A weight saved per layer, as its layer's slice or as the whole
+  # stack, would be one more loop buffer ending in a kernel's [K, N].
+  def per_layer(shape):
+    dtype, dims = re.fullmatch(r"(\w+)\[([0-9,]*)\]", shape).groups()
+    dims = dims.split(",")
+    return (dtype, *dims[-2:]) if len(dims) >= 3 else None
+
+  in_loops = collections.Counter()
+  for line in hlo.splitlines():
+    if re.search(r"= \(.*\) while\(", line):
+      in_loops.update(per_layer(s) for s in re.findall(r"\w+\[[0-9,]*\]", line.split(" while(")[0]))
+  allowed = collections.Counter()
+  for shape, n in all_stacks.items():
+    allowed[per_layer(shape)] += kernel_stacks[shape] + n
+  assert all(in_loops[k] <= n for k, n in allowed.items()), (in_loops, allowed)
+
+
+def _hlo_shape(a):
+  """``a``'s shape as HLO prints it, e.g. ``f32[2,64,160]``."""
+  return f"{a.dtype.name.replace('float', 'f')}[{','.join(map(str, a.shape))}]"
