@@ -166,6 +166,9 @@ class ModelConfig:
     if self.remat in REMAT_POLICIES and not hasattr(jax.checkpoint_policies, self.remat):
       raise ValueError(f"remat={self.remat!r} is not in this jax's jax.checkpoint_policies")
     names = self.remat_names
+    if isinstance(names, list):  # as read back from JSON
+      names = tuple(names)
+      object.__setattr__(self, "remat_names", names)
     if self.remat in REMAT_NAMED_POLICIES:
       if (not names or not isinstance(names, tuple)
           or not set(names) <= set(CHECKPOINT_NAMES)):

@@ -160,7 +160,7 @@ def _forward_scan_outputs(jaxpr, length):
 
 
 def _train(cfg, variables, opt, batches):
-  """Losses and the final state of len(batches) FORGE steps, and the step's compiled HLO."""
+  """Losses and final state of len(batches) FORGE steps, with the step's jaxpr and executable."""
   model = models.CausalLM(cfg, optimizer=opt)
   loss_fn = functools.partial(_loss, model.apply)
   state = forge_jax.TrainState.create(model.apply, variables, opt)
