@@ -5,8 +5,8 @@
 inside the backward GEMM; ``--impl optax`` builds ``flax.linen.Dense`` and
 trains with the optax optimizer of the same name. Everything else is shared:
 model config, init seed, data order, learning-rate schedule, activation
-checkpointing (``--remat full`` by default: the only setting a scanned FORGE
-stack supports, so optax runs use it too and the comparison is matched).
+checkpointing (``--remat full`` by default; FORGE and optax runs with the same
+``--remat`` save the same activations, so the comparison is matched).
 
 The data is the Python standard library's source (:mod:`experiments.data`);
 its fingerprint is in the log's first record. Outputs under ``--out``:

@@ -30,7 +30,11 @@ REMAT_POLICIES = (
     "dots_with_no_batch_dims_saveable",
     "checkpoint_dots_with_no_batch_dims",
 )
-REMAT_CHOICES = ("none", "full") + REMAT_POLICIES
+# Factories of jax.checkpoint_policies that take tensor names: the names come from
+# ModelConfig.remat_names, chosen among the activations the blocks name (models._layers).
+REMAT_NAMED_POLICIES = ("save_only_these_names", "save_anything_except_these_names")
+CHECKPOINT_NAMES = ("attention_out", "mlp_hidden")
+REMAT_CHOICES = ("none", "full") + REMAT_POLICIES + REMAT_NAMED_POLICIES
 # Module names of the linear layers inside one decoder block (HF's names).
 BLOCK_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -87,7 +91,11 @@ class ModelConfig:
     scan_layers: ``nn.scan`` over one block (params stacked ``[L, ...]`` under
       ``layers``) or a Python loop (``layers_0`` ... ``layers_{L-1}``).
     remat: activation checkpointing of each block: ``"none"``, ``"full"``
-      (save nothing, recompute all) or a ``jax.checkpoint_policies`` name.
+      (save nothing, recompute all) or a ``jax.checkpoint_policies`` name;
+      ``"save_only_these_names"`` and ``"save_anything_except_these_names"``
+      take their names from ``remat_names``.
+    remat_names: the named activations (``"attention_out"``, ``"mlp_hidden"``)
+      of the name-based policies; empty otherwise.
     param_dtype: storage dtype of every parameter.
     dtype: compute dtype (activations, matmul inputs, logits).
     attention: ``"auto"`` (cuDNN flash attention on GPU for 16-bit compute,
@@ -116,6 +124,7 @@ class ModelConfig:
   forge_backend: str = "auto"
   scan_layers: bool = True
   remat: str = "none"
+  remat_names: tuple[str, ...] = ()
   param_dtype: str = "float32"
   dtype: str = "float32"
   attention: str = "auto"
@@ -156,14 +165,20 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of channels")
     if self.remat in REMAT_POLICIES and not hasattr(jax.checkpoint_policies, self.remat):
       raise ValueError(f"remat={self.remat!r} is not in this jax's jax.checkpoint_policies")
-    if self.linear == "forge" and self.scan_layers and self.remat != "full":
+    names = self.remat_names
+    if isinstance(names, list):  # as read back from JSON
+      names = tuple(names)
+      object.__setattr__(self, "remat_names", names)
+    if self.remat in REMAT_NAMED_POLICIES:
+      if (not names or not isinstance(names, tuple)
+          or not set(names) <= set(CHECKPOINT_NAMES)):
+        raise ValueError(
+            f"remat={self.remat!r} needs remat_names, a non-empty tuple of "
+            f"{', '.join(map(repr, CHECKPOINT_NAMES))}; got remat_names={names!r}")
+    elif names:
       raise ValueError(
-          f"linear='forge' with scan_layers=True runs the layers as a "
-          f"forge_jax.ScannedStack, whose backward pass recomputes every block from "
-          f"its input, but remat={self.remat!r}: set remat='full' (and the same for "
-          "optax runs you compare against, so both checkpoint alike), or "
-          "scan_layers=False."
-      )
+          f"remat_names={names!r} is only read by remat='save_only_these_names' or "
+          f"'save_anything_except_these_names', not remat={self.remat!r}: drop it")
 
   @property
   def qk_norm(self) -> bool:

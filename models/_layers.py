@@ -1,7 +1,10 @@
 """The parts of a decoder block: linear factory, RMSNorm, RoPE, attention, MLP.
 
 Shapes in names: B batch, L sequence, D hidden, F intermediate, N query heads,
-K key/value heads, H head_dim, V vocab.
+K key/value heads, H head_dim, V vocab. Activations a remat policy may pick by
+name (``jax.ad_checkpoint.checkpoint_name``): ``attention_out`` (the attention
+output, before ``o_proj``) and ``mlp_hidden`` (``silu(gate) * up``, before
+``down_proj``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from models._config import ModelConfig
 
@@ -143,6 +147,7 @@ class Attention(nn.Module):
     out_BxLxNxH = jax.nn.dot_product_attention(
         q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True,
         implementation=attention_implementation(cfg))
+    out_BxLxNxH = checkpoint_name(out_BxLxNxH, "attention_out")
     return dense(cfg, cfg.hidden_size, "o_proj", opt, bias)(out_BxLxNxH.reshape(b, l, n * h))
 
 
@@ -157,4 +162,5 @@ class Mlp(nn.Module):
     cfg, opt = self.cfg, self.optimizer
     gate_BxLxF = dense(cfg, cfg.intermediate_size, "gate_proj", opt)(x_BxLxD)
     up_BxLxF = dense(cfg, cfg.intermediate_size, "up_proj", opt)(x_BxLxD)
-    return dense(cfg, cfg.hidden_size, "down_proj", opt)(jax.nn.silu(gate_BxLxF) * up_BxLxF)
+    hidden_BxLxF = checkpoint_name(jax.nn.silu(gate_BxLxF) * up_BxLxF, "mlp_hidden")
+    return dense(cfg, cfg.hidden_size, "down_proj", opt)(hidden_BxLxF)

@@ -62,11 +62,19 @@ class _ScanBody(nn.Module):
     return self.block(name="block")(x_BxLxD, rope), None
 
 
+def _remat_policy(cfg: ModelConfig) -> Any:
+  """The ``jax.checkpoint_policies`` policy ``cfg.remat`` names (``None`` for none and full)."""
+  if cfg.remat in ("none", "full"):
+    return None
+  policy = getattr(jax.checkpoint_policies, cfg.remat)
+  return policy(*cfg.remat_names) if cfg.remat_names else policy
+
+
 def _maybe_remat(cls: type[nn.Module], cfg: ModelConfig) -> type[nn.Module]:
   """``cls`` wrapped in ``nn.remat`` with the configured policy (or as is)."""
   if cfg.remat == "none":
     return cls
-  policy = None if cfg.remat == "full" else getattr(jax.checkpoint_policies, cfg.remat)
+  policy = _remat_policy(cfg)
   # Under scan, CSE across iterations cannot undo the remat, and the barrier
   # that prevents it costs speed (flax's advice for remat inside scan).
   return nn.remat(cls, policy=policy, prevent_cse=not cfg.scan_layers)
@@ -120,15 +128,15 @@ def _decoder(cfg: ModelConfig, optimizer: Any) -> nn.Module:
   ``forge_jax.ScannedStack``: one custom VJP around all layers whose backward
   updates the stacked kernels and optimizer states in place (a plain
   ``nn.scan`` would build a second stacked copy of them). Its parameters have
-  the ``decoder/layers/block`` layout of the ``nn.scan`` branch, and it
-  recomputes every block from the block's input in the backward pass, i.e.
-  ``remat="full"`` (``ModelConfig`` refuses other settings for it).
+  the ``decoder/layers/block`` layout of the ``nn.scan`` branch and the same
+  activation checkpointing (``cfg.remat``).
   """
   if not (cfg.scan_layers and cfg.linear == "forge"):
     return DecoderStack(cfg, optimizer, name="decoder")
   import forge_jax  # pylint: disable=g-import-not-at-top  (forge is optional here)
   block = functools.partial(DecoderBlock, cfg, optimizer)
-  return forge_jax.ScannedStack(block, cfg.num_layers, remat=True, name="decoder")
+  return forge_jax.ScannedStack(block, cfg.num_layers, remat=cfg.remat != "none",
+                                remat_policy=_remat_policy(cfg), name="decoder")
 
 
 class CausalLM(nn.Module):

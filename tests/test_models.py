@@ -85,7 +85,9 @@ def test_get_config_overrides():
 
 @pytest.mark.parametrize("field, value, message", [
     ("linear", "torch", "linear='torch' is not one of 'flax', 'forge'"),
-    ("remat", "save_only_these_names", "remat='save_only_these_names' is not one of"),
+    ("remat", "save_these_names", "remat='save_these_names' is not one of"),
+    ("remat", "save_only_these_names", "remat='save_only_these_names' needs remat_names"),
+    ("remat_names", ("mlp_hidden",), r"remat_names=\('mlp_hidden',\) is only read by"),
     ("num_kv_heads", 3, "num_heads=4 must be a multiple of num_kv_heads=3"),
     ("dtype", "int8", "dtype='int8' must be the name of a float dtype"),
     ("family", "gemma", "family='gemma' is not one of"),
@@ -248,6 +250,23 @@ def test_scanned_layout_is_forge_scanned_stacks():
   np.testing.assert_allclose(theirs_y, ours_y, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("remat, policy", [(False, "dots_saveable"), (True, "dots_saveable")])
+def test_scanned_stack_policy_errors(remat, policy):
+  """A policy is a jax.checkpoint_policies callable, and means nothing without remat."""
+  forge_jax = pytest.importorskip("forge_jax")
+  cfg = models.get_config("tiny-qwen3")
+  if remat:
+    policy_arg = policy  # the name, where the policy itself is needed
+  else:
+    policy_arg = getattr(jax.checkpoint_policies, policy)
+  stack = forge_jax.ScannedStack(functools.partial(models.DecoderBlock, cfg), 2, remat=remat,
+                                 remat_policy=policy_arg)
+  x_BxLxD = jnp.zeros((1, 4, cfg.hidden_size))
+  rope = rope_sin_cos(jnp.zeros((1, 4), jnp.int32), rope_inv_frequencies(cfg))
+  with pytest.raises(ValueError, match=r"ScannedStack\(remat=.*remat_policy=.*a policy is a callable"):
+    stack.init(jax.random.key(0), x_BxLxD, rope)
+
+
 def test_forge_backend_choices_are_forge_jax_backends():
   from forge_jax import _fused
   assert models.FORGE_BACKENDS == _fused.BACKENDS
@@ -404,24 +423,27 @@ def test_error_params_of_the_other_layout():
     hf_io.params_to_hf(params, dataclasses.replace(cfg, scan_layers=False))
 
 
-def _forward_scan_outputs(jaxpr, length):
-  """Output avals of the first scan of ``length`` steps in program order (the forward pass)."""
+def _forward_scan_residuals(jaxpr, length):
+  """Avals of the stacked outputs (``ys``) of the first scan of ``length`` steps in program
+  order: what the forward pass keeps per layer."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan" and eqn.params["length"] == length:
-      return [str(v.aval) for v in eqn.outvars]
+      return sorted(str(v.aval) for v in eqn.outvars[eqn.params["num_carry"]:])
     for p in eqn.params.values():
       inner = getattr(p, "jaxpr", p)
       if hasattr(inner, "eqns"):
-        found = _forward_scan_outputs(inner, length)
+        found = _forward_scan_residuals(inner, length)
         if found is not None:
           return found
   return None
 
 
-def test_forge_scanned_training_saves_the_same_residuals_as_optax():
-  """Scanned layers with full remat: FORGE's train step keeps exactly what the flax + optax
-  step keeps between the forward and backward scans (one block input per layer), so any
-  peak-memory difference between them is in transient buffers, not saved activations."""
+@pytest.mark.parametrize("remat", ["none", "dots_saveable", "full"])
+def test_forge_scanned_training_saves_the_same_residuals_as_optax(remat):
+  """Scanned layers: FORGE's train step keeps per layer exactly what the flax + optax step keeps
+  between the forward and backward scans, whatever the activation checkpointing (with full
+  remat, one block input per layer), so any peak-memory difference between them is in
+  transient buffers, not saved activations."""
   import forge_jax  # pylint: disable=g-import-not-at-top
   from experiments import bench_models  # pylint: disable=g-import-not-at-top
 
@@ -430,7 +452,7 @@ def test_forge_scanned_training_saves_the_same_residuals_as_optax():
   outputs = {}
   for impl in ("optax", "forge"):
     linear = "forge" if impl == "forge" else "flax"
-    cfg = models.get_config("tiny-llama", linear=linear, remat="full", scan_layers=True,
+    cfg = models.get_config("tiny-llama", linear=linear, remat=remat, scan_layers=True,
                             forge_backend="xla", param_dtype="bfloat16", dtype="bfloat16")
     opt = bench_models._forge_optimizer(impl)
     model = models.CausalLM(cfg, optimizer=opt)
@@ -444,9 +466,10 @@ def test_forge_scanned_training_saves_the_same_residuals_as_optax():
       tx, step = bench_models.optax_baseline(impl, loss_fn)
       jaxpr = jax.make_jaxpr(step)((variables["params"], jax.eval_shape(tx.init, variables["params"])),
                                    data)
-    outputs[impl] = _forward_scan_outputs(jaxpr.jaxpr, cfg.num_layers)
+    outputs[impl] = _forward_scan_residuals(jaxpr.jaxpr, cfg.num_layers)
   hidden = f"bfloat16[{cfg.num_layers},{batch},{tokens},{cfg.hidden_size}]"
   assert hidden in outputs["optax"]
+  assert (outputs["optax"] == [hidden]) == (remat == "full")
   assert outputs["forge"] == outputs["optax"]
 
 
@@ -633,6 +656,8 @@ def test_cross_entropy_refuses_ids_outside_the_vocabulary():
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(num_kv_heads=0), "num_kv_heads=0 must be at least 1"),
+    (dict(remat="save_anything_except_these_names", remat_names=("mlp_out",)),
+     r"needs remat_names, a non-empty tuple of 'attention_out', 'mlp_hidden'; got .*mlp_out"),
     (dict(dtype="bf16"), "dtype='bf16' must be the name of a float dtype"),
     (dict(param_dtype="float64"), "needs jax_enable_x64"),
     (dict(rope_scaling={"factor": 8.0}), "must be None or a models.RopeScaling"),

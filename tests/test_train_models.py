@@ -1,7 +1,11 @@
 """Training the model presets with FORGE: parity with optax, and exact resume."""
 
 import dataclasses
+import collections
 import functools
+import re
+
+import flax
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +30,9 @@ def _batches(cfg, n):
   return [jax.random.randint(jax.random.PRNGKey(100 + i), (2, 9), 0, cfg.vocab_size) for i in range(n)]
 
 
-@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
+# Scanned tiny-llama: test_scanned_forge_equals_unrolled_forge_and_optax_at_every_remat.
+@pytest.mark.parametrize("name, scan", [("tiny-qwen3", True), ("tiny-qwen3", False), ("tiny-llama", False)],
+                         ids=["tiny-qwen3-scanned", "tiny-qwen3-unrolled", "tiny-llama-unrolled"])
 def test_forge_training_matches_optax(name, scan):
   cfg = models.get_config(name, linear="forge", remat="full", scan_layers=scan)
   opt = forge_jax.adamw(1e-2, weight_decay=0.1)
@@ -123,3 +128,170 @@ def test_restore_into_other_dtypes_is_an_error(tmp_path):
     forge_jax.restore_train_state(tmp_path / "ckpt", state("bfloat16", abstract=True))
   restored = forge_jax.restore_train_state(tmp_path / "ckpt", saved)  # a float32 target restores
   assert int(restored.step) == 0
+
+
+# ----------------------------------------------------------------------------- scanned FORGE and remat
+
+
+def _unstacked(tree, num_layers):
+  """A scanned model's collection (params or forge_state) in the unrolled layout."""
+  out = {}
+  for path, leaf in flax.traverse_util.flatten_dict(flax.core.unfreeze(tree)).items():
+    if path[:3] == ("decoder", "layers", "block"):
+      for i in range(num_layers):
+        out[("decoder", f"layers_{i}", *path[3:])] = jax.tree.map(lambda a, i=i: a[i], leaf)
+    else:
+      out[path] = leaf
+  return flax.traverse_util.unflatten_dict(out)
+
+
+def _forward_scan_outputs(jaxpr, length):
+  """Output avals of the first scan of ``length`` steps in program order (the forward pass)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan" and eqn.params["length"] == length:
+      return [v.aval for v in eqn.outvars]
+    for p in eqn.params.values():
+      inner = getattr(p, "jaxpr", p)
+      if hasattr(inner, "eqns"):
+        found = _forward_scan_outputs(inner, length)
+        if found is not None:
+          return found
+  return None
+
+
+def _train(cfg, variables, opt, batches):
+  """Losses and final state of len(batches) FORGE steps, with the step's jaxpr and executable."""
+  model = models.CausalLM(cfg, optimizer=opt)
+  loss_fn = functools.partial(_loss, model.apply)
+  state = forge_jax.TrainState.create(model.apply, variables, opt)
+  jaxpr = jax.make_jaxpr(lambda s, b: forge_jax.train_step(s, b, loss_fn))(state, batches[0])
+  compiled = forge_jax.train_step.lower(state, batches[0], loss_fn).compile()
+  losses = []
+  for batch in batches:
+    state, metrics = compiled(state, batch)
+    losses.append(float(metrics["loss"]))
+  return losses, state, jaxpr, compiled
+
+
+@functools.lru_cache(maxsize=None)
+def _references():
+  """Unrolled FORGE (no remat) and optax runs from the scanned model's init, shared by every
+  remat setting (checkpointing changes what is saved, not the values)."""
+  cfg = models.get_config("tiny-llama", linear="forge", remat="none", scan_layers=True)
+  opt = forge_jax.adamw(1e-2, weight_decay=0.1)
+  batches = _batches(cfg, STEPS)
+  variables = jax.jit(models.CausalLM(cfg, optimizer=opt).init)(jax.random.PRNGKey(0), batches[0][:, :-1])
+  unrolled = dataclasses.replace(cfg, scan_layers=False)
+  unrolled_vars = {k: _unstacked(v, cfg.num_layers) for k, v in variables.items()}
+  losses_u, state_u, _, _ = _train(unrolled, jax.tree.map(jnp.copy, unrolled_vars), opt, batches)
+
+  ref_model = models.CausalLM(dataclasses.replace(unrolled, linear="flax"))
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+
+  @jax.jit
+  def ref_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(lambda p: _loss(ref_model.apply, {"params": p}, batch))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params = jax.tree.map(jnp.copy, unrolled_vars["params"])
+  opt_state, losses_o = tx.init(params), []
+  for batch in batches:
+    params, opt_state, loss = ref_step(params, opt_state, batch)
+    losses_o.append(float(loss))
+  return cfg, opt, batches, variables, (losses_u, state_u), (losses_o, params, opt_state)
+
+
+@pytest.mark.parametrize("remat, names", [
+    ("none", ()), ("dots_saveable", ()), ("save_only_these_names", ("attention_out", "mlp_hidden")),
+    ("full", ())], ids=["none", "dots_saveable", "save_only_these_names", "full"])
+def test_scanned_forge_equals_unrolled_forge_and_optax_at_every_remat(remat, names):
+  """A scanned FORGE model (forge_jax.ScannedStack) trains like the unrolled FORGE model to
+  float32 rounding and like optax to the parity tolerances, whatever its activation
+  checkpointing; its forward scan saves no stacked weight or state (the backward reads the live
+  stacks), and the compiled step updates the stacks in place, without copying them."""
+  cfg, opt, batches, variables, (losses_u, state_u), (losses_o, params_o, opt_state_o) = _references()
+  cfg = dataclasses.replace(cfg, remat=remat, remat_names=names)
+  losses, state, jaxpr, compiled = _train(cfg, jax.tree.map(jnp.copy, variables), opt, batches)
+
+  # Unrolled FORGE: same sums in another program, so float32 rounding apart.
+  np.testing.assert_allclose(losses, losses_u, rtol=1e-6)
+  for ours, theirs in [(state.params, state_u.params), (state.forge_state, state_u.forge_state)]:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 _unstacked(ours, cfg.num_layers), theirs)
+  # optax: the tolerances of test_forge_training_matches_optax.
+  np.testing.assert_allclose(losses, losses_o, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5),
+               _unstacked(state.params, cfg.num_layers), params_o)
+  mu_o = opt_state_o[0].mu["decoder"]["layers_1"]["mlp"]["gate_proj"]["kernel"]
+  mu = state.forge_state["decoder"]["layers"]["block"]["mlp"]["gate_proj"]["kernel"].opt.mu[1]
+  np.testing.assert_allclose(mu, mu_o, rtol=1e-4, atol=5e-6)
+
+  # What the forward scan keeps per layer: never a FORGE kernel or state slot, neither the
+  # layer's slice ([L, K, N] stacked) nor the whole stack ([L, L, K, N]).
+  stacks = {(a.shape, a.dtype) for a in jax.tree.leaves(state.forge_state) + jax.tree.leaves(
+      state.params["decoder"]) if a.ndim == 3}
+  saved = _forward_scan_outputs(jaxpr.jaxpr, cfg.num_layers)
+  assert not [a for a in saved if (a.shape[-2:], a.dtype) in {(s[1:], d) for s, d in stacks}], saved
+  b, t = batches[0][:, :-1].shape
+  block_input = (cfg.num_layers, b, t, cfg.hidden_size)
+  named = [(cfg.num_layers, b, t, cfg.num_heads, cfg.head_dim),  # attention_out
+           (cfg.num_layers, b, t, cfg.intermediate_size)]  # mlp_hidden
+  expected = {"full": [block_input], "save_only_these_names": [block_input, *named]}
+  if remat in expected:
+    assert sorted(a.shape for a in saved[1:]) == sorted(expected[remat]), saved
+  else:  # activations inside the blocks too
+    assert len(saved) > 3, saved
+  # The compiled step: no copy of a stack, and every state buffer updated in place.
+  hlo = compiled.as_text()
+  kernel_stacks = collections.Counter(_hlo_shape(a) for a in jax.tree.leaves(state.params["decoder"])
+                                      if a.ndim == 3)
+  all_stacks = kernel_stacks + collections.Counter(
+      _hlo_shape(a) for a in jax.tree.leaves(state.forge_state) if a.ndim == 3)
+  copies = [l.strip() for l in hlo.splitlines() if re.search(r"= \S+ copy\(", l)]
+  bad = [c for c in copies if any(s + "{" in c.split(" copy(")[0] for s in all_stacks)]
+  assert not bad, "copies of stacked FORGE weight/state buffers:\n" + "\n".join(bad)
+  stats = compiled.memory_analysis()
+  assert stats.alias_size_in_bytes == stats.argument_size_in_bytes - batches[0].nbytes
+  # The loops' buffers: the forward loop reads each kernel stack, the backward loop carries every
+  # stack (kernels and slots). A weight saved per layer, as its layer's slice or as the whole
+  # stack, would be one more loop buffer ending in a kernel's [K, N].
+  def per_layer(shape):
+    dtype, dims = re.fullmatch(r"(\w+)\[([0-9,]*)\]", shape).groups()
+    dims = dims.split(",")
+    return (dtype, *dims[-2:]) if len(dims) >= 3 else None
+
+  in_loops = collections.Counter()
+  for line in hlo.splitlines():
+    if re.search(r"= \(.*\) while\(", line):
+      in_loops.update(per_layer(s) for s in re.findall(r"\w+\[[0-9,]*\]", line.split(" while(")[0]))
+  allowed = collections.Counter()
+  for shape, n in all_stacks.items():
+    allowed[per_layer(shape)] += kernel_stacks[shape] + n
+  assert all(in_loops[k] <= n for k, n in allowed.items()), (in_loops, allowed)
+
+
+def _hlo_shape(a):
+  """``a``'s shape as HLO prints it, e.g. ``f32[2,64,160]``."""
+  return f"{a.dtype.name.replace('float', 'f')}[{','.join(map(str, a.shape))}]"
+
+
+def test_scanned_forge_remat_is_bit_exact_with_bfloat16_weights_and_int8_states():
+  """Activation checkpointing changes what is saved, not a bit of the result: with bf16 weights
+  (stochastic rounding, streams by path and layer) and int8 states, a step of the scanned FORGE
+  model is the same without remat and with full remat."""
+  opt = forge_jax.adamw(1e-2, precision=forge_jax.Precision(state_dtype="int8"))
+  results = []
+  for remat in ("none", "full"):
+    cfg = models.get_config("tiny-llama", linear="forge", remat=remat, scan_layers=True,
+                            param_dtype="bfloat16", dtype="bfloat16",
+                            intermediate_size=128)  # int8 blocks of 64 along every N
+    model = models.CausalLM(cfg, optimizer=opt)
+    batches = _batches(cfg, 1)
+    state = forge_jax.TrainState.create(
+        model.apply, jax.jit(model.init)(jax.random.PRNGKey(0), batches[0][:, :-1]), opt)
+    for batch in batches:
+      state, _ = forge_jax.train_step(state, batch, functools.partial(_loss, model.apply))
+    results.append(jax.tree.leaves(state))
+  for a, b in zip(*results, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
