@@ -176,12 +176,117 @@ def table(rows) -> str:
   return "\n".join(lines) + "\n"
 
 
-def render(md: str, body: str) -> str:
-  if BEGIN not in md or END not in md:
-    raise ValueError(f"{RESULTS_MD} lacks the {BEGIN} ... {END} markers")
-  head, rest = md.split(BEGIN, 1)
-  _, tail = rest.split(END, 1)
-  return f"{head}{BEGIN}\n{body}{END}{tail}"
+def render(md: str, body: str, begin: str = BEGIN, end: str = END) -> str:
+  if begin not in md or end not in md:
+    raise ValueError(f"{RESULTS_MD} lacks the {begin} ... {end} markers")
+  head, rest = md.split(begin, 1)
+  _, tail = rest.split(end, 1)
+  return f"{head}{begin}\n{body}{end}{tail}"
+
+
+# The headline: the models suite of experiments.reproduce, its bench_models JSON (models.json, or
+# models_part<k>of<n>.json for a suite run in parts) under HEADLINE_DIR.
+HEADLINE_DIR = RESULTS_DIR / "models"
+HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->", "<!-- headline:end -->"
+# Until the suite's run is committed: the Llama-3.1-8B 1x1024 rows of the last run before it.
+REFERENCE_JSON = RESULTS_DIR / "compile_first" / "compile_first" / "bench_models.json"
+PENDING = "pending: run `python -m experiments.reproduce --suite models`"
+LABELS = {"optax": "optax.adamw", "optax_clip": "optax clip_by_global_norm(1.0) + adamw",
+          "forge": "FORGE adamw", "forge_sr": "FORGE adamw", "forge_int8": "FORGE adamw",
+          "forge_int8_sr": "FORGE adamw"}
+
+
+def headline_runs(folder: pathlib.Path = HEADLINE_DIR) -> list[tuple[str, dict]]:
+  """The models suite's bench_models runs under ``folder`` (its parts, in part order)."""
+  return [(p.name, json.loads(p.read_text())) for p in sorted(folder.glob("models*.json"))
+          if not p.name.startswith("models_") or p.name.startswith("models_part")]
+
+
+def _storage(r) -> str:
+  """Weights / optimizer states of a row, e.g. ``bf16 SR / int8``."""
+  from experiments import bench_models  # pylint: disable=g-import-not-at-top
+  base = bench_models.forge_backend(bench_models.parse_impl(r["impl"])[0])[0]
+  short = {"bfloat16": "bf16", "float32": "fp32"}
+  weights = short.get(r.get("param_dtype", r["dtype"]), r.get("param_dtype", r["dtype"]))
+  states = "int8" if base.startswith("forge_int8") else weights
+  if base.endswith("_sr"):
+    weights += " SR"
+  return f"{weights} / {states}"
+
+
+def _layout(r) -> tuple[bool, str]:
+  return r.get("scan", True), r.get("remat", "full")
+
+
+def headline_table(runs, link_prefix: str = "results/h200/models/") -> str:
+  """One row per headline row measured: peak, step and compile time, with ratios against the
+  optax.adamw row of the same layout (scanned or unrolled, same remat; for float32 weights, the
+  bf16 one) of the same suite run."""
+  from experiments import bench_models, reproduce  # pylint: disable=g-import-not-at-top
+  rows = [dict(r, source=name) for name, run in runs for r in run["rows"]]
+  optax = {_layout(r): r for r in rows
+           if bench_models.parse_impl(r["impl"])[0] == "optax" and "error" not in r
+           and r.get("param_dtype", r["dtype"]) == r["dtype"]}
+  order = {spec: i for i, spec in enumerate(reproduce.HEADLINE_ROWS)}
+  rows.sort(key=lambda r: order.get(r["impl"], len(order)))
+  lines = ["| implementation | weights / states | layers | remat | limit | peak GiB | vs optax | step ms "
+           "| vs optax | compile s | run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    base = bench_models.forge_backend(bench_models.parse_impl(r["impl"])[0])[0]
+    scan, remat = _layout(r)
+    mem = r.get("mem_fraction")
+    head = (f"| {LABELS.get(base, base)} | {_storage(r)} | {'scanned' if scan else 'unrolled'} | {remat} "
+            f"| {'default' if mem is None else f'{mem:.0%}'} |")
+    src = f"[{r['source'][:-5]}]({link_prefix}{r['source'][:-5]}.md)"
+    if "error" in r:
+      lines.append(f"{head} {r['error'][:60]} | | | | | {src} |")
+      continue
+    ref = optax.get((scan, remat), {})
+    ratio = lambda k: (f"{r[k] / ref[k]:.2f}x" if ref.get(k) and r is not ref and isinstance(r.get(k), float)
+                       else "")
+    comp = f"{r['compile_s']:.0f}" if isinstance(r.get("compile_s"), (int, float)) else ""
+    peak = f"{r['peak_gib']:.2f}" if isinstance(r.get("peak_gib"), float) and r["peak_gib"] == r["peak_gib"] else "n/a"
+    lines.append(f"{head} {peak} | {ratio('peak_gib')} | {r['step_ms']:.1f} | {ratio('step_ms')} | {comp} | {src} |")
+  meta, first = runs[0][1]["meta"], rows[0]
+  lines += ["", f"{first['model']}, batch {first['batch']} x {first['tokens']} tokens, {meta['dtype']} compute, "
+            f"on {meta['device']} (jax {meta['jax']}, {meta['date'][:10]}); step time: device time, the median of 3 repeats of {meta['steps']} "
+            "steps back to back; compile s: tracing, lowering and compiling the step, several compiles "
+            "running at once; `vs optax`: against optax.adamw with the same layers and remat. "
+            "Commands: " + ", ".join(f"`{run['meta']['command']}`" for _, run in runs) + "."]
+  return "\n".join(lines) + "\n"
+
+
+def headline_section(folder: pathlib.Path = HEADLINE_DIR, reference: pathlib.Path = REFERENCE_JSON) -> str:
+  """RESULTS.md's headline: the suite's table, or the pending note and the reference rows."""
+  runs = headline_runs(folder) if folder.is_dir() else []
+  if runs:
+    return headline_table(runs)
+  lines = [PENDING + " (two parts: `--part 1/2`, `--part 2/2`).", ""]
+  if reference.is_file():
+    run = json.loads(reference.read_text())
+    rel = reference.relative_to(ROOT).with_suffix(".md").as_posix()
+    rows = [r for r in run["rows"] if r["model"] == "llama-3.1-8b" and r["batch"] == 1 and r["tokens"] == 1024]
+    lines += [f"Reference, {run['meta']['date'][:10]} ([{reference.parent.name}]({rel}), "
+              f"`{run['meta']['command']}`): Llama-3.1-8B at 1x1024, bf16 weights and states, scanned, "
+              "remat full, on " + run["meta"]["device"] + ".", "",
+              "| implementation | peak GiB | step ms |", "|---|---|---|"]
+    lines += [f"| {r['impl']} | {r['peak_gib']:.2f} | {r['step_ms']:.1f} |" for r in rows if "error" not in r]
+  return "\n".join(lines) + "\n"
+
+
+def write_headline(folder: pathlib.Path) -> list[str]:
+  """Writes ``folder/headline.md`` from the suite's JSON there; where ``folder`` is the committed
+  HEADLINE_DIR, rewrites RESULTS.md too. Returns the files written (names relative to folder)."""
+  folder = pathlib.Path(folder)
+  runs = headline_runs(folder)
+  if not runs:
+    return []
+  (folder / "headline.md").write_text("# The headline table\n\n" + headline_table(runs, link_prefix=""))
+  written = ["headline.md"]
+  if folder.resolve() == HEADLINE_DIR.resolve():
+    main([])
+    written.append(str(RESULTS_MD))
+  return written
 
 
 def main(argv=None) -> int:
@@ -190,6 +295,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   md = RESULTS_MD.read_text()
   new = render(md, table(merged_rows(load_runs())))
+  new = render(new, headline_section(), HEADLINE_BEGIN, HEADLINE_END)
   if args.check:
     if new != md:
       print(f"{RESULTS_MD} is stale: run python -m experiments.results_tables", file=sys.stderr)

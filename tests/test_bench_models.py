@@ -374,9 +374,85 @@ def test_precompile_fills_the_cache_that_the_timed_workers_load(tmp_path):
     assert "error" not in r, r
     assert r["step_from_cache"] and r["init_from_cache"] and r["compile_first"]
     assert set(r["phases_s"]) >= {"trace_lower", "compile", "init_compile", "init", "first_step"}
+    # The step's compile time is the precompile's (the worker loaded it).
+    assert r["compile_s"] == next(c["compile_s"] for c in meta["precompiled"] if c["impl"] == r["impl"])
+    assert r["compile_parallel"] == 2
   # Without the precompile, a fresh cache holds no step: each worker compiles its own.
   rows = bench_models.main(["--out", str(tmp_path / "cold"), *TINY, "--impls", "optax",
                             "--compile-cache", str(tmp_path / "cold_cache"), "--compile-first"])
   assert not rows[0]["step_from_cache"] and not rows[0]["init_from_cache"]
+  assert rows[0]["compile_s"] > 0 and "compile_parallel" not in rows[0]
   with pytest.raises(SystemExit):
     bench_models.main(["--out", str(tmp_path), *TINY, "--precompile", "2"])  # no --compile-cache
+
+
+def test_row_options_override_the_run_and_refuse_bad_values():
+  spec = "optax_unrolled:remat=none:master=float32:mem=0.95"
+  assert bench_models.parse_spec(spec) == ("optax_unrolled", {"remat": "none", "master": "float32",
+                                                              "mem": 0.95})
+  assert bench_models.parse_impl(spec) == ("optax", False)
+  assert bench_models.row_settings(spec, "full", None, 0.8) == {
+      "remat": "none", "param_dtype": "float32", "mem_fraction": 0.95}
+  assert bench_models.row_settings("forge_sr", "dots_saveable", "float32", None) == {
+      "remat": "dots_saveable", "param_dtype": "float32", "mem_fraction": None}
+  assert bench_models.forge_backend(bench_models.parse_impl("forge_int8_sr_xla_unrolled")[0]) == (
+      "forge_int8_sr", "xla")
+  for bad, match in (("optax:remat", "Bad row option 'remat'"), ("optax:speed=1", "Bad row option"),
+                     ("optax:mem=1.5", r"mem='1.5'.*\(0, 1\]"), ("optax:remat=a:remat=b", "twice"),
+                     ("sgd:remat=none", "Unknown implementation 'sgd'")):
+    with pytest.raises(ValueError, match=match):
+      bench_models.parse_spec(bad)
+  with pytest.raises(SystemExit):
+    bench_models.main(["--impls", "optax:mem=0"])
+
+
+def test_rounding_and_state_implementations():
+  precision = lambda base: bench_models._forge_optimizer(base).precision
+  assert precision("forge").weight_rounding == "nearest" and precision("forge").state_dtype is None
+  assert precision("forge_sr").weight_rounding == "stochastic"
+  assert precision("forge_int8").state_dtype == "int8" and precision("forge_int8").weight_rounding == "nearest"
+  assert precision("forge_int8_sr").state_dtype == "int8"
+  assert precision("forge_int8_sr").weight_rounding == "stochastic"
+  assert bench_models._forge_optimizer("optax") is None
+
+
+def test_remat_and_master_dtype_reach_the_model_config():
+  """A row's remat and master dtype build that model: float32 weights and optax states with bf16
+  compute; the config refuses what it cannot run (scanned FORGE without full remat)."""
+  import jax
+  import jax.numpy as jnp
+  row, step, (state, _) = bench_models.build_step("tiny-qwen3", "optax_unrolled:remat=none", 1, 16,
+                                                  "bfloat16", "auto", master_dtype="float32")
+  assert (row["remat"], row["param_dtype"], row["dtype"], row["scan"]) == ("none", "float32", "bfloat16", False)
+  params, opt_state = state
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+  assert jnp.dtype("float32") in {x.dtype for x in jax.tree.leaves(opt_state)}
+  assert jnp.dtype("bfloat16") not in {x.dtype for x in jax.tree.leaves(opt_state)}
+  assert "compile_s" in row and row["compile_s"] > 0 and not row["step_from_cache"]
+  with pytest.raises(ValueError, match="remat='none'"):
+    bench_models.build_step("tiny-qwen3", "forge:remat=none", 1, 16, "bfloat16", "auto", compile_only=True)
+
+
+def test_row_options_reach_the_workers_and_the_table(monkeypatch, tmp_path):
+  seen = []
+
+  def fake_run(cmd, env=None, timeout=None, **kw):
+    seen.append((cmd, env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")))
+    impl = cmd[cmd.index("--worker") + 1]
+    row = {"model": "tiny-qwen3", "impl": impl, "batch": 1, "tokens": 16, "dtype": "bfloat16",
+           "param_dtype": "float32" if "master" in impl else "bfloat16", "scan": "_unrolled" not in impl,
+           "remat": cmd[cmd.index("--remat") + 1], "peak_gib": 1.0, "step_ms": 2.0, "tokens_per_s": 8.0,
+           "loss": 1.0, "device": "fake", "limit_gib": 1.0}
+    return bench_models.subprocess.CompletedProcess(cmd, 0, stdout="ROW " + json.dumps(row), stderr="")
+
+  monkeypatch.setattr(bench_models.subprocess, "run", fake_run)
+  bench_models.main(["--out", str(tmp_path), *TINY, "--remat", "dots_saveable", "--mem-fraction", "0.8",
+                     "--impls", "optax,optax_unrolled:master=float32:mem=0.95"])
+  (cmd0, mem0), (cmd1, mem1) = seen
+  assert cmd0[cmd0.index("--remat") + 1] == "dots_saveable" and "--master-dtype" not in cmd0
+  assert (mem0, mem1) == ("0.8", "0.95")
+  result = json.loads((tmp_path / "bench_models.json").read_text())
+  assert result["meta"]["remat"] == "dots_saveable"
+  assert [r["mem_fraction"] for r in result["rows"]] == [0.8, 0.95]
+  md = (tmp_path / "bench_models.md").read_text()
+  assert "| tiny-qwen3 | 1x16 | optax_unrolled:master=float32:mem=0.95 | unrolled | dots_saveable | float32 |" in md
