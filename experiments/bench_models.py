@@ -260,8 +260,7 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   ``layers`` cuts the model to that many layers (default: the preset's).
   ``on_compiled(row)`` is called once the step is compiled, before it first runs
   (the worker reports XLA's plan then, so that a step that runs out of memory
-  still says how much it planned). Shared by :func:`worker` and
-  ``experiments.profile_step``.
+  still says how much it planned).
 
   ``compile_first`` compiles the step from the state's shapes before the state exists, as
   ``experiments.train`` does; otherwise it is compiled from the initialised state. XLA's GEMM
@@ -453,14 +452,14 @@ class Runner:
     """Compiles every (model, impl, batch, tokens) of ``cells`` into the persistent compilation
     cache, ``--precompile`` worker processes at a time, before any row runs: the timed workers
     that follow load their step and their ``model.init`` from the cache instead of compiling them
-    (an unrolled 8B step takes 110-180 s to compile on the H200's host, one core at a time; on the
-    H200 in session 11 rows whose step came from the cache still took 105-125 s to their first
-    step, before the init was cached too: ``phases_s`` in each row says where the time goes).
+    (an unrolled 8B step takes 110-180 s to compile on the H200's host, one core at a time; a
+    row that compiles its init itself still takes 105-125 s to its first step: ``phases_s`` in
+    each row says where the time goes).
     The compiles autotune on the device concurrently, so a cached step may hold other GEMM choices
     than one compiled alone, and at large batches the autotuners' operands (the logits: 15.7 GiB at
     Llama-3.1-8B's 64x1024) can run the device out of memory: such a cell's record says so, and its
     timed row compiles alone. Returns one record per cell: seconds, exit status and, on failure,
-    the last line."""
+    the last line and ``compile_s``, the step's compile seconds."""
     import concurrent.futures
 
     left = (None if self.args.time_budget is None else self.args.time_budget - self.elapsed())

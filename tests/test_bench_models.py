@@ -155,46 +155,6 @@ def test_oom_rows_keep_the_allocators_line():
   assert bench_models._oom_detail("ValueError: bad shape") == ""
 
 
-def test_profile_step_classes():
-  from experiments import profile_step as ps
-  assert ps.classify("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "custom-call.7") == "gemm"
-  assert ps.classify("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_TNN", "custom-call.3") == "gemm"
-  assert ps.classify("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "custom-call.1") == "attention"
-  assert ps.classify("fused_dw_update_mosaic", "custom-call.9") == "forge kernel"
-  assert ps.classify("main_kernel", "custom-call.9") == ps.OTHER_CUSTOM
-  assert ps.classify("loop_dynamic_update_slice_fusion", "dynamic-update-slice_fusion.2") == "dynamic-update-slice"
-  assert ps.classify("loop_add_fusion", "add_fusion.3") == "fusion"
-  assert ps.classify("input_reduce_fusion", "reduce.4") == "reduction"
-  assert ps.classify("copy_transpose", "copy.2") == "copy / transpose"
-  assert ps.classify("something", "while.1") == ps.OTHER
-  events = [ps.Event("nvjet_a", "custom-call.1", 2e6), ps.Event("nvjet_a", "custom-call.1", 2e6),
-            ps.Event("loop_add_fusion", "add.1", 1e6), ps.Event("fused_dw_update", "custom-call.2", 3e6)]
-  s = ps.summarize(events, steps=2)
-  assert s["device_busy_ms"] == pytest.approx(4.0)
-  assert s["classes"]["gemm"] == {"ms": pytest.approx(2.0), "calls": 1.0}
-  assert s["classes"]["forge kernel"]["ms"] == pytest.approx(1.5)
-  assert [k["name"] for k in s["top"]] == ["nvjet_a", "fused_dw_update", "loop_add_fusion"]
-  assert s["kernels"] == 3
-
-
-def test_profile_step_runs_and_finds_the_stacked_updates(tmp_path):
-  from experiments import profile_step
-  rows = profile_step.main(["--out", str(tmp_path), "--model", "tiny-qwen3", "--impls", "optax,forge",
-                            "--tokens", "16", "--steps", "2", "--layers", "3"])
-  assert [r["impl"] for r in rows] == ["optax", "forge"]
-  assert all(r["layers"] == 3 for r in rows)  # the preset has 2
-  for r in rows:
-    assert "error" not in r, r
-    assert r["device_busy_ms"] > 0 and r["profiled_step_ms"] > 0 and r["top"]
-    # FORGE's scanned stack writes each layer's weights and states in place (XLA:CPU here).
-  assert rows[1]["classes"]["dynamic-update-slice"]["calls"] > 0
-  md = (tmp_path / "profile_step.md").read_text()
-  assert "| class | optax | forge |" in md and "## forge: the 20 longest kernels" in md
-  assert "Model tiny-qwen3 with 3 layers, 1x16 tokens" in md
-  with pytest.raises(ValueError, match="Unknown implementation"):
-    profile_step.main(["--out", str(tmp_path), "--impls", "forge,sgd"])
-
-
 def test_a_worker_that_dies_after_compiling_keeps_its_plan():
   out = ('PLAN {"init_peak_gib": 14.9, "xla_step_gib": 91.4, "limit_gib": 125.8}\n'
          "2026 W bfc_allocator.cc] ran out of memory\n")
@@ -286,46 +246,6 @@ def test_oom_detail_prefers_the_allocators_line():
             "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory\n")
   assert "20.00GiB" in bench_models._oom_detail(stderr)
   assert bench_models._oom_detail("a: out of memory (warning)\nRESOURCE_EXHAUSTED: final\n").endswith("final")
-
-
-class _Ev:
-  def __init__(self, name, ns, **stats):
-    self.name, self.duration_ns, self.stats = name, ns, list(stats.items())
-
-
-class _Line:
-  def __init__(self, name, events):
-    self.name, self.events = name, events
-
-
-class _Plane:
-  def __init__(self, name, lines):
-    self.name, self.lines = name, lines
-
-
-class _Profile:
-  def __init__(self, planes):
-    self.planes = planes
-
-
-def test_profile_step_counts_kernels_not_cupti_overhead():
-  from experiments import profile_step as ps
-  gpu = _Plane("/device:GPU:0", [
-      _Line("Stream #13(Compute)", [_Ev("nvjet_a", 2e6, hlo_op="custom-call.1", kernel_details="k"),
-                                    _Ev("loop_add_fusion", 1e6, hlo_op="add.1", kernel_details="k")]),
-      _Line("Stream #14(MemcpyD2D)", [_Ev("MemcpyD2D", 5e5, memcpy_details="m")]),
-      _Line("CUPTI overhead", [_Ev("BUFFER_FLUSH", 4e6)]),
-      _Line("_counters_", [_Ev("power", 0.0)])])
-  host = _Plane("/host:CPU", [_Line("python", [_Ev("PjitFunction(step)", 9e6)])])
-  source, events = ps.device_events(_Profile([host, gpu]))
-  assert source == "/device:GPU:0"
-  assert sorted(e.name for e in events) == ["MemcpyD2D", "loop_add_fusion", "nvjet_a"]
-  assert ps.summarize(events, 1)["device_busy_ms"] == pytest.approx(3.5)
-  # Without kernel details (another profiler format): the Stream lines.
-  bare = _Plane("/device:GPU:0", [_Line("Stream #13(Compute)", [_Ev("nvjet_a", 2e6)]),
-                                  _Line("CUPTI overhead", [_Ev("BUFFER_FLUSH", 4e6)])])
-  source, events = ps.device_events(_Profile([bare]))
-  assert [e.name for e in events] == ["nvjet_a"] and "Stream lines" in source
 
 
 @pytest.mark.parametrize("impl", ["optax_clip", "forge"])
