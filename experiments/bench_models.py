@@ -266,7 +266,7 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   ``experiments.train`` does; otherwise it is compiled from the initialised state. XLA's GEMM
   autotuner allocates buffers while it compiles: on the H200 they add 2.04 GiB to the peak of a
   Llama-3.1-8B ``forge_xla`` step compiled next to its state
-  (results/h200/unrolled_diag_gpu/noautotune), and compiling first removes them at the same step
+  (results/h200/unrolled_diag_gpu/noautotune at commit 2b67016), and compiling first removes them at the same step
   time (results/h200/compile_first). ``row["compile_first"]`` records which.
   ``compile_only`` (implies ``compile_first``) stops once the step and the init are compiled: ``(row, None,
   None)`` (with a persistent compilation cache, this fills it). ``row["compile_s"]``: seconds to trace,
