@@ -26,7 +26,8 @@ subprocesses, each with a time limit, so a hang costs that step, not the call:
 
 Under ``--out`` each suite writes ``reproduce_<suite>[_part<k>of<n>].json`` and ``.md`` (the
 command, date, device, package versions and each step's command, exit status and seconds),
-one folder per step with that tool's own JSON and markdown, and each step's log. The models
+each tool's own JSON and markdown (``bench_models`` runs as ``<step>.json``/``.md``, the others in
+a folder named after the step), and each step's log. The models
 suite also writes ``headline.md`` (``experiments.results_tables``); pointed at
 ``experiments/results/h200/models`` it rewrites RESULTS.md's headline table as well.
 
@@ -242,7 +243,8 @@ def main(argv=None) -> dict:
     parser.error(str(e))
   if part != (1, 1) and args.suite != "models":
     parser.error(f"--part splits the models suite only (got --suite {args.suite})")
-  out = pathlib.Path(args.out)
+  out = pathlib.Path(args.out).resolve()  # the tools run from the repository root
+  args.compile_cache = os.path.abspath(args.compile_cache)
   steps = BUILDERS[args.suite](out, part, args)
   estimate = sum(s.estimate_s for s in steps)
   for s in steps:

@@ -29,12 +29,13 @@ def _cpu_workers(monkeypatch, fast_subprocess_compiles):
 
 
 def test_table_runs_every_implementation_and_batch(tmp_path):
-  """Every implementation's worker at batch 2 (one worker process per row). The rows of a
-  --batch list, batch-major, are checked without workers in
-  test_time_budget_skips_rows_and_still_writes_results; workers at batch 1 run in
-  test_capacity_records_every_tried_batch (forge, batches 1 and 2) and
-  test_precompile_fills_the_cache_that_the_timed_workers_load (optax, forge_unrolled)."""
-  impls = ["optax", "forge", "forge_unrolled", "forge_int8"]
+  """optax, stochastically rounded FORGE unrolled without remat (a row option) and int8-state
+  FORGE with stochastic rounding, each in its worker process at batch 2. The rows of a --batch
+  list, batch-major, are checked without workers in
+  test_time_budget_skips_rows_and_still_writes_results; plain FORGE's worker runs in
+  test_capacity_records_every_tried_batch (batches 1 and 2), optax's from a precompiled cache in
+  tests/test_experiments_reproduce.py."""
+  impls = ["optax", "forge_sr_unrolled:remat=none", "forge_int8_sr"]
   bench_models.main(["--out", str(tmp_path), *TINY, "--batch", "2",
                      "--impls", ",".join(impls)])
   result = json.loads((tmp_path / "bench_models.json").read_text())
@@ -46,7 +47,8 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
     # Device time: the median of 3 repeats of back-to-back steps.
     assert len(r["step_ms_repeats"]) == 3 and r["step_ms"] == sorted(r["step_ms_repeats"])[1]
     assert math.isfinite(r["loss"]) and r["wall_s"] > 0
-    assert r["scan"] == (r["impl"] != "forge_unrolled")
+    assert r["scan"] == ("_unrolled" not in r["impl"])
+    assert r["remat"] == ("none" if "remat=none" in r["impl"] else "full")
     assert math.isnan(r["peak_gib"])  # CPU: no memory_stats()
     assert r["loss_fn"] == "lean"
     assert math.isnan(r["limit_gib"])  # CPU: no allocator limit reported
@@ -56,7 +58,7 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
   assert meta["timing"] == "median3" and "median of 3 repeats" in (tmp_path / "bench_models.md").read_text()
   md = (tmp_path / "bench_models.md").read_text()
   assert "| vs optax_clip |" in md and "| vs optax |" in md
-  assert "| tiny-qwen3 | 2x16 | forge_unrolled | unrolled |" in md
+  assert "| tiny-qwen3 | 2x16 | forge_sr_unrolled:remat=none | unrolled | none | bfloat16 |" in md
   assert "attention auto" in md and "remat full" in md
   assert "Allocator limit (what OOM means): not reported (jax's default" in md
   if importlib.util.find_spec("matplotlib") is not None:
@@ -169,7 +171,7 @@ def test_a_worker_that_dies_after_compiling_keeps_its_plan():
   oom = {"model": "llama-3.1-8b", "batch": 40, "tokens": 1024, "impl": "optax_clip", "scan": True,
          "error": "OOM", "wall_s": 44.0, **plan}
   md = bench_models.markdown([oom], meta)
-  assert "| llama-3.1-8b | 40x1024 | optax_clip | scanned | OOM | | 14.90 | 91.40 |" in md
+  assert "| llama-3.1-8b | 40x1024 | optax_clip | scanned | full |  | OOM | | 14.90 | 91.40 |" in md
   assert "Allocator limit (what OOM means): 125.8 GiB (jax's default" in md
   assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in bench_models.markdown([oom], {**meta, "mem_fraction": 0.95})
   assert "allocated on demand" in md
@@ -281,23 +283,10 @@ def test_compile_first_reaches_the_workers(monkeypatch, tmp_path):
   assert "before the state exists" in (tmp_path / "bench_models.md").read_text()
 
 
-def test_precompile_fills_the_cache_that_the_timed_workers_load(tmp_path):
-  """--precompile compiles every row's step and init in parallel processes into --compile-cache;
-  each timed worker then loads both from there (jax's cache-hit events, counted per row)."""
-  cache = tmp_path / "cache"
-  rows = bench_models.main(["--out", str(tmp_path), *TINY, "--impls", "optax,forge_unrolled",
-                            "--precompile", "2", "--compile-cache", str(cache)])
-  meta = json.loads((tmp_path / "bench_models.json").read_text())["meta"]
-  assert [(c["impl"], c["rc"]) for c in meta["precompiled"]] == [("optax", 0), ("forge_unrolled", 0)]
-  assert meta["compile_first"] and meta["compile_cache"] and any(cache.iterdir())
-  for r in rows:
-    assert "error" not in r, r
-    assert r["step_from_cache"] and r["init_from_cache"] and r["compile_first"]
-    assert set(r["phases_s"]) >= {"trace_lower", "compile", "init_compile", "init", "first_step"}
-    # The step's compile time is the precompile's (the worker loaded it).
-    assert r["compile_s"] == next(c["compile_s"] for c in meta["precompiled"] if c["impl"] == r["impl"])
-    assert r["compile_parallel"] == 2
-  # Without the precompile, a fresh cache holds no step: each worker compiles its own.
+def test_without_a_precompile_each_worker_compiles_its_own_step(tmp_path):
+  """A fresh cache holds no step: the worker compiles it (its compile_s is its own). The cache
+  filled by --precompile and loaded by the timed workers is checked end to end in
+  tests/test_experiments_reproduce.py."""
   rows = bench_models.main(["--out", str(tmp_path / "cold"), *TINY, "--impls", "optax",
                             "--compile-cache", str(tmp_path / "cold_cache"), "--compile-first"])
   assert not rows[0]["step_from_cache"] and not rows[0]["init_from_cache"]

@@ -75,8 +75,9 @@ def test_other_suites_call_the_tools_by_module_and_cli(tmp_path):
 
 @pytest.mark.usefixtures("fast_subprocess_compiles")  # tests/conftest.py
 def test_models_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
-  """One part of the suite on tiny-llama (one scanned optax row): the bench_models run, the
-  suite's record and the headline table made from it."""
+  """One part of the suite on tiny-llama (one scanned optax row): the bench_models run, whose
+  step and init the precompile process compiled into the cache and the timed worker loaded from
+  it, the suite's record and the headline table made from it."""
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   n = len(reproduce.HEADLINE_ROWS)
   record = reproduce.main(["--suite", "models", "--part", f"1/{n}", "--model", "tiny-llama", "--tokens", "16",
@@ -87,7 +88,12 @@ def test_models_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
   assert saved["device"] == "cpu" and saved["versions"]["jax"] and saved["date"]
   run = json.loads((tmp_path / f"models_part1of{n}.json").read_text())
   (row,) = run["rows"]
-  assert row["impl"] == "optax" and "error" not in row and row["compile_s"] > 0 and row["step_from_cache"]
+  assert row["impl"] == "optax" and "error" not in row, row
+  (pre,) = run["meta"]["precompiled"]
+  assert pre["rc"] == 0 and run["meta"]["compile_first"] and any((tmp_path / "cache").iterdir())
+  assert row["step_from_cache"] and row["init_from_cache"] and row["compile_first"]
+  assert set(row["phases_s"]) >= {"trace_lower", "compile", "init_compile", "init", "first_step"}
+  assert row["compile_s"] == pre["compile_s"] > 0 and row["compile_parallel"] == 1
   headline = (tmp_path / "headline.md").read_text()
   assert "| optax.adamw | bf16 / bf16 | scanned | full | default | n/a |" in headline
   assert record["tables"] == ["headline.md"]
