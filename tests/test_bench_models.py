@@ -29,13 +29,13 @@ def _cpu_workers(monkeypatch, fast_subprocess_compiles):
 
 
 def test_table_runs_every_implementation_and_batch(tmp_path):
-  """optax, stochastically rounded FORGE unrolled without remat (a row option) and int8-state
-  FORGE with stochastic rounding, each in its worker process at batch 2. The rows of a --batch
+  """optax, and int8-state FORGE with stochastically rounded weights, unrolled, without remat (a
+  row option), each in its worker process at batch 2. The rows of a --batch
   list, batch-major, are checked without workers in
   test_time_budget_skips_rows_and_still_writes_results; plain FORGE's worker runs in
   test_capacity_records_every_tried_batch (batches 1 and 2), optax's from a precompiled cache in
   tests/test_experiments_reproduce.py."""
-  impls = ["optax", "forge_sr_unrolled:remat=none", "forge_int8_sr"]
+  impls = ["optax", "forge_int8_sr_unrolled:remat=none"]
   bench_models.main(["--out", str(tmp_path), *TINY, "--batch", "2",
                      "--impls", ",".join(impls)])
   result = json.loads((tmp_path / "bench_models.json").read_text())
@@ -58,7 +58,7 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
   assert meta["timing"] == "median3" and "median of 3 repeats" in (tmp_path / "bench_models.md").read_text()
   md = (tmp_path / "bench_models.md").read_text()
   assert "| vs optax_clip |" in md and "| vs optax |" in md
-  assert "| tiny-qwen3 | 2x16 | forge_sr_unrolled:remat=none | unrolled | none | bfloat16 |" in md
+  assert "| tiny-qwen3 | 2x16 | forge_int8_sr_unrolled:remat=none | unrolled | none | bfloat16 |" in md
   assert "attention auto" in md and "remat full" in md
   assert "Allocator limit (what OOM means): not reported (jax's default" in md
   if importlib.util.find_spec("matplotlib") is not None:
@@ -132,15 +132,15 @@ def test_memory_analysis_compiles_from_shapes_and_finds_the_state_aliased(tmp_pa
 
 
 def test_memory_analysis_compares_the_losses(tmp_path):
-  """--loss lean,optax: each impl with each loss, side by side. (What the lean loss saves shows
+  """--loss lean,optax: each impl with each loss, side by side (optax here; FORGE's step compiles
+  in test_memory_analysis_compiles_from_shapes_and_finds_the_state_aliased). (What the lean loss saves shows
   where the logits dominate, at a real vocabulary: test_models tests it; here tiny-qwen3's
   256-token vocabulary leaves the peak elsewhere, so only the plumbing is checked.)"""
   from experiments import memory_analysis
-  memory_analysis.main(["--model", "tiny-qwen3", "--tokens", "16", "--impls", "forge,optax",
+  memory_analysis.main(["--model", "tiny-qwen3", "--tokens", "16", "--impls", "optax",
                         "--loss", "lean,optax", "--out", str(tmp_path)])
   rows = json.loads((tmp_path / "memory_analysis.json").read_text())["rows"]
-  assert [(r["impl"], r["loss_fn"]) for r in rows] == [
-      ("forge", "lean"), ("forge", "optax"), ("optax", "lean"), ("optax", "optax")]
+  assert [(r["impl"], r["loss_fn"]) for r in rows] == [("optax", "lean"), ("optax", "optax")]
   assert all("error" not in r for r in rows)
   with pytest.raises(SystemExit):
     memory_analysis.main(["--model", "tiny-qwen3", "--loss", "fast", "--out", str(tmp_path)])
