@@ -7,16 +7,22 @@ of ``models`` with random weights on random tokens:
   the default; ``optax``, optax's cross-entropy on float32 logits, as every
   run before 2026-11-30);
 * same model, batch, precision (``--dtype``: params, compute and optimizer
-  states in that dtype, except ``forge_int8``'s int8 states), attention kernel
-  and activation checkpointing (every block recomputed from its input:
-  ``remat="full"``) in every row;
+  states in that dtype, except the int8 states of ``forge_int8*``;
+  ``--master-dtype float32`` keeps weights and states in float32 and computes
+  in ``--dtype``), attention kernel and activation checkpointing (``--remat``:
+  ``full``, every block recomputed from its input, the default; ``none``; or a
+  ``jax.checkpoint_policies`` name) in every row, unless the row says otherwise
+  (below);
 * implementations (``--impls``, a comma list):
 
   - ``optax``: optax.adamw, a donated ``jax.jit`` step (the baseline);
   - ``optax_clip``: ``clip_by_global_norm(1.0)`` + adamw, the same step;
   - ``forge``: forge_jax.adamw (the scanned stack is a forge_jax.ScannedStack);
+  - ``forge_sr``: forge_jax.adamw, bfloat16 weights written back with
+    stochastic rounding (``Precision(weight_rounding="stochastic")``);
   - ``forge_int8``: forge_jax.adamw with int8 optimizer states
     (``Precision(state_dtype="int8")``, blocks of 64 along N);
+  - ``forge_int8_sr``: int8 states and stochastically rounded weights;
   - a FORGE implementation with the suffix ``_xla``, ``_pallas`` or
     ``_mosaic`` (``forge_xla``, ``forge_int8_xla``, ...): that
     ``ModelConfig.forge_backend`` (default ``"auto"``): ``_xla`` is FORGE's
@@ -25,6 +31,14 @@ of ``models`` with random weights on random tokens:
   - any of them with the suffix ``_unrolled`` (``optax_unrolled``,
     ``forge_unrolled``, ...): layers unrolled (``scan_layers=False``) instead
     of scanned. ``--unrolled`` appends it to every implementation.
+
+* a row's own settings, after its name: ``:remat=X`` (``none``, ``full`` or
+  a policy name), ``:master=float32`` (weights and optimizer states in that
+  dtype, compute in ``--dtype``), ``:mem=0.95`` (that row's allocator limit,
+  as ``--mem-fraction``), e.g. ``optax_unrolled:remat=none:master=float32:mem=0.95``.
+  The row's ``impl`` is the whole name; its ``remat``, ``param_dtype`` and
+  ``mem_fraction`` are recorded. The model config validates the combination
+  (scanned FORGE needs ``remat=full``): a refused one is an error row.
 
 * a row that runs out of memory is recorded as ``OOM``, not dropped; a worker
   that runs past ``--timeout`` seconds is killed and recorded as a timeout.
@@ -62,6 +76,10 @@ and the capacity table::
         --models qwen3-0.6b,qwen3-8b --tokens 1024 --impls optax_clip,forge,forge_int8 \\
         --max-batch 64 --time-budget 560 --steps 1
 
+Compile time: each row records ``compile_s``, the seconds to trace, lower and
+compile its step in the process that compiled it (with ``--precompile``, the
+precompile process, running beside the others: ``compile_parallel``).
+
 Step times are device time: ``--steps`` steps back to back, blocked once, the
 median of 3 such repeats after 3 warm-up steps (so a row runs 3 + 3 x steps
 steps after compiling; ``--steps 1`` where only the memory matters, as in the
@@ -87,10 +105,11 @@ import subprocess
 import sys
 import time
 
-IMPLS = ("optax", "optax_clip", "forge", "forge_int8")
+IMPLS = ("optax", "optax_clip", "forge", "forge_sr", "forge_int8", "forge_int8_sr")
 UNROLLED = "_unrolled"
 FORGE_BACKENDS = ("xla", "pallas", "mosaic")  # optional "_<backend>" suffix of a forge impl
-REMAT = "full"
+REMAT = "full"  # --remat's default
+ROW_OPTIONS = ("remat", "master", "mem")  # ":key=value" after a row's implementation name
 SKIPPED = "skipped: time budget"
 TIMING = "median3"  # meta["timing"]: how step_ms was taken (absent: mean of 5 after 1 warm-up)
 
@@ -100,6 +119,7 @@ def parse_impl(impl: str) -> tuple[str, bool]:
 
   The base keeps a FORGE backend suffix (``forge_xla``); see :func:`forge_backend`.
   """
+  impl = impl.split(":", 1)[0]  # a row's own settings follow its name (parse_spec)
   base = impl[:-len(UNROLLED)] if impl.endswith(UNROLLED) else impl
   if forge_backend(base)[0] not in IMPLS:
     names = ", ".join(IMPLS)
@@ -107,6 +127,46 @@ def parse_impl(impl: str) -> tuple[str, bool]:
         f"Unknown implementation {impl!r}: one of {names}, a forge one optionally + "
         f"'_' + one of {FORGE_BACKENDS}, then optionally + {UNROLLED!r}.")
   return base, not impl.endswith(UNROLLED)
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+  """``(implementation, {option: value})`` of a row name such as
+  ``optax_unrolled:remat=none:master=float32:mem=0.95``.
+
+  Options (``ROW_OPTIONS``) override the run's ``--remat``, ``--master-dtype`` and
+  ``--mem-fraction`` for that row. Values are passed through to the model config, which
+  validates them (a scanned FORGE row with ``remat=none`` becomes an error row); ``mem`` is
+  checked here, since it sets the worker's environment.
+  """
+  name, *parts = spec.split(":")
+  parse_impl(name)
+  options = {}
+  for part in parts:
+    key, eq, value = part.partition("=")
+    if key not in ROW_OPTIONS or not eq or not value:
+      raise ValueError(f"Bad row option {part!r} in {spec!r}: use key=value with key one of "
+                       f"{ROW_OPTIONS}, e.g. {name}:remat=none:master=float32:mem=0.95")
+    if key in options:
+      raise ValueError(f"Row option {key!r} given twice in {spec!r}")
+    options[key] = value
+  if "mem" in options:
+    try:
+      mem = float(options["mem"])
+    except ValueError:
+      mem = math.nan
+    if not 0 < mem <= 1:
+      raise ValueError(f"mem={options['mem']!r} in {spec!r} must be a fraction in (0, 1], e.g. 0.95")
+    options["mem"] = mem
+  return name, options
+
+
+def row_settings(spec: str, remat: str = REMAT, master_dtype: str | None = None,
+                 mem_fraction: float | None = None) -> dict:
+  """A row's ``remat``, ``param_dtype`` (None: the compute dtype) and ``mem_fraction``: its
+  own options where it has them, else the run's."""
+  _, options = parse_spec(spec)
+  return {"remat": options.get("remat", remat), "param_dtype": options.get("master", master_dtype),
+          "mem_fraction": options.get("mem", mem_fraction)}
 
 
 def forge_backend(base: str) -> tuple[str, str]:
@@ -135,12 +195,15 @@ def _loss(apply_fn, variables, tokens, kind: str = "lean"):
 
 def _forge_optimizer(base: str):
   import forge_jax
-  if base == "forge":
-    return forge_jax.adamw(1e-5, weight_decay=0.0)
-  if base == "forge_int8":
-    return forge_jax.adamw(1e-5, weight_decay=0.0,
-                           precision=forge_jax.Precision(state_dtype="int8"))
-  return None
+  precision = {
+      "forge": {},
+      "forge_sr": {"weight_rounding": "stochastic"},
+      "forge_int8": {"state_dtype": "int8"},
+      "forge_int8_sr": {"state_dtype": "int8", "weight_rounding": "stochastic"},
+  }
+  if base not in precision:
+    return None
+  return forge_jax.adamw(1e-5, weight_decay=0.0, precision=forge_jax.Precision(**precision[base]))
 
 
 def _memory_gib(jax, key: str) -> float:
@@ -183,7 +246,8 @@ def optax_baseline(base: str, loss_fn):
 
 def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
                attention: str, loss: str = "lean", on_compiled=None, layers: int | None = None,
-               compile_first: bool = False, compile_only: bool = False):
+               compile_first: bool = False, compile_only: bool = False, remat: str = REMAT,
+               master_dtype: str | None = None):
   """``(row, step, carry)``: one row's model, initialised state and compiled step.
 
   ``step(state) -> (state, metrics)`` runs one training step on random tokens
@@ -196,17 +260,19 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   ``layers`` cuts the model to that many layers (default: the preset's).
   ``on_compiled(row)`` is called once the step is compiled, before it first runs
   (the worker reports XLA's plan then, so that a step that runs out of memory
-  still says how much it planned). Shared by :func:`worker` and
-  ``experiments.profile_step``.
+  still says how much it planned).
 
   ``compile_first`` compiles the step from the state's shapes before the state exists, as
   ``experiments.train`` does; otherwise it is compiled from the initialised state. XLA's GEMM
   autotuner allocates buffers while it compiles: on the H200 they add 2.04 GiB to the peak of a
   Llama-3.1-8B ``forge_xla`` step compiled next to its state
-  (results/h200/unrolled_diag_gpu/noautotune), and compiling first removes them at the same step
+  (results/h200/unrolled_diag_gpu/noautotune at commit 2b67016), and compiling first removes them at the same step
   time (results/h200/compile_first). ``row["compile_first"]`` records which.
   ``compile_only`` (implies ``compile_first``) stops once the step and the init are compiled: ``(row, None,
-  None)``, with ``row["compile_s"]`` (with a persistent compilation cache, this fills it).
+  None)`` (with a persistent compilation cache, this fills it). ``row["compile_s"]``: seconds to trace,
+  lower and compile the step, absent where the step came from the cache.
+  ``impl`` may carry the row's own ``remat``/``master`` (:func:`parse_spec`), over ``remat`` and
+  ``master_dtype`` (weights and optimizer states; None: ``dtype``, the compute dtype).
   """
   import jax
 
@@ -217,13 +283,16 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
 
   base, scan = parse_impl(impl)
   base, backend = forge_backend(base)
+  settings = row_settings(impl, remat, master_dtype)
+  remat, param_dtype = settings["remat"], settings["param_dtype"] or dtype
   linear = "forge" if base.startswith("forge") else "flax"
   cut = {} if layers is None else {"num_layers": layers}
-  cfg = models.get_config(model_name, linear=linear, remat=REMAT, scan_layers=scan,
+  cfg = models.get_config(model_name, linear=linear, remat=remat, scan_layers=scan,
                           forge_backend=backend,
-                          param_dtype=dtype, dtype=dtype, attention=attention, **cut)
+                          param_dtype=param_dtype, dtype=dtype, attention=attention, **cut)
   row = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens, "dtype": dtype,
-         "layers": cfg.num_layers, "scan": scan, "attention": attention, "remat": REMAT, "loss_fn": loss,
+         "param_dtype": param_dtype,
+         "layers": cfg.num_layers, "scan": scan, "attention": attention, "remat": remat, "loss_fn": loss,
          "forge_backend": backend if linear == "forge" else None, "params_b": cfg.num_params / 1e9,
          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   opt = _forge_optimizer(base)
@@ -251,6 +320,8 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
     out = lowered.compile()  # XLA's compile, or a load from jax's persistent cache
     phases["compile"] = time.perf_counter() - tick
     row["step_from_cache"] = len(hits) > before
+    if not row["step_from_cache"]:
+      row["compile_s"] = phases["trace_lower"] + phases["compile"]
     return out
 
   if compile_first:
@@ -267,7 +338,6 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   phases["init_compile"] = time.perf_counter() - tick
   row["init_from_cache"] = len(hits) > before
   if compile_only:
-    row["compile_s"] = time.perf_counter() - t0
     return row, None, None
   tick = time.perf_counter()
   variables = init(*init_args)
@@ -298,7 +368,8 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
 
 
 def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
-           attention: str, steps: int, loss: str = "lean", compile_first: bool = False) -> dict:
+           attention: str, steps: int, loss: str = "lean", compile_first: bool = False,
+           remat: str = REMAT, master_dtype: str | None = None) -> dict:
   import jax
 
   from experiments import _timing
@@ -308,7 +379,8 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
           flush=True)
 
   row, step, (state, metrics) = build_step(model_name, impl, batch, tokens, dtype, attention, loss,
-                                           on_compiled=plan, compile_first=compile_first)
+                                           on_compiled=plan, compile_first=compile_first,
+                                           remat=remat, master_dtype=master_dtype)
   # Device time: `steps` steps back to back, blocked once, median of 3 repeats,
   # after 3 warm-up steps. (Until 2026-11-30 this was one warm-up step and the mean
   # of 5 steps, which read forge_unrolled on qwen3-0.6b as 32.0 ms where this
@@ -342,6 +414,7 @@ class Runner:
     self.device = None
     self.limit = float("nan")  # the allocator's limit the rows report (GiB)
     self._probed = False
+    self.compiled: dict = {}  # --precompile's record per (model, impl, batch, tokens)
 
   def device_name(self) -> str:
     """The device the rows ran on. If no row reported one (every row so far failed, e.g. OOM),
@@ -366,47 +439,61 @@ class Runner:
     return ([sys.executable, "-m", "experiments.bench_models", "--worker", impl,
              "--models", model_name, "--tokens", str(tokens), "--batch", str(batch),
              "--dtype", args.dtype, "--attention", args.attention, "--steps", str(args.steps),
-             "--loss", args.loss] + (["--compile-first"] if args.compile_first else []))
+             "--loss", args.loss, "--remat", args.remat]
+            + (["--master-dtype", args.master_dtype] if args.master_dtype else [])
+            + (["--compile-first"] if args.compile_first else []))
+
+  def row_env(self, impl: str, preallocate: bool) -> dict:
+    """The environment of a row's worker: its own allocator limit (``:mem=``) or the run's."""
+    mem = row_settings(impl, mem_fraction=self.args.mem_fraction)["mem_fraction"]
+    return worker_env(mem, preallocate, self.args.compile_cache)
 
   def precompile(self, cells) -> list:
     """Compiles every (model, impl, batch, tokens) of ``cells`` into the persistent compilation
     cache, ``--precompile`` worker processes at a time, before any row runs: the timed workers
     that follow load their step and their ``model.init`` from the cache instead of compiling them
-    (an unrolled 8B step takes 110-180 s to compile on the H200's host, one core at a time; on the
-    H200 in session 11 rows whose step came from the cache still took 105-125 s to their first
-    step, before the init was cached too: ``phases_s`` in each row says where the time goes).
+    (an unrolled 8B step takes 110-180 s to compile on the H200's host, one core at a time; a
+    row that compiles its init itself still takes 105-125 s to its first step: ``phases_s`` in
+    each row says where the time goes).
     The compiles autotune on the device concurrently, so a cached step may hold other GEMM choices
     than one compiled alone, and at large batches the autotuners' operands (the logits: 15.7 GiB at
     Llama-3.1-8B's 64x1024) can run the device out of memory: such a cell's record says so, and its
     timed row compiles alone. Returns one record per cell: seconds, exit status and, on failure,
-    the last line."""
+    the last line and ``compile_s``, the step's compile seconds."""
     import concurrent.futures
 
-    # Never preallocated: several compile processes share the device at once (with --preallocate
-    # each would reserve the whole limit and all but the first would fail).
-    env = worker_env(self.args.mem_fraction, False, self.args.compile_cache)
     left = (None if self.args.time_budget is None else self.args.time_budget - self.elapsed())
     timeout = self.args.timeout if left is None else max(1, min(self.args.timeout, int(left)))
 
     def compile_one(cell):
       cmd = self.worker_cmd(*cell) + ["--compile-only"]
+      # Never preallocated: several compile processes share the device at once (with
+      # --preallocate each would reserve the whole limit and all but the first would fail).
+      env = self.row_env(cell[1], False)
       t0 = time.monotonic()
+      row = None
       try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         rc, err = proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1][:300]
+        row = parse_worker_output(proc.stdout)[0]
       except subprocess.TimeoutExpired:
         rc, err = None, f"timeout after {timeout} s"
       record = dict(zip(("model", "impl", "batch", "tokens"), cell), seconds=time.monotonic() - t0, rc=rc)
+      if row is not None and "compile_s" in row:
+        record["compile_s"] = row["compile_s"]
       return record if rc == 0 else {**record, "error": err}
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.precompile) as pool:
-      return list(pool.map(compile_one, cells))
+      self.compiled = {(r["model"], r["impl"], r["batch"], r["tokens"]): r
+                       for r in pool.map(compile_one, cells)}
+    return list(self.compiled.values())
 
   def run(self, model_name: str, impl: str, batch: int, tokens: int) -> dict:
     args = self.args
+    settings = row_settings(impl, args.remat, args.master_dtype, args.mem_fraction)
     base = {"model": model_name, "impl": impl, "batch": batch, "tokens": tokens,
-            "dtype": args.dtype, "scan": parse_impl(impl)[1], "attention": args.attention,
-            "remat": REMAT}
+            "dtype": args.dtype, "param_dtype": settings["param_dtype"] or args.dtype,
+            "scan": parse_impl(impl)[1], "attention": args.attention, "remat": settings["remat"]}
     timeout = args.timeout
     if args.time_budget is not None:
       left = args.time_budget - self.elapsed()
@@ -414,7 +501,7 @@ class Runner:
         return {**base, "error": SKIPPED, "wall_s": 0.0}
       timeout = max(1, min(timeout, int(left)))
     cmd = self.worker_cmd(model_name, impl, batch, tokens)
-    env = worker_env(args.mem_fraction, args.preallocate, args.compile_cache)
+    env = self.row_env(impl, args.preallocate)
     t0 = time.monotonic()
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -429,6 +516,11 @@ class Runner:
         if row["error"] == "OOM":
           row["error_detail"] = _oom_detail(proc.stderr)
     row["wall_s"] = time.monotonic() - t0
+    row["mem_fraction"] = settings["mem_fraction"]
+    pre = self.compiled.get((model_name, impl, batch, tokens), {})
+    if "compile_s" in pre and "compile_s" not in row:  # the step came from the precompile's cache
+      row["compile_s"] = pre["compile_s"]
+      row["compile_parallel"] = args.precompile
     self.walls.append(row["wall_s"])
     self.device = self.device or row.get("device")
     if _finite(row.get("limit_gib")):
@@ -538,9 +630,13 @@ def _settings(meta) -> list[str]:
   lines = [
       f"Command: `{meta['command']}`  ",
       f"Date: {meta['date']}; device {meta['device']}; jax {meta['jax']}.  ",
-      f"Settings: dtype {meta['dtype']} (params, compute and optimizer states; int8 states "
-      f"for forge_int8), attention {meta['attention']}, remat {meta['remat']} (every block "
-      f"recomputed from its input in the backward pass), loss {meta.get('loss', 'optax')} "
+      f"Settings: dtype {meta['dtype']} (compute; "
+      + (f"weights and optimizer states {meta['master_dtype']}" if meta.get("master_dtype") else
+         "also weights and optimizer states")
+      + f"; int8 states for forge_int8*), attention {meta['attention']}, remat {meta['remat']} "
+      + ("(every block recomputed from its input in the backward pass)" if meta["remat"] == "full"
+         else "") + " unless a row says otherwise (its `remat` and `weights` columns), "
+      f"loss {meta.get('loss', 'optax')} "
       f"({_loss_text(meta)}), " +
       (f"step time: {meta['steps']} steps back to back, blocked once, median of 3 repeats, "
        f"after compiling and 3 warm-up steps; " if meta.get("timing") == TIMING else
@@ -571,19 +667,23 @@ def markdown(rows, meta) -> str:
            "`init peak`: the process peak right after `model.init` (if it equals `peak`, init set "
            "the peak); `XLA step`: the compiled step's arguments + outputs - donated + "
            "temporaries.", "",
-           "| model | tokens | impl | layers | peak GiB | vs optax_clip | init peak GiB | XLA step GiB "
-           "| step ms | vs optax | tokens/s | loss | wall s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "`compile s`: tracing, lowering and compiling the step, in the process that compiled it "
+           "(with --precompile, beside the other compiles).", "",
+           "| model | tokens | impl | layers | remat | weights | peak GiB | vs optax_clip | init peak GiB "
+           "| XLA step GiB | step ms | vs optax | tokens/s | loss | compile s | wall s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   index = {(r["model"], r["batch"], r["tokens"], r["impl"]): r for r in rows if _ok(r)}
   for r in rows:
     layers = "scanned" if r.get("scan", True) else "unrolled"
-    head = f"| {r['model']} | {r['batch']}x{r['tokens']} | {r['impl']} | {layers} |"
+    head = (f"| {r['model']} | {r['batch']}x{r['tokens']} | {r['impl']} | {layers} "
+            f"| {r.get('remat', REMAT)} | {r.get('param_dtype', r.get('dtype', ''))} |")
     wall = f"{r['wall_s']:.0f}" if _finite(r.get("wall_s")) else ""
+    comp = f"{r['compile_s']:.0f}" if _finite(r.get("compile_s")) else ""
     if not _ok(r):
       # A worker that compiled before it failed reported XLA's plan for the step.
       init = _fmt(r["init_peak_gib"], ".2f") if "init_peak_gib" in r else ""
       plan = _fmt(r["xla_step_gib"], ".2f") if "xla_step_gib" in r else ""
-      lines.append(f"{head} {_cell(r['error'])} | | {init} | {plan} | | | | | {wall} |")
+      lines.append(f"{head} {_cell(r['error'])} | | {init} | {plan} | | | | | {comp} | {wall} |")
       continue
     key = (r["model"], r["batch"], r["tokens"])
     clip = index.get((*key, "optax_clip"), {})
@@ -592,7 +692,7 @@ def markdown(rows, meta) -> str:
         f"{head} {_fmt(r['peak_gib'], '.2f')} | {_ratio(r['peak_gib'], clip.get('peak_gib'))} "
         f"| {_fmt(r.get('init_peak_gib'), '.2f')} | {_fmt(r.get('xla_step_gib'), '.2f')} "
         f"| {r['step_ms']:.1f} | {_ratio(r['step_ms'], opt.get('step_ms'))} "
-        f"| {r['tokens_per_s']:.0f} | {_fmt(r['loss'], '.3f')} | {wall} |")
+        f"| {r['tokens_per_s']:.0f} | {_fmt(r['loss'], '.3f')} | {comp} | {wall} |")
   return "\n".join(lines) + "\n"
 
 
@@ -735,7 +835,8 @@ def _meta(args, argv) -> dict:
   return {"command": "python -m experiments.bench_models " + " ".join(argv),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": "unknown", "jax": importlib.metadata.version("jax"), "dtype": args.dtype,
-          "attention": args.attention, "remat": REMAT, "loss": args.loss,
+          "attention": args.attention, "remat": args.remat, "master_dtype": args.master_dtype,
+          "loss": args.loss,
           # models.cross_entropy's backward writes its gradient over the logits since 2026-11-30
           # (results_tables marks these rows; earlier "lean" runs held both at once).
           **({"loss_backward": "over_logits"} if args.loss == "lean" else {}), "steps": args.steps,
@@ -803,10 +904,19 @@ def main(argv=None):
   parser.add_argument("--out", default=os.environ.get("OUT", "runs"))
   parser.add_argument("--models", default="qwen3-0.6b,llama-3.1-8b")
   parser.add_argument("--impls", default="optax,optax_clip,forge",
-                      help=f"comma list of {', '.join(IMPLS)}, each optionally + {UNROLLED}")
+                      help=f"comma list of {', '.join(IMPLS)}, each optionally + {UNROLLED}, then "
+                           "optionally the row's own :remat=X, :master=DTYPE, :mem=FRACTION")
   parser.add_argument("--tokens", default="1024", help="comma list (one value with --capacity)")
   parser.add_argument("--batch", default="1", help="comma list")
-  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--dtype", default="bfloat16",
+                      help="compute dtype; also the weights' and optimizer states' unless --master-dtype")
+  parser.add_argument("--master-dtype", default=None,
+                      help="weights and optimizer states in this dtype (e.g. float32 master weights "
+                           "with --dtype bfloat16 compute); a row's :master= overrides it")
+  parser.add_argument("--remat", default=REMAT,
+                      help="activation checkpointing of each block: none, full or a "
+                           "jax.checkpoint_policies name (passed to the model config, which "
+                           "validates it); a row's :remat= overrides it")
   parser.add_argument("--attention", default="auto")
   parser.add_argument("--unrolled", action="store_true",
                       help=f"append {UNROLLED} to every implementation")
@@ -852,21 +962,24 @@ def main(argv=None):
     args.compile_first = True  # the timed workers must lower the step exactly as the compiles did
   if args.worker and args.compile_only:
     row, _, _ = build_step(args.models, args.worker, int(args.batch), int(args.tokens), args.dtype,
-                           args.attention, args.loss, compile_only=True)
+                           args.attention, args.loss, compile_only=True, remat=args.remat,
+                           master_dtype=args.master_dtype)
     print("ROW " + json.dumps(row), flush=True)
     return
   if args.worker:
     row = worker(args.models, args.worker, int(args.batch), int(args.tokens), args.dtype,
-                 args.attention, args.steps, args.loss, args.compile_first)
+                 args.attention, args.steps, args.loss, args.compile_first, args.remat,
+                 args.master_dtype)
     print("ROW " + json.dumps(row), flush=True)
     return
-  impls = [i + UNROLLED if args.unrolled and not i.endswith(UNROLLED) else i
-           for i in args.impls.split(",")]
-  for impl in impls:
-    try:
-      parse_impl(impl)
-    except ValueError as e:
-      parser.error(str(e))
+  try:
+    impls = [(i if not args.unrolled or not parse_impl(i)[1]
+              else i.replace(":", UNROLLED + ":", 1) if ":" in i else i + UNROLLED)
+             for i in args.impls.split(",")]
+    for impl in impls:
+      parse_spec(impl)
+  except ValueError as e:
+    parser.error(str(e))
   os.makedirs(args.out, exist_ok=True)
   runner = Runner(args)
   meta = _meta(args, argv)

@@ -11,14 +11,11 @@ buffer assignment sees it (buffers it does not size, such as parameter aliases i
 are counted as 0 and their number is reported). Buffers that XLA placed in the same slot (one
 allocation and offset: a while loop's carried tuple and its body's parameter, an in-place update
 and the array it overwrites) are one piece of memory: at each point a slot counts once, at the
-size of its largest live buffer. (Until 2026-11-30 each buffer counted on its own, which on the
-H200 read FORGE's Llama-3.1-8B step at 64x1024 as 100.9 GiB live against a 92.7 GiB plan.)
-
-``--patch FILE`` (repeatable) also compiles every implementation from a copy of the repository
-with a ``git apply``-able patch applied, side by side: the before/after of a scheduling change.
+size of its largest live buffer (counted apart, FORGE's Llama-3.1-8B step at 64x1024 read 100.9 GiB
+live on the H200 against a 92.7 GiB plan).
 
     python -m experiments.live_buffers --model llama-3.1-8b --impls forge,optax_clip --batch 64 \\
-        --out $OUT/live_b64 [--patch experiments/patches/no_head_barrier.diff]
+        --out $OUT/live_b64
 """
 
 from __future__ import annotations
@@ -35,8 +32,6 @@ import sys
 import tempfile
 
 import numpy as np
-
-from experiments.with_patch import patched_tree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -200,38 +195,27 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--loss", default="lean")
   parser.add_argument("--top", type=int, default=20, help="buffers listed per step")
-  parser.add_argument("--patch", action="append", default=[],
-                      help="also compile every impl with this patch applied to a copy of the repo "
-                           "(repeat it for several patches, each in its own copy)")
   parser.add_argument("--timeout", type=int, default=600, help="seconds per compile")
   parser.add_argument("--save-hlo", action="store_true",
                       help="also write each step's optimized HLO, gzipped, next to the tables")
   parser.add_argument("--out", default=os.environ.get("OUT", "runs"))
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
-  for patch in args.patch:
-    if not pathlib.Path(patch).is_file():
-      parser.error(f"--patch {patch}: no such file")
   os.makedirs(args.out, exist_ok=True)
   import jax  # the device's name only; the compiles run in subprocesses
   meta = {"command": "python -m experiments.live_buffers " + " ".join(argv),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
           "model": args.model, "batch": args.batch, "tokens": args.tokens, "dtype": args.dtype,
-          "loss": args.loss, "layers": args.layers, "patch": args.patch}
+          "loss": args.loss, "layers": args.layers}
   rows = []
-  with tempfile.TemporaryDirectory(prefix="live_buffers_tree_") as tmp:
-    trees = [("main", ROOT)]
-    for i, patch in enumerate(args.patch):
-      trees.append((pathlib.Path(patch).name, patched_tree(pathlib.Path(patch), pathlib.Path(tmp) / str(i))))
-    for impl in args.impls.split(","):
-      for name, tree in trees:
-        rows.append({**analyse(impl, args, tree, tag=name), "tree": name})
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "live"}), flush=True)
-        with open(os.path.join(args.out, "live_buffers.json"), "w") as f:
-          json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        with open(os.path.join(args.out, "live_buffers.md"), "w") as f:
-          f.write(markdown(rows, meta))
+  for impl in args.impls.split(","):
+    rows.append({**analyse(impl, args, ROOT, tag="main"), "tree": "main"})
+    print(json.dumps({k: v for k, v in rows[-1].items() if k != "live"}), flush=True)
+    with open(os.path.join(args.out, "live_buffers.json"), "w") as f:
+      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "live_buffers.md"), "w") as f:
+      f.write(markdown(rows, meta))
   return rows
 
 

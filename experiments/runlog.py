@@ -29,8 +29,7 @@ _INSTRUCTION = re.compile(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? ([\w-]+)\(")
 
 def hlo_instructions(hlo_text: str) -> Iterator[HloInstruction]:
   """Every instruction with an array result in an HLO module's text: what the scripts that
-  look for copies or stack-sized buffers in a compiled step (diagnose_unrolled, memory_analysis,
-  stack_copies) read."""
+  look for copies or stack-sized buffers in a compiled step (memory_analysis) read."""
   for m in _INSTRUCTION.finditer(hlo_text):
     start = hlo_text.rfind("\n", 0, m.start()) + 1
     end = hlo_text.find("\n", m.end())

@@ -167,7 +167,7 @@ def init_slots(rule, precision: Precision, w) -> tuple:
   parameter's size is made: outside ``jit`` (``optimizer.init`` of a large
   embedding, say) that detour and the quantizer's temporaries were each
   allocated in turn (3.7 GiB of peak for Qwen3-0.6B's embedding, now 0.37;
-  ``python -m experiments.int8_init_memory``).
+  ``experiments/int8_init_memory.py`` at commit 2b67016).
   """
   if precision.state_dtype is None:
     return rule.init_slots(w)

@@ -638,7 +638,7 @@ def fused_dw_update_reference(
     # updates: XLA then protects every slot stack with copies, twice per layer
     # inside a ScannedStack's backward loop (XLA:CPU, fp32 AdamW, a 2-weight
     # stack: 8 stack-sized copies, step temporaries 754 KB against 361 KB
-    # without them; experiments/stack_copies.py, results/cpu/stack_copies*).
+    # without them; experiments/stack_copies.py at commit 2b67016).
     # The slots are written at an index that depends on the written weight,
     # so every read of the old slots comes first.
     def update(parts_, new_, index):

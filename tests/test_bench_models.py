@@ -29,12 +29,13 @@ def _cpu_workers(monkeypatch, fast_subprocess_compiles):
 
 
 def test_table_runs_every_implementation_and_batch(tmp_path):
-  """Every implementation's worker at batch 2 (one worker process per row). The rows of a
-  --batch list, batch-major, are checked without workers in
-  test_time_budget_skips_rows_and_still_writes_results; workers at batch 1 run in
-  test_capacity_records_every_tried_batch (forge, batches 1 and 2) and
-  test_precompile_fills_the_cache_that_the_timed_workers_load (optax, forge_unrolled)."""
-  impls = ["optax", "forge", "forge_unrolled", "forge_int8"]
+  """optax, and int8-state FORGE with stochastically rounded weights, unrolled, without remat (a
+  row option), each in its worker process at batch 2. The rows of a --batch
+  list, batch-major, are checked without workers in
+  test_time_budget_skips_rows_and_still_writes_results; plain FORGE's worker runs in
+  test_capacity_records_every_tried_batch (batches 1 and 2), optax's from a precompiled cache in
+  tests/test_experiments_reproduce.py."""
+  impls = ["optax", "forge_int8_sr_unrolled:remat=none"]
   bench_models.main(["--out", str(tmp_path), *TINY, "--batch", "2",
                      "--impls", ",".join(impls)])
   result = json.loads((tmp_path / "bench_models.json").read_text())
@@ -46,7 +47,8 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
     # Device time: the median of 3 repeats of back-to-back steps.
     assert len(r["step_ms_repeats"]) == 3 and r["step_ms"] == sorted(r["step_ms_repeats"])[1]
     assert math.isfinite(r["loss"]) and r["wall_s"] > 0
-    assert r["scan"] == (r["impl"] != "forge_unrolled")
+    assert r["scan"] == ("_unrolled" not in r["impl"])
+    assert r["remat"] == ("none" if "remat=none" in r["impl"] else "full")
     assert math.isnan(r["peak_gib"])  # CPU: no memory_stats()
     assert r["loss_fn"] == "lean"
     assert math.isnan(r["limit_gib"])  # CPU: no allocator limit reported
@@ -56,7 +58,7 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
   assert meta["timing"] == "median3" and "median of 3 repeats" in (tmp_path / "bench_models.md").read_text()
   md = (tmp_path / "bench_models.md").read_text()
   assert "| vs optax_clip |" in md and "| vs optax |" in md
-  assert "| tiny-qwen3 | 2x16 | forge_unrolled | unrolled |" in md
+  assert "| tiny-qwen3 | 2x16 | forge_int8_sr_unrolled:remat=none | unrolled | none | bfloat16 |" in md
   assert "attention auto" in md and "remat full" in md
   assert "Allocator limit (what OOM means): not reported (jax's default" in md
   if importlib.util.find_spec("matplotlib") is not None:
@@ -130,15 +132,15 @@ def test_memory_analysis_compiles_from_shapes_and_finds_the_state_aliased(tmp_pa
 
 
 def test_memory_analysis_compares_the_losses(tmp_path):
-  """--loss lean,optax: each impl with each loss, side by side. (What the lean loss saves shows
+  """--loss lean,optax: each impl with each loss, side by side (optax here; FORGE's step compiles
+  in test_memory_analysis_compiles_from_shapes_and_finds_the_state_aliased). (What the lean loss saves shows
   where the logits dominate, at a real vocabulary: test_models tests it; here tiny-qwen3's
   256-token vocabulary leaves the peak elsewhere, so only the plumbing is checked.)"""
   from experiments import memory_analysis
-  memory_analysis.main(["--model", "tiny-qwen3", "--tokens", "16", "--impls", "forge,optax",
+  memory_analysis.main(["--model", "tiny-qwen3", "--tokens", "16", "--impls", "optax",
                         "--loss", "lean,optax", "--out", str(tmp_path)])
   rows = json.loads((tmp_path / "memory_analysis.json").read_text())["rows"]
-  assert [(r["impl"], r["loss_fn"]) for r in rows] == [
-      ("forge", "lean"), ("forge", "optax"), ("optax", "lean"), ("optax", "optax")]
+  assert [(r["impl"], r["loss_fn"]) for r in rows] == [("optax", "lean"), ("optax", "optax")]
   assert all("error" not in r for r in rows)
   with pytest.raises(SystemExit):
     memory_analysis.main(["--model", "tiny-qwen3", "--loss", "fast", "--out", str(tmp_path)])
@@ -155,46 +157,6 @@ def test_oom_rows_keep_the_allocators_line():
   assert bench_models._oom_detail("ValueError: bad shape") == ""
 
 
-def test_profile_step_classes():
-  from experiments import profile_step as ps
-  assert ps.classify("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "custom-call.7") == "gemm"
-  assert ps.classify("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_TNN", "custom-call.3") == "gemm"
-  assert ps.classify("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "custom-call.1") == "attention"
-  assert ps.classify("fused_dw_update_mosaic", "custom-call.9") == "forge kernel"
-  assert ps.classify("main_kernel", "custom-call.9") == ps.OTHER_CUSTOM
-  assert ps.classify("loop_dynamic_update_slice_fusion", "dynamic-update-slice_fusion.2") == "dynamic-update-slice"
-  assert ps.classify("loop_add_fusion", "add_fusion.3") == "fusion"
-  assert ps.classify("input_reduce_fusion", "reduce.4") == "reduction"
-  assert ps.classify("copy_transpose", "copy.2") == "copy / transpose"
-  assert ps.classify("something", "while.1") == ps.OTHER
-  events = [ps.Event("nvjet_a", "custom-call.1", 2e6), ps.Event("nvjet_a", "custom-call.1", 2e6),
-            ps.Event("loop_add_fusion", "add.1", 1e6), ps.Event("fused_dw_update", "custom-call.2", 3e6)]
-  s = ps.summarize(events, steps=2)
-  assert s["device_busy_ms"] == pytest.approx(4.0)
-  assert s["classes"]["gemm"] == {"ms": pytest.approx(2.0), "calls": 1.0}
-  assert s["classes"]["forge kernel"]["ms"] == pytest.approx(1.5)
-  assert [k["name"] for k in s["top"]] == ["nvjet_a", "fused_dw_update", "loop_add_fusion"]
-  assert s["kernels"] == 3
-
-
-def test_profile_step_runs_and_finds_the_stacked_updates(tmp_path):
-  from experiments import profile_step
-  rows = profile_step.main(["--out", str(tmp_path), "--model", "tiny-qwen3", "--impls", "optax,forge",
-                            "--tokens", "16", "--steps", "2", "--layers", "3"])
-  assert [r["impl"] for r in rows] == ["optax", "forge"]
-  assert all(r["layers"] == 3 for r in rows)  # the preset has 2
-  for r in rows:
-    assert "error" not in r, r
-    assert r["device_busy_ms"] > 0 and r["profiled_step_ms"] > 0 and r["top"]
-    # FORGE's scanned stack writes each layer's weights and states in place (XLA:CPU here).
-  assert rows[1]["classes"]["dynamic-update-slice"]["calls"] > 0
-  md = (tmp_path / "profile_step.md").read_text()
-  assert "| class | optax | forge |" in md and "## forge: the 20 longest kernels" in md
-  assert "Model tiny-qwen3 with 3 layers, 1x16 tokens" in md
-  with pytest.raises(ValueError, match="Unknown implementation"):
-    profile_step.main(["--out", str(tmp_path), "--impls", "forge,sgd"])
-
-
 def test_a_worker_that_dies_after_compiling_keeps_its_plan():
   out = ('PLAN {"init_peak_gib": 14.9, "xla_step_gib": 91.4, "limit_gib": 125.8}\n'
          "2026 W bfc_allocator.cc] ran out of memory\n")
@@ -209,7 +171,7 @@ def test_a_worker_that_dies_after_compiling_keeps_its_plan():
   oom = {"model": "llama-3.1-8b", "batch": 40, "tokens": 1024, "impl": "optax_clip", "scan": True,
          "error": "OOM", "wall_s": 44.0, **plan}
   md = bench_models.markdown([oom], meta)
-  assert "| llama-3.1-8b | 40x1024 | optax_clip | scanned | OOM | | 14.90 | 91.40 |" in md
+  assert "| llama-3.1-8b | 40x1024 | optax_clip | scanned | full |  | OOM | | 14.90 | 91.40 |" in md
   assert "Allocator limit (what OOM means): 125.8 GiB (jax's default" in md
   assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in bench_models.markdown([oom], {**meta, "mem_fraction": 0.95})
   assert "allocated on demand" in md
@@ -288,46 +250,6 @@ def test_oom_detail_prefers_the_allocators_line():
   assert bench_models._oom_detail("a: out of memory (warning)\nRESOURCE_EXHAUSTED: final\n").endswith("final")
 
 
-class _Ev:
-  def __init__(self, name, ns, **stats):
-    self.name, self.duration_ns, self.stats = name, ns, list(stats.items())
-
-
-class _Line:
-  def __init__(self, name, events):
-    self.name, self.events = name, events
-
-
-class _Plane:
-  def __init__(self, name, lines):
-    self.name, self.lines = name, lines
-
-
-class _Profile:
-  def __init__(self, planes):
-    self.planes = planes
-
-
-def test_profile_step_counts_kernels_not_cupti_overhead():
-  from experiments import profile_step as ps
-  gpu = _Plane("/device:GPU:0", [
-      _Line("Stream #13(Compute)", [_Ev("nvjet_a", 2e6, hlo_op="custom-call.1", kernel_details="k"),
-                                    _Ev("loop_add_fusion", 1e6, hlo_op="add.1", kernel_details="k")]),
-      _Line("Stream #14(MemcpyD2D)", [_Ev("MemcpyD2D", 5e5, memcpy_details="m")]),
-      _Line("CUPTI overhead", [_Ev("BUFFER_FLUSH", 4e6)]),
-      _Line("_counters_", [_Ev("power", 0.0)])])
-  host = _Plane("/host:CPU", [_Line("python", [_Ev("PjitFunction(step)", 9e6)])])
-  source, events = ps.device_events(_Profile([host, gpu]))
-  assert source == "/device:GPU:0"
-  assert sorted(e.name for e in events) == ["MemcpyD2D", "loop_add_fusion", "nvjet_a"]
-  assert ps.summarize(events, 1)["device_busy_ms"] == pytest.approx(3.5)
-  # Without kernel details (another profiler format): the Stream lines.
-  bare = _Plane("/device:GPU:0", [_Line("Stream #13(Compute)", [_Ev("nvjet_a", 2e6)]),
-                                  _Line("CUPTI overhead", [_Ev("BUFFER_FLUSH", 4e6)])])
-  source, events = ps.device_events(_Profile([bare]))
-  assert [e.name for e in events] == ["nvjet_a"] and "Stream lines" in source
-
-
 @pytest.mark.parametrize("impl", ["optax_clip", "forge"])
 def test_compile_first_builds_the_same_step(impl):
   """--compile-first compiles from the state's shapes before init; the step it runs is the same
@@ -361,22 +283,85 @@ def test_compile_first_reaches_the_workers(monkeypatch, tmp_path):
   assert "before the state exists" in (tmp_path / "bench_models.md").read_text()
 
 
-def test_precompile_fills_the_cache_that_the_timed_workers_load(tmp_path):
-  """--precompile compiles every row's step and init in parallel processes into --compile-cache;
-  each timed worker then loads both from there (jax's cache-hit events, counted per row)."""
-  cache = tmp_path / "cache"
-  rows = bench_models.main(["--out", str(tmp_path), *TINY, "--impls", "optax,forge_unrolled",
-                            "--precompile", "2", "--compile-cache", str(cache)])
-  meta = json.loads((tmp_path / "bench_models.json").read_text())["meta"]
-  assert [(c["impl"], c["rc"]) for c in meta["precompiled"]] == [("optax", 0), ("forge_unrolled", 0)]
-  assert meta["compile_first"] and meta["compile_cache"] and any(cache.iterdir())
-  for r in rows:
-    assert "error" not in r, r
-    assert r["step_from_cache"] and r["init_from_cache"] and r["compile_first"]
-    assert set(r["phases_s"]) >= {"trace_lower", "compile", "init_compile", "init", "first_step"}
-  # Without the precompile, a fresh cache holds no step: each worker compiles its own.
+def test_without_a_precompile_each_worker_compiles_its_own_step(tmp_path):
+  """A fresh cache holds no step: the worker compiles it (its compile_s is its own). The cache
+  filled by --precompile and loaded by the timed workers is checked end to end in
+  tests/test_experiments_reproduce.py."""
   rows = bench_models.main(["--out", str(tmp_path / "cold"), *TINY, "--impls", "optax",
                             "--compile-cache", str(tmp_path / "cold_cache"), "--compile-first"])
   assert not rows[0]["step_from_cache"] and not rows[0]["init_from_cache"]
+  assert rows[0]["compile_s"] > 0 and "compile_parallel" not in rows[0]
   with pytest.raises(SystemExit):
     bench_models.main(["--out", str(tmp_path), *TINY, "--precompile", "2"])  # no --compile-cache
+
+
+def test_row_options_override_the_run_and_refuse_bad_values():
+  spec = "optax_unrolled:remat=none:master=float32:mem=0.95"
+  assert bench_models.parse_spec(spec) == ("optax_unrolled", {"remat": "none", "master": "float32",
+                                                              "mem": 0.95})
+  assert bench_models.parse_impl(spec) == ("optax", False)
+  assert bench_models.row_settings(spec, "full", None, 0.8) == {
+      "remat": "none", "param_dtype": "float32", "mem_fraction": 0.95}
+  assert bench_models.row_settings("forge_sr", "dots_saveable", "float32", None) == {
+      "remat": "dots_saveable", "param_dtype": "float32", "mem_fraction": None}
+  assert bench_models.forge_backend(bench_models.parse_impl("forge_int8_sr_xla_unrolled")[0]) == (
+      "forge_int8_sr", "xla")
+  for bad, match in (("optax:remat", "Bad row option 'remat'"), ("optax:speed=1", "Bad row option"),
+                     ("optax:mem=1.5", r"mem='1.5'.*\(0, 1\]"), ("optax:remat=a:remat=b", "twice"),
+                     ("sgd:remat=none", "Unknown implementation 'sgd'")):
+    with pytest.raises(ValueError, match=match):
+      bench_models.parse_spec(bad)
+  with pytest.raises(SystemExit):
+    bench_models.main(["--impls", "optax:mem=0"])
+
+
+def test_rounding_and_state_implementations():
+  precision = lambda base: bench_models._forge_optimizer(base).precision
+  assert precision("forge").weight_rounding == "nearest" and precision("forge").state_dtype is None
+  assert precision("forge_sr").weight_rounding == "stochastic"
+  assert precision("forge_int8").state_dtype == "int8" and precision("forge_int8").weight_rounding == "nearest"
+  assert precision("forge_int8_sr").state_dtype == "int8"
+  assert precision("forge_int8_sr").weight_rounding == "stochastic"
+  assert bench_models._forge_optimizer("optax") is None
+
+
+def test_remat_and_master_dtype_reach_the_model_config():
+  """A row's remat and master dtype build that model: float32 weights and optax states with bf16
+  compute; the config refuses what it cannot run (scanned FORGE without full remat)."""
+  import jax
+  import jax.numpy as jnp
+  row, step, (state, _) = bench_models.build_step("tiny-qwen3", "optax_unrolled:remat=none", 1, 16,
+                                                  "bfloat16", "auto", master_dtype="float32")
+  assert (row["remat"], row["param_dtype"], row["dtype"], row["scan"]) == ("none", "float32", "bfloat16", False)
+  params, opt_state = state
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+  assert jnp.dtype("float32") in {x.dtype for x in jax.tree.leaves(opt_state)}
+  assert jnp.dtype("bfloat16") not in {x.dtype for x in jax.tree.leaves(opt_state)}
+  assert "compile_s" in row and row["compile_s"] > 0 and not row["step_from_cache"]
+  with pytest.raises(ValueError, match="remat='none'"):
+    bench_models.build_step("tiny-qwen3", "forge:remat=none", 1, 16, "bfloat16", "auto", compile_only=True)
+
+
+def test_row_options_reach_the_workers_and_the_table(monkeypatch, tmp_path):
+  seen = []
+
+  def fake_run(cmd, env=None, timeout=None, **kw):
+    seen.append((cmd, env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")))
+    impl = cmd[cmd.index("--worker") + 1]
+    row = {"model": "tiny-qwen3", "impl": impl, "batch": 1, "tokens": 16, "dtype": "bfloat16",
+           "param_dtype": "float32" if "master" in impl else "bfloat16", "scan": "_unrolled" not in impl,
+           "remat": cmd[cmd.index("--remat") + 1], "peak_gib": 1.0, "step_ms": 2.0, "tokens_per_s": 8.0,
+           "loss": 1.0, "device": "fake", "limit_gib": 1.0}
+    return bench_models.subprocess.CompletedProcess(cmd, 0, stdout="ROW " + json.dumps(row), stderr="")
+
+  monkeypatch.setattr(bench_models.subprocess, "run", fake_run)
+  bench_models.main(["--out", str(tmp_path), *TINY, "--remat", "dots_saveable", "--mem-fraction", "0.8",
+                     "--impls", "optax,optax_unrolled:master=float32:mem=0.95"])
+  (cmd0, mem0), (cmd1, mem1) = seen
+  assert cmd0[cmd0.index("--remat") + 1] == "dots_saveable" and "--master-dtype" not in cmd0
+  assert (mem0, mem1) == ("0.8", "0.95")
+  result = json.loads((tmp_path / "bench_models.json").read_text())
+  assert result["meta"]["remat"] == "dots_saveable"
+  assert [r["mem_fraction"] for r in result["rows"]] == [0.8, 0.95]
+  md = (tmp_path / "bench_models.md").read_text()
+  assert "| tiny-qwen3 | 1x16 | optax_unrolled:master=float32:mem=0.95 | unrolled | dots_saveable | float32 |" in md

@@ -114,47 +114,6 @@ def test_bench_floor_counts_minimal_bytes():
   )
 
 
-def test_diagnose_unrolled_counts_copies_and_writes_its_table(tmp_path):
-  from experiments import diagnose_unrolled  # pylint: disable=g-import-not-at-top
-
-  hlo = "\n".join([
-      "  %copy.1 = bf16[1024,3072]{1,0} copy(bf16[1024,3072]{0,1} %p)",
-      "  %copy.2 = f32[8]{0} copy(f32[8]{0} %q)",
-      "  %c = s32[] copy(s32[] %r)",
-      "  %fusion.3 = f32[8]{0} fusion(f32[8]{0} %copy.2), kind=kLoop",
-      "  %cc = f32[4] custom-call(f32[4] %a), custom_call_target=\"mosaic_gpu\"",
-  ])
-  assert diagnose_unrolled.copies(hlo) == [("bf16[1024,3072]", 1024 * 3072 * 2), ("f32[8]", 32),
-                                           ("s32[]", 4)]
-  counts = diagnose_unrolled.hlo_counts(hlo)
-  assert (counts["copies"], counts["custom_calls"], counts["fusions"]) == (3, 1, 1)
-  argv = ["--out", str(tmp_path), "--model", "tiny-qwen3", "--layers", "1", "2", "--impls", "forge",
-          "--layouts", "unrolled", "--tokens", "8", "--iters", "1"]
-  assert diagnose_unrolled.main(argv) == 0
-  result = json.loads((tmp_path / "diagnose_unrolled.json").read_text())
-  rows = result["rows"]
-  assert [(r["impl"], r["scan"], r["layers"]) for r in rows] == [("forge", False, 1), ("forge", False, 2)]
-  assert all(r["step_ms"] > 0 and r["fusions"] > 0 for r in rows)
-  assert rows[1]["fusions"] > rows[0]["fusions"]  # unrolled: the second layer's ops are repeated
-  table = (tmp_path / "diagnose_unrolled.md").read_text()
-  assert "| forge | unrolled | 2 |" in table and result["meta"]["command"].startswith(
-      "python -m experiments.diagnose_unrolled --out")
-
-
-def test_diagnose_unrolled_takes_bench_models_impls(tmp_path):
-  """forge_int8 and forge_xla build bench_models' optimizers and backends: the int8 row's step
-  holds int8 slots (s8 in its HLO), the bf16-state rows do not."""
-  import gzip  # pylint: disable=g-import-not-at-top
-  from experiments import diagnose_unrolled  # pylint: disable=g-import-not-at-top
-
-  argv = ["--out", str(tmp_path), "--model", "tiny-qwen3", "--layers", "1", "--impls", "forge_xla",
-          "forge_int8", "--layouts", "scanned", "--tokens", "8", "--iters", "1"]
-  assert diagnose_unrolled.main(argv) == 0
-  hlo = {impl: gzip.open(tmp_path / f"{impl}_scanned_1.hlo.txt.gz", "rt").read()
-         for impl in ("forge_xla", "forge_int8")}
-  assert " s8[" in hlo["forge_int8"] and " s8[" not in hlo["forge_xla"]
-
-
 def test_dispatched_runs_n_calls_in_one_jit_without_merging_them(tmp_path):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
@@ -306,62 +265,6 @@ def test_main_loop_optimizer_flag_takes_plain_sgd(tmp_path):
   assert got["rows"][0]["state_bytes"] == 2 * 128 * 256 * 2  # W alone, bf16, read and written
   assert "sgd, bf16 x/dy" in (tmp_path / "main_loop.md").read_text()
 
-def test_stack_copies_script_counts_no_copies_after_the_ordering_fix(tmp_path):
-  from experiments import stack_copies  # pylint: disable=g-import-not-at-top
-  assert stack_copies.main(["--out", str(tmp_path), "--layers", "2", "--optimizers", "adamw", "sgd_momentum"]) == 0
-  rows = json.loads((tmp_path / "stack_copies.json").read_text())["rows"]
-  assert [(r["optimizer"], r["stack_copies"]) for r in rows] == [("adamw", 0), ("sgd_momentum", 0)]
-  assert all(r["temp_bytes"] > 0 and r["state_bytes"] > 0 for r in rows)
-
-
-class _Parsed(Exception):
-  """Raised in place of running a script once its arguments parsed."""
-
-
-def test_every_h200_session_command_parses(tmp_path, monkeypatch):
-  """Every command of every part of experiments/h200_session.sh is accepted by its script's
-  argument parser (a typo'd flag costs a device call otherwise). The script's dry run
-  (H200_DRY_RUN) records each step's command instead of running it."""
-  import argparse
-  import importlib
-  import os
-  import pathlib
-  import subprocess
-
-  script = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "h200_session.sh"
-  usage = re.search(r'usage: h200_session\.sh ([\w|]+)', script.read_text()).group(1)
-  parts = usage.split("|")
-  assert {"limits", "unrolled_diag", "profile_steps", "batch8_small", "grid_unrolled_14b"} <= set(parts)
-  real = argparse.ArgumentParser.parse_args
-
-  def parse_then_stop(self, args=None, namespace=None):
-    real(self, args, namespace)
-    raise _Parsed
-
-  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-  checked = 0
-  for part in parts:
-    log = tmp_path / f"{part}.cmds"
-    env = dict(os.environ, H200_DRY_RUN=str(log), OUT=str(tmp_path))
-    proc = subprocess.run(["bash", str(script), part], env=env, capture_output=True, text=True,
-                          cwd=script.parents[1])
-    assert proc.returncode == 0, (part, proc.stderr)
-    cmds = [l.split("\x1f")[:-1] for l in log.read_text().splitlines()]
-    assert cmds, f"part {part} runs no step"
-    for cmd in cmds:
-      assert cmd[:2] == ["python", "-m"] and cmd[2].startswith("experiments."), (part, cmd)
-      with pytest.raises(_Parsed):
-        importlib.import_module(cmd[2]).main(cmd[3:])
-      if cmd[2] == "experiments.with_patch":  # and the command it runs in the patched copy
-        assert (script.parents[1] / cmd[3]).is_file(), (part, cmd[3])
-        cmd = cmd[cmd.index("--") + 1:]
-        assert cmd[:2] == ["python", "-m"] and cmd[2].startswith("experiments."), (part, cmd)
-        with pytest.raises(_Parsed):
-          importlib.import_module(cmd[2]).main(cmd[3:])
-      checked += 1
-  assert checked >= 2 * len(parts) - 10
-
-
 def test_live_buffers_sums_the_schedule_and_lists_the_peak():
   from experiments import live_buffers  # pylint: disable=g-import-not-at-top
   live_range = ("  InstructionSequence:\n    0:p\n    1:a\n    2:b\n    3:c\n  BufferLiveRange:\n"
@@ -405,73 +308,20 @@ def test_live_buffers_counts_a_shared_slot_once():
   assert [(b["buffer"], b["aliases"]) for b in result["live"]] == [("b{}", ["a{}"]), ("p{}", []), ("c{}", [])]
 
 
-def test_live_buffers_compiles_main_and_a_patched_tree(tmp_path):
+def test_live_buffers_compiles_a_step_and_keeps_its_hlo(tmp_path):
   from experiments import live_buffers  # pylint: disable=g-import-not-at-top
-  patch = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "patches" / "no_head_barrier.diff"
   rows = live_buffers.main(["--model", "tiny-llama", "--tokens", "16", "--impls", "forge", "--top", "50",
-                            "--patch", str(patch), "--out", str(tmp_path), "--save-hlo"])
-  assert [r["tree"] for r in rows] == ["main", "no_head_barrier.diff"]
+                            "--out", str(tmp_path), "--save-hlo"])
+  assert [r["tree"] for r in rows] == ["main"]
   for r in rows:
     assert "error" not in r, r
     assert r["module"].endswith("after_optimizations") and "step" in r["module"]
     # What is live at one point cannot exceed XLA's whole plan (arguments + outputs + temporaries).
     assert 0 < r["peak_gib"] <= r["xla_step_gib"] * 1.0001
-  md = (tmp_path / "live_buffers.md").read_text()
-  assert "| forge | no_head_barrier.diff |" in md
+  assert "| forge | main |" in (tmp_path / "live_buffers.md").read_text()
   import gzip  # pylint: disable=g-import-not-at-top
-  for tag in ("main", "no_head_barrier.diff"):
-    with gzip.open(tmp_path / f"hlo_forge_{tag}.txt.gz", "rt") as f:
-      assert f.read().startswith("HloModule")
-
-
-def test_patched_tree_copies_without_git(tmp_path):
-  """On the device machine the working tree may come without .git: the copy falls back to the
-  files on disk, and the patch still applies."""
-  from experiments import with_patch  # pylint: disable=g-import-not-at-top
-  src = tmp_path / "src"
-  (src / "pkg").mkdir(parents=True)
-  (src / "pkg" / "a.py").write_text("x = 1\n")
-  (src / "results").mkdir()
-  (src / "results" / "big.json").write_text("{}")
-  patch = tmp_path / "p.diff"
-  patch.write_text("--- a/pkg/a.py\n+++ b/pkg/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n")
-  out = with_patch.patched_tree(patch, tmp_path / "copy", root=src)
-  assert (out / "pkg" / "a.py").read_text() == "x = 2\n" and not (out / "results").exists()
-  assert (src / "pkg" / "a.py").read_text() == "x = 1\n"
-
-
-def test_every_candidate_patch_still_applies():
-  """experiments/patches/*.diff are changes measured on the GPU beside the tree (not landed, or a
-  landed change taken out again; h200_session.sh applies them with with_patch or live_buffers
-  --patch): each must still apply to the tree."""
-  import shutil  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  root = pathlib.Path(__file__).resolve().parents[1]
-  if shutil.which("git") is None or not (root / ".git").exists():
-    pytest.skip("needs git and a git checkout")
-  patches = sorted((root / "experiments" / "patches").glob("*.diff"))
-  assert patches  # no_head_barrier.diff at least (test_with_patch_runs_a_command_in_a_patched_copy)
-  for patch in patches:
-    proc = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, capture_output=True, text=True)
-    assert proc.returncode == 0, (patch.name, proc.stderr)
-
-
-def test_with_patch_runs_a_command_in_a_patched_copy(tmp_path, capfd):
-  import sys  # pylint: disable=g-import-not-at-top
-  from experiments import with_patch  # pylint: disable=g-import-not-at-top
-  patch = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "patches" / "no_head_barrier.diff"
-  probe = ("import forge_jax._dense as d, pathlib; "
-           "print('optimization_barrier' in pathlib.Path(d.__file__).read_text(), "
-           "pathlib.Path(d.__file__).parent.parent)")
-  assert with_patch.main([str(patch), "--", sys.executable, "-c", probe]) == 0
-  out = capfd.readouterr().out.strip().splitlines()[-1]
-  barrier, where = out.split(" ", 1)
-  assert barrier == "False" and "with_patch_" in where  # the copy's forge_jax, not the repository's
-  import forge_jax._dense  # pylint: disable=g-import-not-at-top
-  assert "optimization_barrier" in pathlib.Path(forge_jax._dense.__file__).read_text()
-  assert with_patch.main([str(patch), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
-  with pytest.raises(SystemExit):
-    with_patch.main([str(patch)])
+  with gzip.open(tmp_path / "hlo_forge_main.txt.gz", "rt") as f:
+    assert f.read().startswith("HloModule")
 
 
 def test_capacity_plan_search_brackets_the_edge():

@@ -1,0 +1,131 @@
+"""experiments/reproduce.py: each suite's commands (dry run), and the models suite end to end on a
+tiny model on the CPU."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shlex
+
+import pytest
+
+from experiments import bench_models, reproduce, results_tables
+
+
+def _argv(step) -> list:
+  return step.argv
+
+
+def test_models_suite_runs_every_headline_row_once_over_its_parts(tmp_path, capsys):
+  whole = reproduce.main(["--suite", "models", "--dry-run", "--out", str(tmp_path)])
+  assert whole["estimate_s"] > reproduce.BUDGET_S  # one call cannot hold the whole suite
+  assert "run --part 1/2 ... --part 2/2" in capsys.readouterr().out
+  rows = []
+  for k in (1, 2):
+    record = reproduce.main(["--suite", "models", "--part", f"{k}/2", "--dry-run", "--out", str(tmp_path)])
+    assert record["estimate_s"] <= reproduce.BUDGET_S, record
+    (step,) = record["steps"]
+    argv = shlex.split(step["command"])
+    assert argv[:3] == ["BENCH_TAG=models_part%dof2" % k, "python", "-m"]
+    assert argv[3] == "experiments.bench_models"
+    value = lambda flag: argv[argv.index(flag) + 1]  # pylint: disable=cell-var-from-loop
+    assert (value("--models"), value("--batch"), value("--tokens"), value("--dtype")) == (
+        "llama-3.1-8b", "1", "1024", "bfloat16")
+    assert value("--compile-cache") and int(value("--precompile")) >= 2
+    assert float(value("--time-budget")) < step["timeout_s"] <= reproduce.BUDGET_S
+    rows += value("--impls").split(",")
+  assert sorted(rows) == sorted(reproduce.HEADLINE_ROWS)
+  assert not (tmp_path / "reproduce_models.json").exists()  # a dry run writes nothing
+
+
+def test_headline_rows_are_the_brief():
+  """optax, optax+clip, FORGE nearest / SR and int8-SR, each scanned with remat full and
+  unrolled with remat none and full; plus optax with float32 master weights under 95%."""
+  settings = {}
+  for spec in reproduce.HEADLINE_ROWS:
+    base, scan = bench_models.parse_impl(spec)
+    s = bench_models.row_settings(spec)
+    settings.setdefault(base, set()).add((scan, s["remat"], s["param_dtype"], s["mem_fraction"]))
+  layouts = {(True, "full", None, None), (False, "none", None, None), (False, "full", None, None)}
+  for base in ("optax_clip", "forge", "forge_sr", "forge_int8_sr"):
+    assert settings[base] == layouts, base
+  assert settings["optax"] == layouts | {(False, "none", "float32", 0.95)}
+
+
+def test_other_suites_call_the_tools_by_module_and_cli(tmp_path):
+  kernels = reproduce.main(["--suite", "kernels", "--dry-run", "--out", str(tmp_path)])
+  modules = [shlex.split(s["command"])[2] for s in kernels["steps"]]
+  assert modules == ["experiments.check_mosaic_gpu", "experiments.bench_fused_dw"]
+  from experiments import bench_fused_dw, check_mosaic_gpu  # pylint: disable=g-import-not-at-top
+  for step, module in zip(kernels["steps"], (check_mosaic_gpu, bench_fused_dw)):
+    for flag in (a for a in shlex.split(step["command"]) if a.startswith("--")):
+      assert f'"{flag}"' in inspect.getsource(module), (flag, module.__name__)  # a flag their CLI has
+  capacity = reproduce.main(["--suite", "capacity", "--dry-run", "--out", str(tmp_path)])
+  assert sum(s["timeout_s"] for s in capacity["steps"]) <= reproduce.BUDGET_S
+  for step in capacity["steps"]:
+    argv = shlex.split(step["command"])
+    assert "--preallocate" in argv and argv[argv.index("--impls") + 1] in step["command"]
+  (conv,) = reproduce.main(["--suite", "convergence", "--dry-run", "--out", str(tmp_path)])["steps"]
+  assert "experiments.convergence" in conv["command"] and "--pretrain-steps" in conv["command"]
+  for bad in (["--suite", "kernels", "--part", "1/2"], ["--suite", "models", "--part", "3/2"],
+              ["--suite", "models", "--part", "x"]):
+    with pytest.raises(SystemExit):
+      reproduce.main([*bad, "--dry-run"])
+
+
+@pytest.mark.usefixtures("fast_subprocess_compiles")  # tests/conftest.py
+def test_models_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
+  """One part of the suite on tiny-llama (one scanned optax row): the bench_models run, whose
+  step and init the precompile process compiled into the cache and the timed worker loaded from
+  it, the suite's record and the headline table made from it."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  n = len(reproduce.HEADLINE_ROWS)
+  record = reproduce.main(["--suite", "models", "--part", f"1/{n}", "--model", "tiny-llama", "--tokens", "16",
+                           "--out", str(tmp_path), "--compile-cache", str(tmp_path / "cache")])
+  (step,) = record["steps"]
+  assert step["rc"] == 0, (tmp_path / step["log"]).read_text()[-2000:]
+  saved = json.loads((tmp_path / f"reproduce_models_part1of{n}.json").read_text())
+  assert saved["device"] == "cpu" and saved["versions"]["jax"] and saved["date"]
+  run = json.loads((tmp_path / f"models_part1of{n}.json").read_text())
+  (row,) = run["rows"]
+  assert row["impl"] == "optax" and "error" not in row, row
+  (pre,) = run["meta"]["precompiled"]
+  assert pre["rc"] == 0 and run["meta"]["compile_first"] and any((tmp_path / "cache").iterdir())
+  assert row["step_from_cache"] and row["init_from_cache"] and row["compile_first"]
+  assert set(row["phases_s"]) >= {"trace_lower", "compile", "init_compile", "init", "first_step"}
+  assert row["compile_s"] == pre["compile_s"] > 0 and row["compile_parallel"] == 1
+  headline = (tmp_path / "headline.md").read_text()
+  assert "| optax.adamw | bf16 / bf16 | scanned | full | default | n/a |" in headline
+  assert record["tables"] == ["headline.md"]
+  assert f"[models_part1of{n}](models_part1of{n}.md)" in headline
+
+
+def test_headline_table_ratios_and_the_pending_note(tmp_path):
+  def row(impl, peak, ms, **kw):
+    base = {"model": "llama-3.1-8b", "impl": impl, "batch": 1, "tokens": 1024, "dtype": "bfloat16",
+            "param_dtype": "bfloat16", "scan": "_unrolled" not in impl, "remat": "full", "peak_gib": peak,
+            "step_ms": ms, "compile_s": 100.0, "mem_fraction": None}
+    return {**base, **kw}
+
+  meta = {"device": "NVIDIA H200", "jax": "0.11.2", "date": "2026-12-02T02:00:00", "steps": 5,
+          "dtype": "bfloat16", "command": "python -m experiments.bench_models ..."}
+  runs = [("models_part1of2.json", {"meta": meta, "rows": [
+      row("optax_unrolled:remat=none", 50.0, 120.0, remat="none"), row("optax", 60.0, 150.0),
+      row("forge_int8_sr_unrolled:remat=none", 30.0, 240.0, remat="none")]}),
+          ("models_part2of2.json", {"meta": meta, "rows": [
+              row("forge_sr", 45.0, 135.0),
+              row("optax_unrolled:remat=none:master=float32:mem=0.95", 125.0, 180.0, remat="none",
+                  param_dtype="float32", mem_fraction=0.95),
+              {**row("optax_clip_unrolled", 0, 0), "error": "OOM"}]})]
+  lines = results_tables.headline_table(runs).splitlines()
+  body = [l for l in lines if l.startswith("| ") and not l.startswith("| implementation")]
+  assert [l.split(" | ")[0][2:] + " " + l.split(" | ")[1] for l in body] == [  # HEADLINE_ROWS order
+      "optax.adamw bf16 / bf16", "FORGE adamw bf16 SR / bf16", "optax.adamw bf16 / bf16",
+      "FORGE adamw bf16 SR / int8", "optax clip_by_global_norm(1.0) + adamw bf16 / bf16",
+      "optax.adamw fp32 / fp32"]
+  assert "| 45.00 | 0.75x | 135.0 | 0.90x | 100 | [models_part2of2]" in body[1]  # against scanned optax
+  assert "| 30.00 | 0.60x | 240.0 | 2.00x |" in body[3]  # against unrolled remat-none optax
+  assert "| unrolled | none | 95% | 125.00 | 2.50x | 180.0 | 1.50x |" in body[5]
+  assert "| OOM |" in body[4]
+  pending = results_tables.headline_section(tmp_path / "none", tmp_path / "none.json")
+  assert pending.startswith(results_tables.PENDING) and "|" not in pending
