@@ -284,7 +284,10 @@ def _parity(make_opt, backend, t, k, n, in_dtype, steps=STEPS):
     np.testing.assert_allclose(np.asarray(kern_w), np.asarray(face_w), rtol=2e-5, atol=2e-6,
                                err_msg=f"{backend} w step {i}")
     for name, a, b in zip(kern_s._fields[1:], kern_s[1:], face_s[1:]):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7,
+      # The two sides sum x.T @ dy in different orders: where a sum cancels, its rounding is
+      # relative to the largest element, not to itself.
+      b = np.asarray(b)
+      np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=2e-6 * np.abs(b).max(),
                                  err_msg=f"{backend} {name} step {i}")
     assert int(kern_s.count) == int(face_s.count) == i + 1
   if opt.rule.step_fields:
@@ -297,7 +300,14 @@ def test_kernel_path_matches_optax_face(case, backend):
   _parity(case[1], backend, 77, 40, 56, F32)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]], ids=[CASES[i][0] for i in (0, 2, 5)])
+MOSAIC_CASES = [  # two stabilizers per case: the interpreter takes ~10 s a step on a CPU
+    ("adamw_clip_prev_norm_update_clip",
+     lambda: forge_jax.adamw(1e-2, weight_decay=0.1, clip_prev_norm=1.0, update_clip=0.5)),
+    ("adam_atan2_layer_clip", lambda: forge_jax.adam_atan2(1e-2, layer_clip=1.05, layer_clip_decay=0.9)),
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_CASES, ids=[c[0] for c in MOSAIC_CASES])
 def test_mosaic_interpreter_matches_optax_face(case):
   with warnings.catch_warnings():
     warnings.simplefilter("error", _fused.BackendFallbackWarning)  # the kernel itself ran
