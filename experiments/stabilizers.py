@@ -27,11 +27,13 @@ tables) and ``stabilizers.png`` (the loss curves).
 Memory is XLA's plan of each row's compiled step (arguments + outputs -
 donated + temporaries), not the device's peak: the rows share one process.
 
-On one H200, qwen3-0.6b (byte tokens, 4 x 512 tokens per step), about 8 minutes::
+On one H200, qwen3-0.6b (byte tokens, 4 x 512 tokens per step; estimated at
+8 minutes, mostly the eight compilations; rows that would end past the limit
+are skipped and listed)::
 
-    PYTHONPATH=$PWD python -m experiments.stabilizers --out $OUT/stabilizers
+    PYTHONPATH=$PWD python -m experiments.stabilizers --time-limit 540 --out $OUT/stabilizers
 
-On a CPU, in under a minute (tiny-qwen3)::
+On a CPU, in about 50 s of one core (tiny-qwen3)::
 
     python -m experiments.stabilizers --smoke --out runs/stabilizers_smoke
 """
@@ -93,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--seed", type=int, default=0)
   a("--data-cache", default=None)
   a("--out", default="runs/stabilizers")
+  a("--time-limit", type=float, default=0,
+    help="seconds: a row that would end past it (judged by the last row's time) is skipped and "
+    "listed as such (0: no limit)")
   a("--smoke", action="store_true",
     help="a tiny CPU run; these defaults, which other flags override: " + json.dumps(SMOKE))
   if p.parse_args(argv).smoke:
@@ -284,6 +289,8 @@ def markdown(result: dict) -> str:
                  f"{r['clipped_steps']} | {r['min_clip_scale']:.3f} | "
                  f"{r['step_s_median'] * 1e3:.1f} | "
                  f"{r['xla_memory'].get('step_gib', float('nan')):.3f} |")
+  if result.get("skipped"):
+    lines += ["", f"Skipped for time: {', '.join(result['skipped'])}."]
   lines += ["", "Clip scale: the factor on the step's gradient (optax_clip: min(1, clip / "
             "this step's norm); forge_clip_prev_norm: min(1, clip / the previous step's norm); "
             "forge_layer_clip: the smallest over weights). Update clipping and Adam-atan2 bound "
@@ -332,9 +339,16 @@ def main(argv=None) -> dict:
       result["lr"] = max(s["lr"] for s in result["sweep"])
       result["lr_reason"] = "no swept rate made optax.adamw spike: the largest"
   out = pathlib.Path(args.out)
+  result["skipped"], last = [], 0.0
   for name in args.rows.split(","):
+    elapsed = time.perf_counter() - t_start
+    if args.time_limit and elapsed + last > args.time_limit:
+      result["skipped"].append(name)
+      print(f"{name}: skipped (--time-limit {args.time_limit:g} s; {elapsed:.0f} s spent)")
+      continue
     result["rows"][name] = run_row(args, name, result["lr"], data, example, eval_set)
     result["wall_s"] = time.perf_counter() - t_start
+    last = result["wall_s"] - elapsed
     _write(out, result, plot=False)  # what finished survives a cut-off run
   _write(out, result, plot=True)
   print(markdown(result))

@@ -433,3 +433,20 @@ def test_train_step_without_stabilizers_reports_scale_one():
   state, metrics = forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
   assert float(metrics["clip_scale"]) == 1.0
   np.testing.assert_allclose(state.prev_grad_norm, metrics["grad_norm"])
+
+
+# ----------------------------------------------------------------------------
+# The ablation script's spike count.
+# ----------------------------------------------------------------------------
+
+
+def test_spikes_are_counted_and_sized():
+  from experiments import stabilizers  # pylint: disable=g-import-not-at-top
+  losses = [5.0, 4.0, 3.5, 3.4, 4.5, 4.8, 3.3, 3.2, 3.1, float("nan"), 3.0, 3.0]
+  events = stabilizers.spikes(losses, window=3, nat=0.5)
+  assert [e["step"] for e in events] == [4, 9]
+  np.testing.assert_allclose(events[0]["size"], 4.8 - 3.4)  # the largest excess of the run
+  assert events[1]["size"] == float("inf")  # a non-finite loss is a spike
+  assert stabilizers.spikes([3.0, 3.4, 3.0], window=3, nat=0.5) == []
+  with pytest.raises(ValueError, match="--rows: 'optax_sgd'"):
+    stabilizers.parse_args(["--rows", "optax_adamw,optax_sgd"])
