@@ -95,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--seed", type=int, default=0)
   a("--data-cache", default=None)
   a("--out", default="runs/stabilizers")
+  a("--plan-only", action="store_true",
+    help="no training: compile each row's step from abstract shapes and report XLA's memory "
+    "plan (stabilizers_plan.json/.md; any machine, e.g. a CPU for a GPU-sized model)")
   a("--time-limit", type=float, default=0,
     help="seconds: a row that would end past it (judged by the last row's time) is skipped and "
     "listed as such (0: no limit)")
@@ -315,9 +318,43 @@ def _write(out: pathlib.Path, result: dict, plot: bool) -> None:
   (out / "stabilizers.md").write_text(markdown(result))
 
 
+def plan(args, argv, vocab_size: int) -> dict:
+  """XLA's memory plan of each row's compiled step; nothing is allocated or trained."""
+  example = jnp.zeros((args.batch, args.seq + 1), jnp.int32)
+  result = {"meta": {"command": "python -m experiments.stabilizers " + " ".join(argv),
+                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     **runlog.versions()},
+            "config": dict(vars(args)), "rows": {}}
+  lines = [f"# XLA's memory plan of one step per row ({result['meta']['device']})", "",
+           f"Command: `{result['meta']['command']}`  ",
+           f"Date: {result['meta']['date']}; jax {result['meta']['jax']}. {args.model}, "
+           f"{args.batch}x{args.seq} tokens, compute {args.dtype}, params/states "
+           f"{args.param_dtype}; compiled from abstract shapes (no allocation).", "",
+           "| row | XLA step GiB | arguments GiB | temporaries GiB | compile s |",
+           "|---|---|---|---|---|"]
+  for name in args.rows.split(","):
+    opt = _optimizer(args, name, args.lr or 1e-3)
+    impl = "optax" if name.startswith("optax") else "forge"
+    _, compiled, _, compile_s, cfg = _build(args, impl, opt, vocab_size, example)
+    mem = runlog.xla_memory(compiled)
+    result["rows"][name] = {"xla_memory": mem, "compile_s": compile_s, "num_params": cfg.num_params}
+    lines.append(f"| {name} | {mem.get('step_gib', float('nan')):.4f} | "
+                 f"{mem.get('argument_gib', float('nan')):.4f} | "
+                 f"{mem.get('temp_gib', float('nan')):.4f} | {compile_s:.0f} |")
+    print(lines[-1], flush=True)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "stabilizers_plan.json").write_text(json.dumps(result, indent=1))
+  (out / "stabilizers_plan.md").write_text("\n".join(lines) + "\n")
+  return result
+
+
 def main(argv=None) -> dict:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
+  if args.plan_only:
+    vocab = 257 if args.tokenizer == "bytes" else args.vocab_size
+    return plan(args, argv, vocab)
   t_start = time.perf_counter()
   data = data_lib.load(args.tokenizer, args.vocab_size, max_bytes=args.corpus_bytes,
                        cache_dir=args.data_cache)

@@ -266,7 +266,19 @@ def _face_step(opt, x, dy, w, state):
   return optax.apply_updates(w, u), state
 
 
-def _parity(make_opt, backend, t, k, n, in_dtype, steps=STEPS):
+def _close(got, want, what, strict, lr, atol):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  if strict:
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=atol, err_msg=what)
+    return
+  # Compiled kernels: where a gradient element cancels to nearly zero, its sum order decides its
+  # sign, and Adam's early steps (about g / |g|) turn that into up to one update. Rare elements.
+  close = np.isclose(got, want, rtol=2e-5, atol=atol)
+  assert close.mean() >= 0.999, f"{what}: {(~close).sum()} of {close.size} elements differ"
+  np.testing.assert_allclose(got, want, rtol=0, atol=max(atol, 4 * lr), err_msg=what)
+
+
+def _parity(make_opt, backend, t, k, n, in_dtype, steps=STEPS, strict=True):
   opt = make_opt()
   key = jax.random.PRNGKey(7)
   w = jax.random.normal(jax.random.fold_in(key, 99), (k, n))
@@ -281,14 +293,14 @@ def _parity(make_opt, backend, t, k, n, in_dtype, steps=STEPS):
       scales.append(float(opt.rule.grad_scale(*opt.rule.step_values(face_s))))
     face_w, face_s = face(x, dy, face_w, face_s)
     kern_w, kern_s = fused(x, dy, kern_w, kern_s)
-    np.testing.assert_allclose(np.asarray(kern_w), np.asarray(face_w), rtol=2e-5, atol=2e-6,
-                               err_msg=f"{backend} w step {i}")
+    lr = 1e-2 * (i + 1)
+    _close(kern_w, face_w, f"{backend} w step {i}", strict, lr, 2e-6)
     for name, a, b in zip(kern_s._fields[1:], kern_s[1:], face_s[1:]):
       # The two sides sum x.T @ dy in different orders: where a sum cancels, its rounding is
       # relative to the largest element, not to itself.
       b = np.asarray(b)
-      np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=2e-6 * np.abs(b).max(),
-                                 err_msg=f"{backend} {name} step {i}")
+      _close(a, b, f"{backend} {name} step {i}", strict, lr * np.abs(b).max(),
+             2e-6 * np.abs(b).max())
     assert int(kern_s.count) == int(face_s.count) == i + 1
   if opt.rule.step_fields:
     assert min(scales) < 0.9, scales  # the clip bound on some step
@@ -312,6 +324,16 @@ def test_mosaic_interpreter_matches_optax_face(case):
   with warnings.catch_warnings():
     warnings.simplefilter("error", _fused.BackendFallbackWarning)  # the kernel itself ran
     _parity(case[1], "mosaic_interpret", 64, 64, 64, BF16, steps=3)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels need a GPU")
+@pytest.mark.parametrize("backend", ["mosaic", "pallas"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_gpu_kernels_match_optax_face(case, backend):
+  """The compiled kernels (the atan2 spelling and the scalars in the real epilogue)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", _fused.BackendFallbackWarning)  # the kernel itself ran
+    _parity(case[1], backend, 256, 256, 256, BF16, strict=False)
 
 
 def test_stacked_layers_keep_their_own_norms():
