@@ -247,7 +247,9 @@ def as_forge_optimizer(optimizer) -> ForgeOptimizer:
         "elementwise optimizer whose rule it knows. Build it with forge_jax "
         "(forge_jax.adamw, forge_jax.lion, ...). Transformations that need a "
         "global reduction, such as optax.clip_by_global_norm, cannot run inside "
-        "the GEMM: every tile would need every other tile's gradient first."
+        "the GEMM: every tile would need every other tile's gradient first. Clipping by "
+        "the previous step's global norm can (forge_jax.adamw(..., clip_prev_norm=1.0); "
+        "docs/stabilizers.md)."
     )
   raise TypeError(f"expected a forge_jax optimizer, got {type(optimizer).__name__}.")
 
