@@ -472,3 +472,46 @@ def test_spikes_are_counted_and_sized():
   assert stabilizers.spikes([3.0, 3.4, 3.0], window=3, nat=0.5) == []
   with pytest.raises(ValueError, match="--rows: 'optax_sgd'"):
     stabilizers.parse_args(["--rows", "optax_adamw,optax_sgd"])
+
+
+def test_scanned_stack_clips_by_the_global_norm_and_keeps_per_layer_norms():
+  """A ScannedStack's kernels: clip_prev_norm matches the optax loop (the global norm reaches
+  every layer's [L] field); layer_clip keeps one norm per layer of the stack."""
+  from tests.test_flax_binding import Transformer  # pylint: disable=g-import-not-at-top
+  key = jax.random.PRNGKey(3)
+  batches = [{"x": jax.random.normal(jax.random.fold_in(key, i), (2, 6, 8)),
+              "y": (8.0 if i == 1 else 1.0) * jax.random.normal(jax.random.fold_in(key, 9 + i), (2, 6, 4))}
+             for i in range(3)]
+  for kwargs, steps in ((dict(clip_prev_norm=0.5), 3), (dict(layer_clip=1.05), 2)):
+    opt = forge_jax.adamw(3e-2, weight_decay=0.1, **kwargs)
+    model_f, model_o = Transformer(opt, scan=True), Transformer(None, scan=True)
+    variables = model_f.init(key, batches[0]["x"])
+    params_o = model_o.init(key, batches[0]["x"])["params"]
+    state = forge_jax.TrainState.create(model_f.apply, variables, opt)
+    opt_state = opt.init(params_o)
+
+    @jax.jit
+    def optax_step(params, opt_state, batch, model_o=model_o, opt=opt):
+      grads = jax.grad(lambda p: _mse(model_o.apply, {"params": p}, batch))(params)
+      updates, opt_state = opt.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, grads
+
+    layer_norms = []
+    for batch in batches[:steps]:
+      state, metrics = forge_jax.train_step(state, batch, functools.partial(_mse, model_f.apply))
+      params_o, opt_state, grads = optax_step(params_o, opt_state, batch)
+      layer_norms.append(np.sqrt(np.sum(np.square(
+          np.asarray(grads["stack"]["layers"]["block"]["up"]["kernel"])), axis=(1, 2))))
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state.params)[0],
+                            jax.tree.leaves(params_o), strict=True):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5,
+                                 err_msg=f"{kwargs} {jax.tree_util.keystr(path)}")
+    up = state.forge_state["stack"]["layers"]["block"]["up"]["kernel"].opt
+    assert up.prev_norm.shape == (2,)
+    if "clip_prev_norm" in kwargs:
+      assert float(metrics["clip_scale"]) < 1.0
+      np.testing.assert_allclose(up.prev_norm, [float(state.prev_grad_norm)] * 2, rtol=1e-6)
+    else:  # steps 0 and 1 are unclipped; each layer holds its own norms
+      np.testing.assert_allclose(up.prev_norm, layer_norms[1], rtol=1e-4)
+      np.testing.assert_allclose(up.norm_ema, layer_norms[0], rtol=1e-4)
+      assert abs(layer_norms[1][0] - layer_norms[1][1]) > 1e-3 * layer_norms[1][0]
