@@ -8,9 +8,11 @@ Public API:
 
 * optimizers with optax's names, signatures and defaults: :func:`adam`,
   :func:`adamw`, :func:`nadam`, :func:`nadamw`, :func:`radam`, :func:`lion`,
-  :func:`rmsprop`, :func:`adagrad`, :func:`sgd`. Each returns a
+  :func:`rmsprop`, :func:`adagrad`, :func:`sgd`, and :func:`adam_atan2`. Each returns a
   :class:`ForgeOptimizer`, a real ``optax.GradientTransformationExtraArgs``
-  that also carries its :class:`ElementwiseRule` for the kernels.
+  that also carries its :class:`ElementwiseRule` for the kernels. Each takes
+  the pool-free stabilizers of :func:`stabilize` (``clip_prev_norm``,
+  ``update_clip``, ``layer_clip``; docs/stabilizers.md).
 * :func:`fused_linear_update`: one layer's weight update from ``x`` and ``dy``
   without materializing ``dW`` (backends ``"mosaic"``, ``"pallas"``,
   ``"interpret"``, ``"mosaic_interpret"``, ``"xla"``, ``"auto"``).
@@ -34,6 +36,7 @@ from forge_jax._lowp import Precision
 from forge_jax._optimizers import ForgeOptimizer
 from forge_jax._optimizers import adagrad
 from forge_jax._optimizers import adam
+from forge_jax._optimizers import adam_atan2
 from forge_jax._optimizers import adamw
 from forge_jax._optimizers import apply_rule
 from forge_jax._optimizers import as_forge_optimizer
@@ -43,6 +46,7 @@ from forge_jax._optimizers import nadamw
 from forge_jax._optimizers import radam
 from forge_jax._optimizers import rmsprop
 from forge_jax._optimizers import sgd
+from forge_jax._optimizers import stabilize
 from forge_jax._rules import AdagradState
 from forge_jax._rules import AdamState
 from forge_jax._rules import CenteredRMSPropMomentumState
@@ -53,9 +57,11 @@ from forge_jax._rules import RMSPropMomentumState
 from forge_jax._rules import RMSPropState
 from forge_jax._rules import SGDMomentumState
 from forge_jax._rules import SGDState
+from forge_jax._rules import StabilizedRule
 from forge_jax._stack import ScannedStack
 from forge_jax._train import NoBackwardPassWarning
 from forge_jax._train import TrainState
+from forge_jax._train import carry_grad_norm
 from forge_jax._train import train_step
 from pallas_kernels.numerics import QuantMap
 from pallas_kernels.numerics import QuantizedArray
@@ -82,12 +88,15 @@ __all__ = [
     "RMSPropState",
     "SGDMomentumState",
     "SGDState",
+    "StabilizedRule",
     "ScannedStack",
     "TrainState",
     "adagrad",
     "adam",
+    "adam_atan2",
     "adamw",
     "apply_rule",
+    "carry_grad_norm",
     "as_forge_optimizer",
     "fused_backward",
     "fused_linear_update",
@@ -99,5 +108,6 @@ __all__ = [
     "rmsprop",
     "save_train_state",
     "sgd",
+    "stabilize",
     "train_step",
 ]

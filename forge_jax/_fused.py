@@ -238,12 +238,29 @@ def _check_inputs(x, dy, w, state, rule, layer):
         f"state is a {type(state).__name__}, but this {rule.name} optimizer's state "
         f"is a {rule.state_cls.__name__}: pass optimizer.init(w)."
     )
-  for name, slot in zip(rule.slot_names, state[1:]):
+  for name, slot in zip(rule.slot_names, rule.slots_of(state)):
     if not hasattr(slot, "shape") or slot.shape != w.shape:
       raise ValueError(
           f"state.{name} has shape {getattr(slot, 'shape', type(slot))}, expected the "
           f"weight's {w.shape}: pass optimizer.init(w) for this very weight."
       )
+
+
+def _layer_entry(value, layer):
+  """A step field's entry for ``layer`` (one per layer in a stack), else itself."""
+  if layer is not None and jnp.ndim(value) == 1:
+    return jax.lax.dynamic_index_in_dim(value, layer, keepdims=False)
+  return value
+
+
+def _set_layer_entry(value, new, layer):
+  """``value`` with ``layer``'s entry set to ``new``. A stack sharing one scalar
+  (as it shares one count) keeps it: the caller writes it once per step."""
+  if layer is None:
+    return new
+  if jnp.ndim(value) == 1:
+    return jax.lax.dynamic_update_index_in_dim(value, new.astype(value.dtype), layer, 0)
+  return value
 
 
 def _order_after(scalars, after):
@@ -326,7 +343,9 @@ def fused_linear_update(
   count = state.count
   if layer is not None and jnp.ndim(count) == 1:  # a stack of per-layer counts
     count = jax.lax.dynamic_index_in_dim(count, layer, keepdims=False)
-  scalars = rule.scalars(count)
+  # Stabilizers' step fields (the norm to clip by), per layer in a stack as the count.
+  step = tuple(_layer_entry(v, layer) for v in rule.step_values(state))
+  scalars = rule.scalars(count, *step)
   if after is not None:
     scalars = _order_after(scalars, after)
   update_fn = _RuleUpdate(rule, decay)
@@ -335,7 +354,7 @@ def fused_linear_update(
   # Used only by codecs that round stochastically (the weight's, or a slot's).
   rounding = dict(weight_codec=weight_codec, seed=numerics.stream_seed(precision.seed, stream), step=count)
   # int8 codes may arrive as their float view (see forge_jax.train_step).
-  slots = tuple(_lowp.from_float_view(s) for s in state[1:])
+  slots = tuple(_lowp.from_float_view(s) for s in rule.slots_of(state))
   for name, q in zip(rule.slot_names, slots):
     if isinstance(q, numerics.QuantizedArray):
       _fused_dw._check_quantized(q, f"state.{name}")  # pylint: disable=protected-access
@@ -346,13 +365,18 @@ def fused_linear_update(
   new_w, new_slots, sq = _run_backend(
       resolved,
       x2, dy2, w, slots, scalars, update_fn,
-      layer=layer, config=config, compute_grad_sq_norm=return_grad_sq_norm, rounding=rounding,
+      layer=layer, config=config, rounding=rounding,
+      compute_grad_sq_norm=return_grad_sq_norm or rule.norm_scope is not None,
   )
-  new_slots = tuple(_lowp.view_like(n, s) for n, s in zip(new_slots, state[1:]))
+  new_slots = tuple(_lowp.view_like(n, s) for n, s in zip(new_slots, rule.slots_of(state)))
   # A stack's layers are updated one call each within one step: the caller
   # advances the shared count once, after the last layer.
   count = state.count if layer is not None else _rules.safe_increment(state.count)
-  new_state = rule.state_cls(count, *new_slots)
+  new_step = rule.step_values(state)
+  if new_step:  # this weight's own norm; forge_jax.train_step sets the global one
+    new_step = tuple(_set_layer_entry(v, n, layer)
+                     for v, n in zip(new_step, rule.next_step(step, sq)))
+  new_state = rule.state_cls(count, *new_step, *new_slots)
   if return_grad_sq_norm:
     return new_w, new_state, sq
   return new_w, new_state

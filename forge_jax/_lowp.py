@@ -295,5 +295,5 @@ def bytes_per_param(optimizer, shape, w_dtype) -> dict:
   for d in shape:
     n *= d
   weights = stored_bytes(w) / n
-  states = stored_bytes(tuple(state[1:])) / n
+  states = stored_bytes(optimizer.rule.slots_of(state)) / n  # a stabilizer's scalars left out too
   return {"weights": weights, "states": states, "total": weights + states}

@@ -27,6 +27,7 @@ above, unchanged.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Optional, Union
 
 import jax
@@ -103,7 +104,9 @@ def _make(
         jax.tree.map(lambda _, s: s[i], params, per_leaf)
         for i in range(len(rule.slot_names))
     ]
-    return rule.state_cls(jnp.zeros([], jnp.int32), *slots)
+    steps = [jax.tree.map(lambda _: jnp.asarray(v, jnp.float32), params)
+             for v in rule.step_init_values()]
+    return rule.state_cls(jnp.zeros([], jnp.int32), *steps, *slots)
 
   def update_fn(updates, state, params=None, *, forge_decay_mask=None, **extra_args):
     # forge_decay_mask: the decay mask of `params`, computed by the caller
@@ -121,8 +124,9 @@ def _make(
           "params (the update lands on a stochastically rounded weight): call "
           "update(grads, state, params)."
       )
-    scalars = rule.scalars(state.count)
-    slot_trees = tuple(state[1:])
+    slot_trees = rule.slots_of(state)
+    step_trees = rule.step_values(state)
+    scalars = None if step_trees else rule.scalars(state.count)
     if params is None:
       params = jax.tree.map(lambda _: None, updates)
       decay = jax.tree.map(lambda _: False, updates)
@@ -133,17 +137,22 @@ def _make(
     p_leaves = treedef.flatten_up_to(params)
     d_leaves = treedef.flatten_up_to(decay)
     s_leaves = [treedef.flatten_up_to(t) for t in slot_trees]
+    st_leaves = [treedef.flatten_up_to(t) for t in step_trees]
     new_u, new_s = [], [[] for _ in slot_trees]
     for i, (g, p, d) in enumerate(zip(g_leaves, p_leaves, d_leaves)):
       slots = tuple(s[i] for s in s_leaves)
+      if step_trees:  # the stabilizers' scalars come from each leaf's step fields
+        scalars = rule.scalars(state.count, *(t[i] for t in st_leaves))
       u, slots_out = apply_rule(
           rule, g, p, slots, scalars, decay=d, precision=precision, step=state.count, stream=i
       )
       new_u.append(u)
       for j, s in enumerate(slots_out):
         new_s[j].append(s)
+    new_steps = _next_steps(rule, g_leaves, st_leaves)
     new_state = rule.state_cls(
         _rules.safe_increment(state.count),
+        *[treedef.unflatten(s) for s in new_steps],
         *[treedef.unflatten(s) for s in new_s],
     )
     return treedef.unflatten(new_u), new_state
@@ -153,6 +162,24 @@ def _make(
   update_fn.forge_precision = precision
   opt = ForgeOptimizer(init_fn, update_fn)
   return opt
+
+
+def _sq_norm(g) -> jax.Array:
+  return jnp.sum(jnp.square(jnp.asarray(g).astype(jnp.float32)))
+
+
+def _next_steps(rule: ElementwiseRule, g_leaves, st_leaves) -> list:
+  """Each step field's new leaves: from the norm of all of ``g_leaves`` (global
+  scope) or of each leaf's own gradient (layer scope)."""
+  if not st_leaves:
+    return []
+  if rule.norm_scope == "global":
+    total = sum((_sq_norm(g) for g in g_leaves), jnp.zeros((), jnp.float32))
+    sq = [total] * len(g_leaves)
+  else:
+    sq = [_sq_norm(g) for g in g_leaves]
+  per_leaf = [rule.next_step(tuple(t[i] for t in st_leaves), sq[i]) for i in range(len(g_leaves))]
+  return [[leaf[j] for leaf in per_leaf] for j in range(len(st_leaves))]
 
 
 def apply_rule(
@@ -220,9 +247,91 @@ def as_forge_optimizer(optimizer) -> ForgeOptimizer:
         "elementwise optimizer whose rule it knows. Build it with forge_jax "
         "(forge_jax.adamw, forge_jax.lion, ...). Transformations that need a "
         "global reduction, such as optax.clip_by_global_norm, cannot run inside "
-        "the GEMM: every tile would need every other tile's gradient first."
+        "the GEMM: every tile would need every other tile's gradient first. Clipping by "
+        "the previous step's global norm can (forge_jax.adamw(..., clip_prev_norm=1.0); "
+        "docs/stabilizers.md)."
     )
   raise TypeError(f"expected a forge_jax optimizer, got {type(optimizer).__name__}.")
+
+
+# ----------------------------------------------------------------------------
+# Stabilizers (no gradient pool): an option of every alias.
+# ----------------------------------------------------------------------------
+
+
+def stabilize(
+    optimizer: ForgeOptimizer,
+    *,
+    clip_prev_norm: Optional[float] = None,
+    update_clip: Optional[float] = None,
+    layer_clip: Optional[float] = None,
+    layer_clip_decay: float = 0.98,
+) -> ForgeOptimizer:
+  r"""``optimizer`` with stabilizers that FORGE can fuse (no gradient pool).
+
+  Every alias takes the same keywords (``forge_jax.adamw(1e-3,
+  clip_prev_norm=1.0)`` is ``stabilize(forge_jax.adamw(1e-3),
+  clip_prev_norm=1.0)``); docs/stabilizers.md compares them.
+
+  Args:
+    optimizer: a forge_jax optimizer without stabilizers.
+    clip_prev_norm: multiply step :math:`t`'s gradient by
+      :math:`\min(1, c / \|g_{t-1}\|)`, the *previous* step's global gradient
+      norm (the current one is only known once every gradient tile has been
+      consumed). Step 0 is not clipped. The optax face measures the norm of
+      the gradients it is given (state field ``prev_norm``);
+      :func:`forge_jax.train_step` sets it to the exact global norm of the
+      whole model, the FORGE kernels' tiles included. A non-finite norm is
+      not carried: the last finite one stays.
+    update_clip: clip each element of the update to :math:`[-clpha_t,
+      clpha_t]` (:math:`lpha_t` the learning rate), i.e. the rule's
+      direction, weight decay included, to :math:`[-c, c]`.
+    layer_clip: AdaGC-style per-array clipping: multiply each parameter
+      array's gradient by :math:`\min(1, \lambda e / \|g_{t-1}\|)`, its own
+      previous norm against :math:`\lambda` times an EMA :math:`e` of its
+      clipped norms (state fields ``prev_norm`` and ``norm_ema``). Steps 0
+      and 1 are not clipped. Exclusive with ``clip_prev_norm``.
+    layer_clip_decay: the EMA's decay (AdaGC's 0.98).
+
+  Returns:
+    A :class:`ForgeOptimizer` with the same mask and precision whose rule is a
+    ``StabilizedRule``; with ``clip_prev_norm``/``layer_clip`` its state has
+    the step fields after ``count``.
+  """
+  opt = as_forge_optimizer(optimizer)
+  if isinstance(opt.rule, _rules.StabilizedRule):
+    raise ValueError(
+        f"{opt.rule!r} already has stabilizers: pass them all in one call."
+    )
+  if clip_prev_norm is None and update_clip is None and layer_clip is None:
+    return opt
+  rule = _rules.StabilizedRule(opt.rule, clip_prev_norm, update_clip, layer_clip, layer_clip_decay)
+  return _make(rule, opt.mask, opt.precision)
+
+
+_STABILIZER_ARGS = ("clip_prev_norm", "update_clip", "layer_clip", "layer_clip_decay")
+
+
+def _with_stabilizers(alias):
+  """Adds :func:`stabilize`'s keywords to an alias."""
+
+  @functools.wraps(alias)
+  def wrapped(*args, **kwargs):
+    extra = {k: kwargs.pop(k) for k in _STABILIZER_ARGS if k in kwargs}
+    return stabilize(alias(*args, **kwargs), **extra)
+
+  sig = inspect.signature(alias)
+  wrapped.__signature__ = sig.replace(parameters=[
+      *sig.parameters.values(),
+      *(inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY,
+                          default=0.98 if k == "layer_clip_decay" else None)
+        for k in _STABILIZER_ARGS),
+  ])
+  wrapped.__doc__ = (alias.__doc__ or "") + (
+      "\n  Also takes the stabilizers of :func:`forge_jax.stabilize` "
+      "(``clip_prev_norm``, ``update_clip``, ``layer_clip``, ``layer_clip_decay``).\n"
+  )
+  return wrapped
 
 
 # ----------------------------------------------------------------------------
@@ -230,6 +339,7 @@ def as_forge_optimizer(optimizer) -> ForgeOptimizer:
 # ----------------------------------------------------------------------------
 
 
+@_with_stabilizers
 def adam(
     learning_rate: ScalarOrSchedule,
     b1: float = 0.9,
@@ -278,6 +388,7 @@ def adam(
   )
 
 
+@_with_stabilizers
 def adamw(
     learning_rate: ScalarOrSchedule,
     b1: float = 0.9,
@@ -338,6 +449,7 @@ nadamw = functools.partial(adamw, nesterov=True)
 nadamw.__doc__ = r"""NAdamW: :func:`adamw` with ``nesterov=True``, as ``optax.nadamw``."""
 
 
+@_with_stabilizers
 def radam(
     learning_rate: ScalarOrSchedule,
     b1: float = 0.9,
@@ -382,6 +494,7 @@ def radam(
   )
 
 
+@_with_stabilizers
 def lion(
     learning_rate: ScalarOrSchedule,
     b1: float = 0.9,
@@ -419,6 +532,7 @@ def lion(
   return _make(_rules.LionRule(learning_rate, b1, b2, mu_dtype, weight_decay), mask, precision)
 
 
+@_with_stabilizers
 def rmsprop(
     learning_rate: ScalarOrSchedule,
     decay: float = 0.9,
@@ -480,6 +594,7 @@ def rmsprop(
   )
 
 
+@_with_stabilizers
 def adagrad(
     learning_rate: ScalarOrSchedule,
     initial_accumulator_value: float = 0.1,
@@ -510,6 +625,7 @@ def adagrad(
   return _make(_rules.AdagradRule(learning_rate, initial_accumulator_value, eps), precision=precision)
 
 
+@_with_stabilizers
 def sgd(
     learning_rate: ScalarOrSchedule,
     momentum: Optional[float] = None,
@@ -543,3 +659,55 @@ def sgd(
   return _make(
       _rules.SGDRule(learning_rate, momentum, nesterov, accumulator_dtype), precision=precision
   )
+
+
+@_with_stabilizers
+def adam_atan2(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    a: float = 1.27,
+    b: float = 1.0,
+    mu_dtype: Optional[Any] = None,
+    weight_decay: Optional[ScalarOrSchedule] = 1e-4,
+    mask: MaskOrFn = None,
+    *,
+    precision: Optional[Precision] = None,
+) -> ForgeOptimizer:
+  r"""Adam-atan2 (Everett et al., 2024): Adam with ``atan2`` in place of the division.
+
+  optax 0.2.8 has no such alias (nor ``optax.contrib``); the arguments follow
+  :func:`adamw`'s, with ``eps``/``eps_root`` replaced by the paper's ``a`` and ``b``:
+
+  .. math::
+    u_t = -\alpha_t \left(a \operatorname{atan2}(\hat m_t, b\sqrt{\hat v_t})
+      + \lambda w_t\right).
+
+  No epsilon: :math:`\operatorname{atan2}(\hat m, b\sqrt{\hat v}) \approx \hat
+  m/(b\sqrt{\hat v})` where :math:`|\hat m| \ll b\sqrt{\hat v}`, every element
+  of the direction is bounded by :math:`a\pi/2`, and a zero gradient history
+  gives a zero step. ``atan2`` is spelled from elementary operations
+  (``forge_jax._math.atan2``, within 3 float32 ulp) so every backend runs the
+  same arithmetic. ``weight_decay=None`` never reads the weight.
+
+  Args:
+    learning_rate: a float or an optax schedule evaluated at ``count``.
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    a: the output scale (the paper's 1.27).
+    b: the scale of the second moment's root (the paper's 1).
+    mu_dtype: storage dtype of the first moment (``None``: the parameter's).
+    weight_decay: decoupled decay rate :math:`\lambda` (float or schedule), as
+      :func:`adamw` (the same default), or ``None``.
+    mask: where weight decay applies (see :func:`adamw`).
+    precision: how weights and states are stored (:class:`forge_jax.Precision`).
+
+  Returns:
+    A :class:`ForgeOptimizer` with state ``AdamState(count, mu, nu)``.
+
+  References:
+    Everett et al., `Scaling Exponents Across Parameterizations and Optimizers
+    <https://arxiv.org/abs/2407.05872>`_, 2024.
+  """
+  return _make(_rules.AdamAtan2Rule(learning_rate, b1, b2, a, b, mu_dtype, weight_decay),
+               mask, precision)

@@ -24,6 +24,7 @@ matches ``optax`` to float32 rounding and the kernels match the XLA reference.
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 from typing import Any, Callable, ClassVar, NamedTuple, Optional, Union
 
@@ -138,7 +139,35 @@ class ElementwiseRule(abc.ABC):
 
   @property
   def slot_names(self) -> tuple[str, ...]:
-    return self.state_cls._fields[1:]
+    return self.state_cls._fields[1 + len(self.step_fields):]
+
+  # Per-step scalar state after ``count`` and before the slots (one float32 per
+  # parameter array: the gradient norm a stabilizer clips by). None for the
+  # plain optimizers; see StabilizedRule.
+  @property
+  def step_fields(self) -> tuple[str, ...]:
+    return ()
+
+  @property
+  def norm_scope(self) -> Optional[str]:
+    """Which gradient norm ``next_step`` wants: ``"global"``, ``"layer"`` or None."""
+    return None
+
+  def step_init_values(self) -> tuple[float, ...]:
+    return tuple(0.0 for _ in self.step_fields)
+
+  def step_values(self, state) -> tuple:
+    """The step fields of ``state``."""
+    return tuple(state[1:1 + len(self.step_fields)])
+
+  def slots_of(self, state) -> tuple:
+    """The slots of ``state`` (everything after ``count`` and the step fields)."""
+    return tuple(state[1 + len(self.step_fields):])
+
+  def next_step(self, step: tuple, grad_sq_norm) -> tuple:
+    """The step fields after a step whose gradient had squared norm ``grad_sq_norm``."""
+    del grad_sq_norm
+    return step
 
   @property
   def uses_weight(self) -> bool:
@@ -161,8 +190,9 @@ class ElementwiseRule(abc.ABC):
     )
 
   @abc.abstractmethod
-  def scalars(self, count: Array) -> NamedTuple:
-    """Per-step scalars from the step count *before* this step's increment."""
+  def scalars(self, count: Array, *step) -> NamedTuple:
+    """Per-step scalars from the step count *before* this step's increment (and
+    the step fields, for rules that have them)."""
 
   @abc.abstractmethod
   def update(self, g, w, slots, s, *, decay: bool = True):
@@ -587,3 +617,276 @@ class SGDRule(ElementwiseRule):
     # optax: trace first, then scale by the learning rate.
     u, trace = _trace(g, slots[0], s.momentum, self.nesterov)
     return s.neg_lr * u, (trace,)
+
+
+# ----------------------------------------------------------------------------
+# Adam-atan2 (bounded updates, no epsilon).
+# ----------------------------------------------------------------------------
+
+
+class AdamAtan2Scalars(NamedTuple):
+  neg_lr: Array
+  weight_decay: Array
+  b1: Array
+  one_minus_b1: Array
+  b2: Array
+  one_minus_b2: Array
+  bc1: Array  # 1 - b1**t
+  bc2: Array  # 1 - b2**t
+  a: Array
+  b: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamAtan2Rule(ElementwiseRule):
+  """Adam-atan2 (Everett et al., 2024): ``a * atan2(m_hat, b * sqrt(v_hat))``.
+
+  The Adam direction with the division replaced by ``atan2``: no epsilon, and
+  every element of the direction lies in ``[-a*pi/2, a*pi/2]`` whatever the
+  gradient. ``weight_decay=None`` is plain (the rule never reads the weight).
+  """
+
+  learning_rate: ScalarOrSchedule
+  b1: Any = 0.9
+  b2: Any = 0.999
+  a: Any = 1.27
+  b: Any = 1.0
+  mu_dtype: Any = None
+  weight_decay: Optional[ScalarOrSchedule] = None
+
+  state_cls: ClassVar[type] = AdamState
+  name: ClassVar[str] = "adam_atan2"
+
+  def __post_init__(self):
+    _check_learning_rate(self.learning_rate)
+    _check_dtype("mu_dtype", self.mu_dtype)
+    for name in ("a", "b"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+        raise ValueError(
+            f"adam_atan2: {name}={value!r} must be a finite number > 0 (the paper's "
+            "a=1.27, b=1)."
+        )
+
+  @property
+  def uses_weight(self) -> bool:
+    return self.weight_decay is not None
+
+  def slot_dtypes(self, param_dtype):
+    mu = param_dtype if self.mu_dtype is None else jnp.dtype(self.mu_dtype)
+    return (mu, param_dtype)
+
+  def scalars(self, count):
+    count_inc = safe_increment(count)
+    b1, b2 = self.b1, self.b2
+    wd = 0.0 if self.weight_decay is None else _schedule_value(self.weight_decay, count)
+    return _f32_tuple(
+        AdamAtan2Scalars,
+        neg_lr=-1 * _schedule_value(self.learning_rate, count),
+        weight_decay=wd,
+        b1=b1,
+        one_minus_b1=1 - b1,
+        b2=b2,
+        one_minus_b2=1 - b2,
+        bc1=1 - b1**count_inc,
+        bc2=1 - b2**count_inc,
+        a=self.a,
+        b=self.b,
+    )
+
+  def update(self, g, w, slots, s, *, decay=True):
+    mu, nu = slots
+    mu = s.one_minus_b1 * g + s.b1 * mu
+    nu = s.one_minus_b2 * (g * g) + s.b2 * nu
+    u = s.a * _math.atan2(mu / s.bc1, s.b * _math.sqrt(nu / s.bc2))
+    if self.weight_decay is not None and decay:
+      u = u + s.weight_decay * w
+    return s.neg_lr * u, (mu, nu)
+
+
+# ----------------------------------------------------------------------------
+# Stabilizers that need no gradient pool: any rule, wrapped.
+# ----------------------------------------------------------------------------
+
+
+def carry_norm(prev_norm, grad_norm):
+  """The norm the next step clips by: ``grad_norm`` where finite, else ``prev_norm``.
+
+  A step whose gradient norm overflowed (or is NaN) leaves the last finite
+  norm in place, so one bad step cannot zero (``inf``) or disable (``NaN``)
+  the clipping of the steps after it.
+  """
+  grad_norm = jnp.asarray(grad_norm, _F32)
+  return jnp.where(jnp.isfinite(grad_norm), grad_norm, jnp.asarray(prev_norm, _F32))
+
+
+_STEP_STATES: dict = {}
+
+
+def _state_with_steps(inner_cls: type, fields: tuple[str, ...], prefix: str) -> type:
+  """``inner_cls`` with ``fields`` inserted after ``count``; one class per pair."""
+  key = (inner_cls, fields)
+  if key not in _STEP_STATES:
+    name = f"{prefix}{inner_cls.__name__}"
+    cls = collections.namedtuple(name, ("count", *fields, *inner_cls._fields[1:]))
+    cls.__module__ = __name__
+    cls.__doc__ = (f"``{inner_cls.__name__}`` with the per-step scalars {fields} "
+                   "(float32, one per parameter array) after ``count``.")
+    globals()[name] = cls  # importable by name (pickle)
+    _STEP_STATES[key] = cls
+  return _STEP_STATES[key]
+
+
+class StabilizerScalars(NamedTuple):
+  inner: Any  # the wrapped rule's scalars
+  grad_scale: Array  # multiplies the gradient (1 when no clip applies)
+  update_bound: Array  # |u| <= update_bound per element (inf when off)
+
+
+def _check_positive(name: str, value, *, upper=float("inf")):
+  if value is None:
+    return
+  if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and 0 < value < upper):
+    bound = "" if upper == float("inf") else f" and < {upper}"
+    raise ValueError(f"{name}={value!r} must be a finite number > 0{bound}, or None for off.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StabilizedRule(ElementwiseRule):
+  """``inner`` with stabilizers that stay elementwise (no gradient pool).
+
+  * ``clip_prev_norm=c``: the gradient is multiplied by
+    ``min(1, c / n_{t-1})``, ``n_{t-1}`` the global gradient norm of the
+    previous step (state field ``prev_norm``). Step 0 has none and is not
+    clipped.
+  * ``layer_clip=lam`` (AdaGC-style, per parameter array): the gradient is
+    multiplied by ``min(1, lam * e / n_{t-1})``, ``n_{t-1}`` this array's own
+    previous gradient norm and ``e`` an EMA (``layer_clip_decay``) of its
+    clipped norms (state fields ``prev_norm``, ``norm_ema``). Steps 0 and 1
+    are not clipped (no norm, then no average).
+  * ``update_clip=c``: each element of the update is clipped to
+    ``[-c * lr, c * lr]``, i.e. the rule's direction (weight decay included)
+    to ``[-c, c]`` before the learning rate: bit for bit the same numbers.
+
+  The scales and the bound are per-step scalars; the update stays elementwise.
+  """
+
+  inner: ElementwiseRule
+  clip_prev_norm: Optional[float] = None
+  update_clip: Optional[float] = None
+  layer_clip: Optional[float] = None
+  layer_clip_decay: float = 0.98
+
+  def __post_init__(self):
+    if not isinstance(self.inner, ElementwiseRule) or isinstance(self.inner, StabilizedRule):
+      raise ValueError(
+          f"StabilizedRule wraps a plain ElementwiseRule, got {self.inner!r}: pass every "
+          "stabilizer in one call."
+      )
+    _check_positive("clip_prev_norm", self.clip_prev_norm)
+    _check_positive("update_clip", self.update_clip)
+    _check_positive("layer_clip", self.layer_clip)
+    _check_positive("layer_clip_decay", self.layer_clip_decay, upper=1.0)
+    if self.clip_prev_norm is not None and self.layer_clip is not None:
+      raise ValueError(
+          f"clip_prev_norm={self.clip_prev_norm!r} and layer_clip={self.layer_clip!r}: pass "
+          "one (a global and a per-layer clip would each rescale what the other measured)."
+      )
+
+  def __getattr__(self, attr):
+    # The inner rule's hyperparameters (learning_rate, mu_dtype, ...) read through.
+    if attr.startswith("__") or attr == "inner":
+      raise AttributeError(attr)
+    return getattr(self.inner, attr)
+
+  @property
+  def name(self) -> str:  # type: ignore[override]
+    return self.inner.name
+
+  @property
+  def step_fields(self):
+    if self.clip_prev_norm is not None:
+      return ("prev_norm",)
+    if self.layer_clip is not None:
+      return ("prev_norm", "norm_ema")
+    return ()
+
+  @property
+  def norm_scope(self):
+    if self.clip_prev_norm is not None:
+      return "global"
+    if self.layer_clip is not None:
+      return "layer"
+    return None
+
+  @property
+  def state_cls(self):  # type: ignore[override]
+    inner = self.inner.state_cls
+    if not self.step_fields:
+      return inner
+    prefix = "GlobalClip" if self.norm_scope == "global" else "LayerClip"
+    return _state_with_steps(inner, self.step_fields, prefix)
+
+  @property
+  def slot_names(self):
+    return self.inner.slot_names
+
+  @property
+  def uses_weight(self) -> bool:
+    return self.inner.uses_weight
+
+  def slot_dtypes(self, param_dtype):
+    return self.inner.slot_dtypes(param_dtype)
+
+  def slot_init_values(self):
+    return self.inner.slot_init_values()
+
+  def init_slots(self, w):
+    return self.inner.init_slots(w)
+
+  def grad_scale(self, *step) -> Array:
+    """The factor on this step's gradient, from the step fields (float32)."""
+    if self.norm_scope is None:
+      return jnp.ones((), _F32)
+    prev = jnp.asarray(step[0], _F32)
+    if self.norm_scope == "global":
+      limit = jnp.asarray(self.clip_prev_norm, _F32)
+      clips = prev > limit  # prev == 0 (no norm yet): not clipped
+    else:
+      ema = jnp.asarray(step[1], _F32)
+      limit = self.layer_clip * ema
+      clips = (ema > 0) & (prev > limit)  # ema == 0 (no average yet): not clipped
+    return jnp.where(clips, limit / jnp.where(clips, prev, 1.0), 1.0).astype(_F32)
+
+  def scalars(self, count, *step):
+    inner = self.inner.scalars(count)
+    if self.update_clip is None:
+      bound = jnp.asarray(jnp.inf, _F32)
+    else:
+      bound = (jnp.abs(inner.neg_lr) * self.update_clip).astype(_F32)
+    return StabilizerScalars(inner, self.grad_scale(*step), bound)
+
+  def next_step(self, step, grad_sq_norm):
+    if self.norm_scope is None:
+      return step
+    norm = jnp.sqrt(jnp.asarray(grad_sq_norm, _F32))
+    prev = jnp.asarray(step[0], _F32)
+    new_prev = carry_norm(prev, norm)
+    if self.norm_scope == "global":
+      return (new_prev,)
+    ema = jnp.asarray(step[1], _F32)
+    d = self.layer_clip_decay
+    # The EMA takes the previous step's norm as it was applied (clipped); the
+    # first norm seen starts it.
+    clipped = jnp.minimum(prev, self.layer_clip * ema)
+    new_ema = jnp.where(ema > 0, d * ema + (1 - d) * clipped, prev).astype(_F32)
+    return (new_prev, new_ema)
+
+  def update(self, g, w, slots, s, *, decay=True):
+    if self.norm_scope is not None:
+      g = g * s.grad_scale
+    u, new_slots = self.inner.update(g, w, slots, s.inner, decay=decay)
+    if self.update_clip is not None:
+      u = jnp.minimum(jnp.maximum(u, -s.update_bound), s.update_bound)
+    return u, new_slots

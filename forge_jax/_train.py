@@ -66,6 +66,10 @@ class TrainState(struct.PyTreeNode):
       optimizer state (:class:`forge_jax.KernelState`).
     opt_state: the optax-form state of the parameters FORGE does not manage.
     model_state: any other variable collections (passed to apply unchanged).
+    prev_grad_norm: the exact global gradient norm of the last step that had a
+      finite one (float32; 0 before the first step): what an optimizer with
+      ``clip_prev_norm`` clips the next step by. Advance it with
+      :func:`carry_grad_norm`.
   """
 
   step: jax.Array
@@ -75,6 +79,7 @@ class TrainState(struct.PyTreeNode):
   forge_state: Any = None
   opt_state: Any = None
   model_state: Any = None
+  prev_grad_norm: Any = None
 
   @classmethod
   def create(cls, apply_fn: Callable, variables: Any, optimizer) -> "TrainState":
@@ -105,6 +110,7 @@ class TrainState(struct.PyTreeNode):
         forge_state=forge_state,
         opt_state=optimizer.init(rest),
         model_state=model_state,
+        prev_grad_norm=jnp.zeros((), jnp.float32),
     )
 
   @property
@@ -154,8 +160,52 @@ def _tree_sq_norm(tree) -> jax.Array:
   return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.zeros((), jnp.float32))
 
 
+def carry_grad_norm(prev_norm, grad_norm, applied=True) -> jax.Array:
+  """The norm the next step clips by (``TrainState.prev_grad_norm``).
+
+  ``grad_norm`` where this step was applied and its norm is finite; otherwise
+  ``prev_norm``, the last finite norm. A step skipped for a non-finite loss
+  passes ``applied=False`` (a traced bool is fine).
+  """
+  prev_norm = jnp.zeros((), jnp.float32) if prev_norm is None else prev_norm
+  kept = _rules.carry_norm(prev_norm, grad_norm)
+  return jnp.where(applied, kept, jnp.asarray(prev_norm, jnp.float32))
+
+
+def _set_prev_norm(forge_state, opt_state, norm):
+  """Every ``prev_norm`` step field (FORGE kernels' and optax-form states) set to ``norm``."""
+  fill = lambda v: jnp.broadcast_to(norm, jnp.shape(v)).astype(jnp.float32)
+  flat = {p: ks._replace(opt=ks.opt._replace(prev_norm=fill(ks.opt.prev_norm)))
+          for p, ks in _dense.flat_variables(forge_state).items()}
+  opt_state = opt_state._replace(prev_norm=jax.tree.map(fill, opt_state.prev_norm))
+  return traverse_util.unflatten_dict(flat) if flat else forge_state, opt_state
+
+
+def _clip_scale(rule, forge_state, opt_state, prev_norm) -> jax.Array:
+  """The factor the stabilizer applies to this step's gradient (the smallest one
+  over parameter arrays with per-layer clipping; 1 without clipping)."""
+  if rule.norm_scope is None:
+    return jnp.ones((), jnp.float32)
+  if rule.norm_scope == "global":
+    return rule.grad_scale(prev_norm)
+  steps = [rule.step_values(ks.opt) for ks in _dense.flat_variables(forge_state).values()]
+  leaves = [jax.tree.leaves(t) for t in rule.step_values(opt_state)]
+  steps += list(zip(*leaves))
+  scales = [jnp.min(rule.grad_scale(*st)) for st in steps]
+  return jnp.min(jnp.stack(scales)) if scales else jnp.ones((), jnp.float32)
+
+
 def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
   paths = forge_paths(state.forge_state)
+  rule = state.optimizer.rule
+  prev_norm = state.prev_grad_norm
+  if prev_norm is None:  # a TrainState built without create()
+    prev_norm = jnp.zeros((), jnp.float32)
+  if rule.norm_scope == "global":
+    # The kernels and the optax form clip by the whole model's previous norm.
+    state = state.replace(**dict(zip(
+        ("forge_state", "opt_state"), _set_prev_norm(state.forge_state, state.opt_state, prev_norm))))
+  clip_scale = _clip_scale(rule, state.forge_state, state.opt_state, prev_norm)
 
   def loss_of(params, forge_state):
     variables = {"params": params, FORGE_STATE: forge_state, **state.model_state}
@@ -195,14 +245,19 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
     new_forge[p] = _dense.KernelState(opt, old.grad_sq_norm)
     forge_sq = forge_sq + jnp.sum(ct.grad_sq_norm)
   grad_norm = jnp.sqrt(forge_sq + _tree_sq_norm(grads_rest))
-  metrics = {"loss": loss, "grad_norm": grad_norm}
+  metrics = {"loss": loss, "grad_norm": grad_norm, "clip_scale": clip_scale}
   if has_aux:
     metrics["aux"] = aux
+  new_forge = traverse_util.unflatten_dict(new_forge)
+  new_prev_norm = carry_grad_norm(prev_norm, grad_norm)
+  if rule.norm_scope == "global":
+    new_forge, opt_state = _set_prev_norm(new_forge, opt_state, new_prev_norm)
   new_state = state.replace(
       step=_rules.safe_increment(state.step),
       params=new_params,
-      forge_state=traverse_util.unflatten_dict(new_forge),
+      forge_state=new_forge,
       opt_state=opt_state,
+      prev_grad_norm=new_prev_norm,
   )
   return new_state, metrics
 
@@ -245,7 +300,10 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
   Returns:
     ``(new_state, metrics)`` with ``metrics["loss"]``, ``metrics["grad_norm"]``
     (the exact global gradient norm: the FORGE kernels' part is accumulated
-    tile by tile inside the fused kernels) and ``metrics["aux"]`` if any.
+    tile by tile inside the fused kernels), ``metrics["clip_scale"]`` (the
+    factor the optimizer's ``clip_prev_norm`` applied to this step's gradient;
+    with ``layer_clip`` the smallest over parameter arrays; 1 without
+    clipping) and ``metrics["aux"]`` if any.
   """
   _check_not_data_parallel(state, batch)
   return _train_step_jit(state, batch, loss_fn, has_aux)

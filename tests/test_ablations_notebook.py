@@ -31,4 +31,5 @@ def test_ablations_notebook_runs(tmp_path, monkeypatch, fast_subprocess_compiles
   for run in ("forge-adamw", "optax-adamw", "forge-lion", "forge-adamw-bf16", "optax-adamw-bf16"):
     assert run in text
   assert "mean |loss gap|" in text and "xla reference" in text
+  assert "| forge_clip_prev_norm |" in text  # section F's table
   assert (tmp_path / "runs" / "forge-adamw" / "log.jsonl").exists()
