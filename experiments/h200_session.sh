@@ -146,7 +146,7 @@
 # Every step has its own time limit, so a hang costs that step, not the call.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-part="${1:?usage: h200_session.sh ncu_rules|l2_hints|grid_order|rules|tile_t128|stage_lookahead|mma_live|ncu|stream|head_order_unrolled|head_order_check|head_order|direct|producer|across_tiles|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|whole_tile|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|mainloop|cluster|cluster_profile|large|capacity64|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|ring|small_models|defaults|defaults2|quick|barriers|small|epilogue|kernel|models|models8b|unrolled|unrolled8b|kernel2|convergence|sass}"
+part="${1:?usage: h200_session.sh head_order_unrolled|head_order_check|head_order|int8_jump|capacity_rest|capacity_rest2|edges14|clip_jump|plans|over_edges|edges32|capacity_lanes|live_hlo|live_optax|grid_1x|grid_8x_small|grid_8x_large|grid_14b|live_buffers|xla_route_fusions|compile_first|capacity_prealloc|limits_more|capacity48|extra|capacity_optaxloss|limits|batch8_small|batch8_large|grid_unrolled|grid_unrolled_4b|grid_unrolled_8b|grid_unrolled_14b|unrolled_diag|profile_steps|profile_unrolled|capacity|xla_route|small_models|models|models8b|unrolled|unrolled8b|convergence}"
 out="${OUT:?OUT must name the folder that comes back}"
 work="/tmp/h200_$part"
 rm -rf "$work" && mkdir -p "$work"
@@ -197,90 +197,7 @@ live_row() {  # live_row NAME IMPL BATCH: the buffers live at the peak of one Ll
     --impls "$2" --batch "$3" --timeout 150
 }
 
-main_loop_pair() {  # main_loop_pair PREFIX BF16_LIMIT_S F32_LIMIT_S "IMPLS" BF16_CONFIGS F32_CONFIGS:
-  # experiments.main_loop on 4096x4096 with --configs, bf16 states at T = 1024/4096/16384
-  # (step PREFIX_bf16) and fp32 states at T = 1024/4096 (step PREFIX_f32)
-  step "${1}_bf16" "$2" python -m experiments.main_loop --out "$work/${1}_bf16" --tokens 1024 4096 16384 \
-    --shapes 4096x4096 --impls $4 --configs "$5"
-  step "${1}_f32" "$3" python -m experiments.main_loop --out "$work/${1}_f32" --tokens 1024 4096 \
-    --shapes 4096x4096 --state-dtype float32 --impls $4 --configs "$6"
-}
-
-profile_pair() {  # profile_pair STAGES: bf16 AdamW at T=16384, the bf16 long-T tiling with
-  # STAGES stages, profiled without (prof) and with (prof_cl2) clusters of two blocks
-  local base="\"schedule\": \"pingpong\", \"max_concurrent_steps\": $1, \"epi_n\": 32, \"epi_l2_lookahead\": 0, \"l2_prefetch_steps\": 0, \"mma_in_flight\": true, \"no_auto_barriers\": true"
-  step prof 110 python -m experiments.profile_mosaic --out "$work/prof" --no-traces \
-    --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base}"
-  step prof_cl2 110 python -m experiments.profile_mosaic --out "$work/prof_cl2" --no-traces \
-    --problems 16384x4096x4096 --storage bf16_rtn_bf16 --config-json "{$base, \"cluster_n\": 2}"
-}
-
 case "$part" in
-  quick)
-    step quick 170 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
-    step timing_bf16 225 python -m experiments.check_mosaic_gpu --out "$work/timing_bf16" --sections timing \
-      --state-dtype bfloat16
-    # qwen3-0.6b's projections (FORGE's step was 1.16x optax's there): per layer, bf16, T=1024.
-    step small 100 python -m experiments.check_mosaic_gpu --out "$work/small" --sections timing \
-      --state-dtype bfloat16 --tokens 1024 --shapes 1024x2048 1024x1024 2048x1024 1024x3072 3072x1024
-    ;;
-  barriers)
-    step quick 130 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
-    step sweep 170 python -m experiments.check_mosaic_gpu --out "$work/sweep" --sections sweep
-    step sweep_bf16 120 python -m experiments.check_mosaic_gpu --out "$work/sweep_bf16" --sections sweep \
-      --state-dtype bfloat16
-    step timing_bf16 100 python -m experiments.check_mosaic_gpu --out "$work/timing_bf16" --sections timing \
-      --state-dtype bfloat16 --tokens 1024 \
-      --config-json '{"schedule": "pingpong", "max_concurrent_steps": 4, "epi_n": 64, "l2_prefetch_steps": 0, "mma_in_flight": true, "epi_l2_lookahead": 0, "no_auto_barriers": true}'
-    ;;
-  defaults)
-    # The defaults of 2026-11-30 (no_auto_barriers for float states; 64-row tiles for weights of
-    # at most 1.5 128x128 tiles per SM): correct first, then timed against XLA, bf16 at every T
-    # and both dtypes at the small models' shapes (16 calls per dispatch).
-    step quick 130 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
-    step timing_bf16 180 python -m experiments.check_mosaic_gpu --out "$work/timing_bf16" --sections timing \
-      --state-dtype bfloat16
-    shapes="1024x2048 1024x1024 2048x1024 1024x3072 3072x1024 2048x2048 2048x6144 6144x2048"
-    step small 150 python -m experiments.check_mosaic_gpu --out "$work/small" --sections timing \
-      --state-dtype bfloat16 --tokens 1024 --calls 16 --shapes $shapes
-    step small_f32 120 python -m experiments.check_mosaic_gpu --out "$work/small_f32" --sections timing \
-      --tokens 1024 --calls 16 --shapes 1024x2048 1024x1024 2048x1024 1024x3072 3072x1024 2048x2048
-    ;;
-  defaults2)
-    # The same defaults: fp32 timing at every T, the 8B rows with bench_models' device timing,
-    # and T=16384's main loop against cuBLAS (skip_compute: the kernel without its epilogue).
-    step timing_f32 170 python -m experiments.check_mosaic_gpu --out "$work/timing_f32" --sections timing
-    step models 230 python -m experiments.bench_models --out "$work/models" \
-      --models llama-3.1-8b,qwen3-8b --impls optax,optax_clip,forge --timeout 120
-    step long_t 100 python -m experiments.profile_mosaic --out "$work/long_t" \
-      --problems 16384x4096x4096 --storage bf16_rtn_bf16 --diagnose skip_compute
-    ;;
-  mainloop)
-    # cluster_n=2 (new, CPU-lowered only) must be correct first: --quick leads with it.
-    step quick 130 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
-    step main_loop 240 python -m experiments.main_loop --out "$work/main_loop" --configs '[{"cluster_n": 2}]'
-    ;;
-  cluster)
-    # cluster_n=2 was correct (mosaic_cluster/quick: 24/24) and took the main loop alone at
-    # T=16384 from 0.876 to 0.734 ms (cuBLAS 0.719), but the kernel only from 0.795 to 0.790:
-    # where does the kernel's time go with clusters (profile: main loop vs epilogue per tile),
-    # and does another epilogue/ring setting let the kernel keep the main loop's gain?
-    profile_pair 5
-    cl='[{"cluster_n": 2}, {"cluster_n": 2, "max_concurrent_steps": 4}, {"cluster_n": 2, "max_concurrent_steps": 6}, {"cluster_n": 2, "epi_n": 64}, {"cluster_n": 2, "grid_tile_width": 16}, {"cluster_n": 2, "grid_minor_dim": "m"}]'
-    step cl_bf16 170 python -m experiments.main_loop --out "$work/cl_bf16" --tokens 16384 4096 \
-      --impls xla_gemm mosaic_main_loop mosaic --configs "$cl"
-    step cl_f32 130 python -m experiments.main_loop --out "$work/cl_f32" --tokens 16384 4096 --state-dtype float32 \
-      --impls xla_gemm mosaic_main_loop mosaic --configs '[{"cluster_n": 2}, {"cluster_n": 2, "max_concurrent_steps": 3}, {"cluster_n": 2, "grid_tile_width": 16}]'
-    ;;
-  cluster_profile)
-    profile_pair 4
-    ;;
-  large)
-    # qwen3-14b with FORGE's default (Mosaic) kernel: its table row is the Triton kernel's, old timing.
-    step models14 300 python -m experiments.bench_models --out "$work/models14" \
-      --models qwen3-14b --impls forge --timeout 280
-    profile_pair 4
-    ;;
   capacity)
     # The capacity table (results/h200/capacity) used optax's cross-entropy; the lean loss
     # (models.cross_entropy, the default since) cut FORGE's step at 32x1024 by 7.8 GiB compile-only.
@@ -293,17 +210,6 @@ case "$part" in
     rm -rf "$work/hlo/hlo"  # the HLO text (hundreds of MB); the counts are in memory_analysis.json
     step models 330 python -m experiments.bench_models --out "$work/models" --models llama-3.1-8b \
       --impls optax,forge_xla,forge_int8,forge --timeout 150
-    ;;
-  capacity64)
-    # capacity's FORGE run at 64x1024 ran out of its time budget (44 s left), not memory: that batch
-    # alone, then the ring part's T=1024 configs.
-    step forge64 200 python -m experiments.bench_models --out "$work/forge64" --models llama-3.1-8b \
-      --impls forge --tokens 1024 --batch 64 --steps 1 --timeout 190
-    ring='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"l2_prefetch_steps": 8}, {"l2_prefetch_steps": 16}, {"epi_l2_lookahead": 2}, {"epi_slots": 1, "epi_n": 64}]'
-    step ring_bf16 150 python -m experiments.main_loop --out "$work/ring_bf16" --tokens 1024 \
-      --impls xla_gemm mosaic_main_loop mosaic --configs "$ring"
-    step ring_f32 150 python -m experiments.main_loop --out "$work/ring_f32" --tokens 1024 --state-dtype float32 \
-      --impls xla_gemm mosaic_main_loop mosaic --configs "$ring"
     ;;
   capacity48)
     # Both OOM at 64x1024 and fit at 32x1024: which fits 48x1024?
@@ -595,174 +501,6 @@ case "$part" in
       --batch 32 --steps 5 --timeout 170
     prealloc_row int8_136 190 forge_int8 136 170
     ;;
-  stream)
-    # Issue #4 at T=1024: how fast does the W/state ring stream with nothing beside it
-    # (mosaic_stream: the skip_mainloop diagnostic, no main loop and no x/dy loads), and how does
-    # that scale with the ring's depth? If the stream alone reaches the byte floor (fp32 AdamW
-    # 4096x4096: 98 us), the main loop's traffic beside it is what slows it; if not, the ring
-    # (depth, the wait for each store to leave shared memory) is. Deeper rings take main-loop
-    # stages (2 here), which the stream rows do not use. Beside: the kernel and skip_compute.
-    bf16='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"epi_slots": 4, "epi_n": 32, "max_concurrent_steps": 2}, {"epi_slots": 6, "epi_n": 32, "max_concurrent_steps": 2}, {"epi_out_slots": 2, "no_auto_barriers": false, "epi_n": 32, "max_concurrent_steps": 4}]'
-    f32='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"epi_slots": 4, "epi_n": 16, "max_concurrent_steps": 2}, {"epi_slots": 6, "epi_n": 16, "max_concurrent_steps": 2}, {"epi_out_slots": 2, "no_auto_barriers": false, "epi_n": 16}]'
-    step stream_bf16 280 python -m experiments.main_loop --out "$work/stream_bf16" --tokens 1024 4096 \
-      --shapes 4096x4096 --impls xla_gemm mosaic_stream mosaic_main_loop mosaic --configs "$bf16"
-    step stream_f32 200 python -m experiments.main_loop --out "$work/stream_f32" --tokens 1024 \
-      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm mosaic_stream mosaic_main_loop mosaic \
-      --configs "$f32"
-    ;;
-  copy)
-    # Issue #4 at T=1024, after stream (results/h200/mosaic_stream: the stream alone is 61-71% of
-    # the byte floor and no deeper ring helps). Where do the epilogue's microseconds go? Side by
-    # side: XLA's in-place rule on a zero gradient (xla_stream: what device memory gives an
-    # elementwise pass over the same bytes), the ring's TMA round trip with nothing read into
-    # registers (mosaic_copy: skip_mainloop + skip_compute), the stream with the rule
-    # (mosaic_stream), and the kernel; per config: 3 slots, 1 slot (no overlap at all), the same
-    # bytes per sub-tile as 128 rows (128x32 bf16 / 128x16 fp32), and half-width sub-tiles.
-    bf16='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"epi_slots": 1}, {"epi_m": 128, "epi_n": 32}, {"epi_n": 32}]'
-    f32='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"epi_slots": 1}, {"epi_m": 128, "epi_n": 16}, {"epi_n": 16}]'
-    step copy_bf16 280 python -m experiments.main_loop --out "$work/copy_bf16" --tokens 1024 \
-      --shapes 4096x4096 --impls xla_gemm xla_stream mosaic_copy mosaic_stream mosaic --configs "$bf16"
-    step copy_f32 280 python -m experiments.main_loop --out "$work/copy_f32" --tokens 1024 \
-      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_stream mosaic_copy mosaic_stream \
-      mosaic --configs "$f32"
-    ;;
-  wide)
-    # After copy (results/h200/mosaic_copy): the ring's TMA round trip alone is what bounds the
-    # stream (the rule adds 0-6%), it does not care for the ring's depth, and it halves with
-    # 64-byte rows (64x32 bf16, 128x32 bf16, 64x16 fp32) against 128-byte ones. Do rows of 256 bytes
-    # (the tile's whole width: 64x128 bf16, 64x64 fp32) stream faster, in one slot (the shared
-    # memory two would need is the main loop's)? 128x64 bf16 / 128x32 fp32: the same box bytes
-    # with 128-byte rows.
-    bf16='[{"epi_n": 128, "epi_slots": 1, "max_concurrent_steps": 3}, {"epi_n": 128, "epi_slots": 1, "max_concurrent_steps": 4}, {"epi_m": 128, "epi_n": 64, "epi_slots": 1, "max_concurrent_steps": 3}, {"epi_slots": 1}]'
-    f32='[{"epi_n": 64, "epi_slots": 1, "max_concurrent_steps": 3}, {"epi_n": 64, "epi_slots": 1, "max_concurrent_steps": 4}, {"epi_m": 128, "epi_n": 32, "epi_slots": 1, "max_concurrent_steps": 3}]'
-    step wide_bf16 280 python -m experiments.main_loop --out "$work/wide_bf16" --tokens 1024 4096 \
-      --shapes 4096x4096 --impls xla_gemm xla_stream mosaic_copy mosaic_stream mosaic --configs "$bf16"
-    step wide_f32 280 python -m experiments.main_loop --out "$work/wide_f32" --tokens 1024 \
-      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_stream mosaic_copy mosaic_stream \
-      mosaic --configs "$f32"
-    ;;
-  shared)
-    # Issue #4 after wide (results/h200/mosaic_stream): the new epi_shared_ring knob (one W/state
-    # ring for both warpgroups, the next tile's sub-tiles loaded by this tile's epilogue) at the
-    # default tiling, with one slot per warpgroup and 5 stages, and with 256-byte rows (64x128
-    # bf16 / 64x64 fp32 sub-tiles, two shared slots), against XLA's GEMM + optax (#4's baseline).
-    bf16='[{"epi_shared_ring": true}, {"epi_shared_ring": true, "epi_slots": 1, "max_concurrent_steps": 5}, {"epi_shared_ring": true, "epi_n": 128, "epi_slots": 1, "max_concurrent_steps": 4}]'
-    f32='[{"epi_shared_ring": true}, {"epi_shared_ring": true, "epi_n": 64, "epi_slots": 1}]'
-    step shared_bf16 300 python -m experiments.main_loop --out "$work/shared_bf16" --tokens 1024 4096 16384 \
-      --shapes 4096x4096 --impls xla_gemm xla_optax mosaic --configs "$bf16"
-    step shared_f32 200 python -m experiments.main_loop --out "$work/shared_f32" --tokens 1024 4096 \
-      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic --configs "$f32"
-    ;;
-  mma_live)
-    # skip_compute (mosaic_main_loop) keeps its MMAs now (before, ptxas dropped them as dead code:
-    # Nsight Compute read the tensor pipe idle). The main loop + ring traffic against the GEMMs
-    # and the kernel, with and without approx_math, then the epilogue's PTX.
-    step live_bf16 260 python -m experiments.main_loop --out "$work/live_bf16" --tokens 1024 4096 16384 \
-      --shapes 4096x4096 --impls xla_gemm xla_optax mgpu_gemm mgpu_gemm_m mosaic_main_loop mosaic \
-      --configs '[{"approx_math": true}]'
-    step live_f32 160 python -m experiments.main_loop --out "$work/live_f32" --tokens 1024 4096 \
-      --shapes 4096x4096 --state-dtype float32 --impls xla_gemm xla_optax mosaic_main_loop mosaic \
-      --configs '[{"approx_math": true}]'
-    # The PTX and SASS of the bf16 kernel (default tiling, T=1024): which division and square
-    # root the epilogue compiles to (div.rn/div.full/div.approx, sqrt.rn/sqrt.approx, MUFU).
-    # (Nsight Compute on the live main loop runs in part ncu, whose rows include it.)
-    # (Session 17 ran this step as an inline python -c with MOSAIC_GPU_DUMP_PTX=1 and grep;
-    # ptxas_report --ptx does the same and keeps the dump: results/h200/mma_live/ptx_bf16.log.gz.)
-    step ptx_bf16 100 python -m experiments.ptxas_report --out "$work/ptx_bf16" --storage bf16_rtn_bf16 --ptx
-    ;;
-  stage_lookahead)
-    # Issue #4 after ncu (results/h200/ncu: the main loop is latency-bound, the producer waiting
-    # for free stages while the consumers wait for loaded ones; x/dy read from device memory 2-3
-    # times their size): the producer prefetches x/dy into L2 2, 4 or 8 steps ahead of its
-    # shared-memory loads (stage_l2_lookahead), beside skip_compute (main loop + ring traffic).
-    la='[{"stage_l2_lookahead": 2}, {"stage_l2_lookahead": 4}, {"stage_l2_lookahead": 8}]'
-    main_loop_pair la 300 200 "xla_gemm xla_optax mosaic_main_loop mosaic" "$la" "$la"
-    ;;
-  tile_t128)
-    # After stage_lookahead (results/h200/stage_lookahead: the x/dy L2 prefetch slows the kernel
-    # 1.4x at T >= 4096, as if the producer's TMA work, not latency, bounded the main loop): steps
-    # of 128 tokens (half the TMA copies, barrier waits and producer iterations per FLOP, the same
-    # bytes) with 2 stages (the default's shared memory), and with 3 stages and one ring slot.
-    bf16='[{"tile_t": 128, "max_concurrent_steps": 2}, {"tile_t": 128, "max_concurrent_steps": 3, "epi_slots": 1}, {"tile_t": 128, "max_concurrent_steps": 3, "epi_slots": 1, "epi_n": 32}]'
-    f32='[{"tile_t": 128, "max_concurrent_steps": 2}, {"tile_t": 128, "max_concurrent_steps": 3, "epi_slots": 1, "epi_n": 16}]'
-    main_loop_pair t128 300 200 "xla_gemm xla_optax mosaic_main_loop mosaic" "$bf16" "$f32"
-    ;;
-  rules)
-    # After tile_t128 (results/h200/tile_t128): how much of the main loop's gap to the GEMM is the
-    # W/state ring's traffic? The default kernel for plain SGD (W alone), SGD with momentum, Lion
-    # and AdamW (W + 1 / 1 / 2 states) side by side with the GEMMs, bf16 and fp32 (issue #4's
-    # rules); then --quick, every rule's correctness on the tree as it stands (the epilogue's
-    # scalar divisions became reciprocal products, session 17).
-    for opt in sgd sgd_momentum lion adamw; do
-      step "r_bf16_$opt" 150 python -m experiments.main_loop --out "$work/r_bf16_$opt" --optimizer "$opt" \
-        --tokens 1024 4096 16384 --shapes 4096x4096 --impls xla_gemm xla_optax mgpu_gemm_m mosaic_main_loop mosaic
-    done
-    for opt in sgd sgd_momentum lion; do
-      step "r_f32_$opt" 100 python -m experiments.main_loop --out "$work/r_f32_$opt" --optimizer "$opt" \
-        --state-dtype float32 --tokens 1024 4096 --shapes 4096x4096 --impls xla_gemm xla_optax mosaic
-    done
-    step quick 170 python -m experiments.check_mosaic_gpu --out "$work/quick" --quick
-    ;;
-  grid_order)
-    # After rules (results/h200/rules: with plain SGD's W-only stream the ping-pong main loop
-    # runs at jax's GEMM's speed with the same tile, 0.198 ms at T=4096; each bf16 state adds
-    # ~0.02 ms; x/dy are read from device memory 3x their size under AdamW's stream, 2.2x in jax's
-    # GEMM): the persistent grid's tile order (never swept for ping-pong; always n8), which sets
-    # how many x/dy blocks are live in L2 at once beside the stream.
-    go='[{"grid_tile_width": 4}, {"grid_tile_width": 16}, {"grid_tile_width": 32}, {"grid_minor_dim": "m", "grid_tile_width": 4}, {"grid_minor_dim": "m", "grid_tile_width": 8}, {"grid_minor_dim": "m", "grid_tile_width": 16}]'
-    main_loop_pair go 260 160 "xla_gemm xla_optax mosaic" "$go" "$go"
-    ;;
-  l2_hints)
-    # After rules (results/h200/rules: the W/state stream slows the main loop, x/dy re-read from
-    # device memory): L2 eviction priorities on the kernel's TMA copies (experiments.l2_hints,
-    # inline PTX .L2::cache_hint): every store (all W/state) evict_first, and with it every load
-    # evict_last (x/dy; a W/state line's later store marks it evict_first again). One process
-    # per setting, each with its own xla rows.
-    rows="xla_gemm xla_optax mosaic_main_loop mosaic"
-    step l2_bf16_plain 120 python -m experiments.main_loop --out "$work/l2_bf16_plain" \
-      --tokens 1024 4096 16384 --shapes 4096x4096 --impls $rows
-    step l2_bf16_st 120 python -m experiments.main_loop --out "$work/l2_bf16_st" \
-      --tokens 1024 4096 16384 --shapes 4096x4096 --impls $rows --l2-store-hint evict_first
-    step l2_bf16_stld 120 python -m experiments.main_loop --out "$work/l2_bf16_stld" \
-      --tokens 1024 4096 16384 --shapes 4096x4096 --impls $rows --l2-store-hint evict_first \
-      --l2-load-hint evict_last
-    step l2_f32_plain 90 python -m experiments.main_loop --out "$work/l2_f32_plain" --state-dtype float32 \
-      --tokens 1024 4096 --shapes 4096x4096 --impls $rows
-    step l2_f32_stld 90 python -m experiments.main_loop --out "$work/l2_f32_stld" --state-dtype float32 \
-      --tokens 1024 4096 --shapes 4096x4096 --impls $rows --l2-store-hint evict_first \
-      --l2-load-hint evict_last
-    ;;
-  ncu_rules)
-    # After l2_hints (no change): what differs in the counters between the main loop beside
-    # plain SGD's W-only stream (at the same-tile GEMM's speed) and beside AdamW's (0.04 ms slower
-    # at T=4096): shared-memory wavefronts and bank conflicts, TMA, L2 and DRAM bytes, stalls.
-    step ncu_rules 300 python -m experiments.ncu_kernel --out "$work/ncu_rules" \
-      --cases bf16:4096:sgd bf16:4096 bf16:1024:sgd bf16:1024 --impls mgpu_gemm_m mosaic_main_loop mosaic
-    ;;
-  ncu)
-    # Hardware counters (Nsight Compute; Firecracker machines read them): the fused kernel, its
-    # skip_compute main loop and its W/state copy beside XLA's GEMM, GEMM + optax and elementwise
-    # pass, and jax's Hopper GEMMs; bf16 and fp32 AdamW at T=1024, bf16 at T=4096. Does the W/state
-    # stream evict x/dy from L2 (DRAM bytes read against the 16.8 MB of x/dy + the stream's), is the
-    # tensor pipe idle, and what do the epilogue's warps stall on (per SASS instruction)?
-    step ncu 560 python -m experiments.ncu_kernel --out "$work/ncu"
-    ;;
-  shared_profile)
-    # After shared (results/h200/mosaic_shared: correct, no faster): where does the epilogue's
-    # time go once its loads are issued a tile ahead? Profiles at T=1024 of the default tiling
-    # and of the same with epi_shared_ring (bf16: 64x64 sub-tiles, 2 slots each; fp32: 64x32, and
-    # the shared ring's best fp32 row, 64x64 in one slot each).
-    # (3 stages, one fewer than the kernel runs with: the profiler's buffer takes shared memory.)
-    ping="\"schedule\": \"pingpong\", \"max_concurrent_steps\": 3, \"epi_l2_lookahead\": 0, \"l2_prefetch_steps\": 0, \"mma_in_flight\": true, \"no_auto_barriers\": true"
-    step prof_bf16 110 python -m experiments.profile_mosaic --out "$work/prof_bf16" --no-traces \
-      --problems 1024x4096x4096 --storage bf16_rtn_bf16 --config-json "{$ping, \"epi_n\": 64}"
-    step prof_bf16_shr 110 python -m experiments.profile_mosaic --out "$work/prof_bf16_shr" --no-traces \
-      --problems 1024x4096x4096 --storage bf16_rtn_bf16 --config-json "{$ping, \"epi_n\": 64, \"epi_shared_ring\": true}"
-    step prof_f32 110 python -m experiments.profile_mosaic --out "$work/prof_f32" --no-traces \
-      --problems 1024x4096x4096 --storage fp32 --config-json "{$ping, \"epi_n\": 32}"
-    step prof_f32_shr 110 python -m experiments.profile_mosaic --out "$work/prof_f32_shr" --no-traces \
-      --problems 1024x4096x4096 --storage fp32 --config-json "{$ping, \"epi_n\": 64, \"epi_slots\": 1, \"epi_shared_ring\": true}"
-    ;;
   head_order_unrolled)
     # The head barrier sits on every layer of an unrolled model: qwen3-1.7b unrolled at 8x1024
     # timed on the tree and on a copy without it, one after the other. (Session 15 gave each run
@@ -773,46 +511,6 @@ case "$part" in
       python -m experiments.bench_models --out "$work/u8_nobarrier" --models qwen3-1.7b \
       --impls forge_unrolled --batch 8 --steps 5 --timeout 270
     ;;
-  direct)
-    # Issue #4: epi_direct, the epilogue reading W/states from device memory straight into
-    # registers and writing them back (no shared-memory ring, no TMA, no waits for stores to
-    # leave shared memory): the ring's shared memory goes to main-loop stages (6-7 instead of
-    # 4-5). Session 15's producer profile (mosaic_producer/) had the ping-pong producer waiting
-    # most of its time for free stages: the consumers, not the loads, bound the kernel, and the
-    # epilogue outlasts the other warpgroup's main loop. Every row is checked against the
-    # reference before it is timed; every config lowers for sm_90 and runs under the interpreter.
-    d='"epi_direct": true'
-    bf16="[{$d}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 32}, {$d, \"max_concurrent_steps\": 7, \"epi_n\": 32}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 64}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 32, \"epi_read_ahead\": true}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 16, \"epi_read_ahead\": true}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 32, \"l2_prefetch_steps\": 8}]"
-    f32="[{$d}, {$d, \"max_concurrent_steps\": 6}, {$d, \"max_concurrent_steps\": 7}, {$d, \"max_concurrent_steps\": 6, \"epi_n\": 16, \"epi_read_ahead\": true}, {$d, \"max_concurrent_steps\": 6, \"epi_read_ahead\": true}, {$d, \"max_concurrent_steps\": 6, \"l2_prefetch_steps\": 8}]"
-    step direct_bf16 300 python -m experiments.main_loop --out "$work/direct_bf16" --tokens 1024 4096 16384 \
-      --impls xla_gemm mosaic --configs "$bf16"
-    step direct_f32 240 python -m experiments.main_loop --out "$work/direct_f32" --tokens 1024 4096 \
-      --state-dtype float32 --impls xla_gemm mosaic --configs "$f32"
-    ;;
-  across_tiles)
-    # Issue #4: the cooperative schedule (both warpgroups on one 128x256 tile: jax's GEMM's traffic
-    # per FLOP) with a block's tiles run as one pipeline of pipelines (pipeline_across_tiles: the
-    # next tile's x/dy stages load during this tile's epilogue), each beside the same tiling
-    # without it, the ping-pong default and XLA's GEMM. Every row is checked against the reference
-    # before it is timed. Every config lowers for sm_90 on the CPU; the interpreter hangs on the
-    # knob on 2 cores (MOSAIC_NOTES, session 14), so these rows are its first run.
-    coop='"schedule": "cooperative", "mma_in_flight": false, "epi_slots": 2, "l2_prefetch_steps": 0'
-    bf16="[{$coop, \"max_concurrent_steps\": 2, \"epi_n\": 32}, {$coop, \"max_concurrent_steps\": 2, \"epi_n\": 32, \"pipeline_across_tiles\": true}, {$coop, \"max_concurrent_steps\": 4, \"epi_n\": 16}, {$coop, \"max_concurrent_steps\": 4, \"epi_n\": 16, \"pipeline_across_tiles\": true}]"
-    f32="[{$coop, \"max_concurrent_steps\": 2, \"epi_n\": 16}, {$coop, \"max_concurrent_steps\": 2, \"epi_n\": 16, \"pipeline_across_tiles\": true}]"
-    step xt_bf16 240 python -m experiments.main_loop --out "$work/xt_bf16" --tokens 1024 4096 16384 \
-      --impls xla_gemm mosaic_main_loop mosaic --configs "$bf16"
-    step xt_f32 150 python -m experiments.main_loop --out "$work/xt_f32" --tokens 1024 4096 \
-      --state-dtype float32 --impls xla_gemm mosaic_main_loop mosaic --configs "$f32"
-    ;;
-  producer)
-    # Issue #4 at T=1024: the default's main loop with its W/state stream takes about the sum of the
-    # compute and byte floors (MOSAIC_NOTES, session 14). The ping-pong producer's waits for a free
-    # stage are a profiled region now (fdw_mem_wait_free): long waits mean the consumers (main loop,
-    # epilogues) bound the kernel, short ones the loads. Default tilings, with skip_compute beside.
-    # (At T=1024 a block's producer waits about 120 times: within profile_mosaic's 512 ranges.)
-    step producer 240 python -m experiments.profile_mosaic --out "$work/producer" --no-traces \
-      --problems 1024x4096x4096 --storage fp32 bf16_rtn_bf16 --diagnose skip_compute
-    ;;
   int8_jump)
     # forge_int8's plan jumps by 21.53 GiB from 112 to 120 sequences (91.99 -> 113.52 GiB; bf16
     # FORGE's grows 4.21; results/h200/capacity_per_impl/rest2): the buffers live at each peak,
@@ -820,60 +518,9 @@ case "$part" in
     live_row int8_112 forge_int8 112
     live_row int8_120 forge_int8 120
     ;;
-  whole_tile)
-    # Issue #4 at T=1024, where the W/state TMA stream beside the main loop bounds the kernel
-    # (mosaic_profile_diagnose; MOSAIC_NOTES "what to try next": load each tile's W/states while its
-    # main loop runs, for the whole tile, which needs the shared memory of stages or 64-row tiles).
-    # epi_slots = the sub-tiles of a warpgroup tile puts the whole 64x128 tile in the ring (bf16:
-    # 4 of 64x32, or 2 of 64x64), loaded at the tile's start, with no refill inside a tile. fp32
-    # holds 3 of its 4 sub-tiles at most. The small-grid default (64 rows, 2 slots) and a
-    # half-resident 128-row tile are the references; skip_compute rows (mosaic_main_loop@i) time the
-    # stream alone. Every config lowers for sm_90 on the CPU; the interpreter checks the
-    # whole-tile ring (test_whole_tile_ring_matches_reference).
-    bf16='[{"tile_m": 64, "epi_slots": 4, "epi_n": 32, "max_concurrent_steps": 4}, {"tile_m": 64, "epi_slots": 4, "epi_n": 32, "max_concurrent_steps": 3}, {"tile_m": 64, "epi_slots": 2, "epi_n": 64, "max_concurrent_steps": 4}, {"tile_m": 64, "epi_slots": 2, "epi_n": 32, "max_concurrent_steps": 4}, {"tile_m": 128, "epi_slots": 4, "epi_n": 32, "max_concurrent_steps": 3}]'
-    f32='[{"tile_m": 64, "epi_slots": 3, "epi_n": 32, "max_concurrent_steps": 3}, {"tile_m": 64, "epi_slots": 3, "epi_n": 32, "max_concurrent_steps": 2}, {"tile_m": 64, "epi_slots": 2, "epi_n": 32, "max_concurrent_steps": 4}, {"tile_m": 128, "epi_slots": 3, "epi_n": 32, "max_concurrent_steps": 2}]'
-    step whole_bf16 200 python -m experiments.main_loop --out "$work/whole_bf16" --tokens 1024 4096 \
-      --impls xla_gemm mosaic_main_loop mosaic --configs "$bf16"
-    step whole_f32 150 python -m experiments.main_loop --out "$work/whole_f32" --tokens 1024 \
-      --state-dtype float32 --impls xla_gemm mosaic_main_loop mosaic --configs "$f32"
-    ;;
-  ring)
-    # T=1024, where the W/state ring's TMA stream bounds the kernel (mosaic_profile_diagnose):
-    # does it stream faster with a deeper ring (fewer stages), an L2 prefetch of the tile during
-    # the main loop, or one wide sub-tile? skip_compute rows time the stream alone.
-    ring='[{"epi_slots": 3, "max_concurrent_steps": 2}, {"l2_prefetch_steps": 8}, {"l2_prefetch_steps": 16}, {"epi_l2_lookahead": 2}, {"epi_slots": 1, "epi_n": 64}]'
-    step ring_f32 150 python -m experiments.main_loop --out "$work/ring_f32" --tokens 1024 --state-dtype float32 \
-      --impls xla_gemm mosaic_main_loop mosaic --configs "$ring"
-    step ring_bf16 150 python -m experiments.main_loop --out "$work/ring_bf16" --tokens 1024 \
-      --impls xla_gemm mosaic_main_loop mosaic --configs "$ring"
-    ;;
   small_models)
     step small_models 290 python -m experiments.bench_models --out "$work/small_models" \
       --models qwen3-0.6b,qwen3-1.7b --impls optax,optax_clip,forge --timeout 140
-    ;;
-  small)
-    # qwen3-0.6b (hidden 1024, 2048-wide q, 3072 MLP) and qwen3-1.7b (hidden 2048, 6144 MLP).
-    shapes="1024x2048 1024x1024 2048x1024 1024x3072 3072x1024 2048x2048 2048x6144 6144x2048"
-    step small 170 python -m experiments.check_mosaic_gpu --out "$work/small" --sections timing \
-      --state-dtype bfloat16 --tokens 1024 --calls 16 --shapes $shapes
-    step small_m64 170 python -m experiments.check_mosaic_gpu --out "$work/small_m64" --sections timing \
-      --state-dtype bfloat16 --tokens 1024 --calls 16 --shapes $shapes \
-      --config-json '{"tile_m": 64, "max_concurrent_steps": 6, "epi_n": 32, "epi_l2_lookahead": 0, "schedule": "pingpong", "l2_prefetch_steps": 0, "mma_in_flight": true}'
-    ;;
-  epilogue)
-    step epilogue 380 python -m experiments.profile_mosaic --out "$work/epilogue" \
-      --problems 64x4096x4096,1024x4096x4096 --storage fp32 bf16_rtn_bf16 \
-      --diagnose skip_reads skip_rule skip_compute
-    # T=16384, where the kernel spends 7-16% beyond cuBLAS's GEMM alone (results/h200/roofline):
-    # main loop or unhidden epilogues?
-    step long_t 150 python -m experiments.profile_mosaic --out "$work/long_t" \
-      --problems 16384x4096x4096 --storage fp32 bf16_rtn_bf16 --diagnose skip_compute
-    ;;
-  sass)
-    # What each epilogue part compiles to: SASS instruction classes of the kernel and of its
-    # diagnostic variants (the difference is the reads', the rule's and the writes' code).
-    step sass 400 python -m experiments.ptxas_report --out "$work/sass" --sass \
-      --storage fp32 bf16_rtn_bf16 --diagnose skip_reads skip_rule skip_compute
     ;;
   convergence)
     # Session 8's first try (300 pretraining steps, 120 s a run) stopped the pretraining at step
@@ -881,17 +528,6 @@ case "$part" in
     # ~0.4 s. Shorter now (100 + 300 steps), no per-run limit, no checkpoints in the tarball.
     step convergence 540 python -m experiments.convergence --out "$work/convergence" --dtype float32 \
       --matmul-precision highest --batch 8 --seq 256 --pretrain-steps 100 --steps 300 --warmup 50
-    ;;
-  kernel)
-    step mosaic 340 python -m experiments.check_mosaic_gpu --out "$work/mosaic" --sections sweep timing
-    step sweep_bf16 215 python -m experiments.check_mosaic_gpu --out "$work/sweep_bf16" --sections sweep \
-      --state-dtype bfloat16
-    ;;
-  kernel2)
-    step ptxas 240 python -m experiments.ptxas_report --out "$work/ptxas" --read-ahead \
-      --storage fp32 bf16_rtn_bf16 bf16_sr_bf16 fp32_int8
-    step profile 170 python -m experiments.profile_mosaic --out "$work/profile" \
-      --problems 64x4096x4096,1024x4096x4096 --storage fp32 bf16_rtn_bf16 bf16_sr_bf16 fp32_int8
     ;;
   models|models8b)
     step models 300 python -m experiments.bench_models --out "$work/models" \
