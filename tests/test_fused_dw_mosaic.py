@@ -273,7 +273,8 @@ def _lower(config, rule, x, dy, w, slots, **kw):
 )
 def test_lowers_for_cuda(name, state_dtype, plain):
   """Every rule at its default tiling (and AdamW at a fallback row's options) with the grad
-  norm: the rule's primitives and the epilogue's layouts lower for sm_90."""
+  norm: the rule's primitives and the epilogue's layouts lower for sm_90, and W, every state
+  and the norm partials are aliased to the kernel's outputs (updated in place)."""
   rule = _all_rules()[name].rule
   x, dy = _sds((512, 256), BF16), _sds((512, 512), BF16)
   w = _sds((256, 512), state_dtype)
@@ -282,7 +283,9 @@ def test_lowers_for_cuda(name, state_dtype, plain):
   if plain:
     config = dataclasses.replace(config, mma_in_flight=False, no_auto_barriers=False,
                                  epi_l2_lookahead=4)
-  _lower(config, rule, x, dy, w, slots, compute_grad_sq_norm=True)
+  text = _lower(config, rule, x, dy, w, slots, compute_grad_sq_norm=True)
+  assert text.count("custom_call @mosaic_gpu") == 1
+  assert text.count("#stablehlo.output_operand_alias<") == 2 + len(slots)
 
 
 def test_default_configs_in_the_smem_margin_lower_for_cuda():

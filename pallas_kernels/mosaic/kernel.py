@@ -25,15 +25,18 @@ Structure (one persistent block per SM, three warpgroups):
 * int8 states are decoded and re-encoded per sub-tile row (``epi_n`` = the quantization block);
   a stochastically rounded bfloat16 weight hashes (seed, step, layer, row * N + col) as the
   Triton kernel and the reference do, so all three write the same bits.
-* in place: the kernel runs under ``pl.run_state``, whose discharge aliases exactly the refs
-  the kernel writes (``W``, the states, the optional norm partials) to its outputs; under
-  ``jit`` with those arrays donated there is no copy.
+* in place: ``pl.kernel`` runs under ``pl.run_state`` and is given ``W``, the states and the
+  optional norm partials as refs, which it aliases to its outputs, and ``x``, ``dy`` and the
+  scalars as arrays; under ``jit`` with ``W`` and the states donated there is no copy. (On jax
+  0.10.2-0.11 the Mosaic GPU module of a kernel given refs is named ``new_body``, after the
+  function jax wraps it in.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Optional, Sequence, Union
 
 import jax
@@ -135,7 +138,7 @@ def _mma(acc_ref, x_smem, dy_smem, xt_smem, interpreting: bool, wait: bool) -> N
     plgpu.commit_smem()
     plgpu.wgmma(acc_ref, xt_smem, dy_smem)
   else:
-    plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)), dy_smem)
+    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
   if wait:
     plgpu.wgmma_wait(0)
 
@@ -540,14 +543,32 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
       lowering_semantics=getattr(plgpu.LoweringSemantics, rule_eval.LOWERING_SEMANTICS),
       unsafe_no_auto_barriers=cfg.no_auto_barriers,
       **({} if profile is None else dict(profile_space=profile[0], profile_dir=profile[1])))
-  kernel = functools.partial(_fused_kernel, plan=plan, rule=rule, scalars_treedef=treedef,
-                             slot_dtypes=tuple(mcfg.stored_dtype(s) for s in slots))
+  body = functools.partial(_fused_kernel, plan=plan, rule=rule, scalars_treedef=treedef,
+                           slot_dtypes=tuple(mcfg.stored_dtype(s) for s in slots))
 
   def stateful(refs):
-    @pl.core_map(mesh, compiler_params=compiler_params, name="fused_dw_update_mosaic",
-                 **({} if params is None else {"interpret": params}))
-    def _():
-      kernel(*refs[:5], tuple(refs[5]), refs[6])
+    x_ref, dy_ref, sc_ref, layer_ref, w_ref, slot_refs, norm_ref = refs
+    if params is not None:
+      # The Mosaic GPU interpreter (jax 0.10.2) cannot run pl.kernel on run_state's refs (their
+      # memory space is None: KeyError in its GPU callbacks), so the interpreted launch keeps
+      # pl.core_map (deprecated in jax 0.11.2; its warning is the only one filtered). Same body.
+      with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*core_map", category=DeprecationWarning)
+        pl.core_map(mesh, compiler_params=compiler_params, name="fused_dw_update_mosaic",
+                    interpret=params)(lambda: body(*refs[:5], tuple(slot_refs), norm_ref))
+      return
+    # pl.kernel aliases the refs it is given to its outputs (W, the states, the norm partials:
+    # in place under jit with them donated) and reads the arrays (x, dy, the scalars). Operands
+    # in the order the kernel first reads them.
+    operands = (x_ref[...], dy_ref[...], layer_ref[...], w_ref, slot_refs, sc_ref[...], norm_ref)
+    flat, tree = jax.tree.flatten(operands)
+
+    def fused_dw_update_mosaic(*flat_refs):
+      x, dy, lay, w_, slots_, sc, norm = jax.tree.unflatten(tree, flat_refs)
+      body(x, dy, sc, lay, w_, tuple(slots_), norm)
+
+    pl.kernel(fused_dw_update_mosaic, out_type=(), mesh=mesh, compiler_params=compiler_params,
+              name="fused_dw_update_mosaic")(*flat)
 
   def kernel_view(s):
     if not mcfg.quantized(s):
