@@ -14,23 +14,16 @@ import jax.numpy as jnp
 
 from pallas_kernels import numerics
 
-# The largest dynamic shared memory a Hopper block may use is 227 KiB, and Mosaic GPU checks a
-# kernel's real total (barriers and its reduction scratch included) against it while lowering,
-# also when cross-lowering on a CPU. Its total exceeds smem_bytes' count by about 2.1 KiB, so
-# the budget keeps a 3 KiB margin: 4 stages + 64x32 sub-tiles for fp32 AdamW (exactly 224 KiB
-# here) lowers, runs correctly on the H200 and is the fastest tiling at T = 64, 1024 and 4096
-# (experiments/results/h200/mosaic_defaults/). tests/test_fused_dw_mosaic.py lowers every
-# default that lands in the margin, so a config this count admits but Mosaic refuses fails a
-# test, not a user's compile.
+# A Hopper block may use 227 KiB of shared memory; Mosaic GPU's own total (barriers included,
+# checked while lowering) exceeds smem_bytes' count by about 2.1 KiB, hence a 3 KiB margin.
+# fp32 AdamW's default (exactly 224 KiB here) lowers and runs on the H200; the tests lower every
+# default in the margin, so a config Mosaic refuses fails a test, not a user's compile.
 SMEM_BUDGET_BYTES = 224 * 1024
 MOSAIC_SMEM_LIMIT = 227 * 1024
 NUM_COMPUTE_WGS = 2
 MAX_SLOTS = 4
-# Registers per thread of the memory warpgroup (the compute warpgroups get the rest).
-MEMORY_REGISTERS = 40
-# SM count used when the default device says nothing (CPU interpreter, cross-lowering); the
-# H200 has 132.
-DEFAULT_NUM_SMS = 132
+MEMORY_REGISTERS = 40  # per thread of the memory warpgroup; the compute warpgroups get the rest
+DEFAULT_NUM_SMS = 132  # the grid when the device says nothing (interpreter, cross-lowering): H200
 _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -174,33 +167,26 @@ def _swizzle_ok(cols: int, dtype) -> bool:
 
 def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
   """Why ``cfg`` is not a valid tiling, or None."""
-  if cfg.tile_m % 64 or cfg.tile_m <= 0:
-    return f"tile_m={cfg.tile_m} must be a positive multiple of 64"
-  if cfg.tile_n % 64 or not 0 < cfg.tile_n <= 256:
-    return f"tile_n={cfg.tile_n} must be a multiple of 64 in [64, 256]"
-  if cfg.tile_t % 64 or cfg.tile_t <= 0:
-    return f"tile_t={cfg.tile_t} must be a positive multiple of 64"
-  if cfg.epi_m % 64 or cfg.tile_m % cfg.epi_m:
-    return f"epi_m={cfg.epi_m} must be a multiple of 64 dividing tile_m={cfg.tile_m}"
-  if cfg.epi_n % 16 or cfg.tile_n % cfg.epi_n:
-    return f"epi_n={cfg.epi_n} must be a multiple of 16 dividing tile_n={cfg.tile_n}"
-  if cfg.epi_slots < 1:
-    return f"epi_slots={cfg.epi_slots} must be >= 1"
-  if cfg.max_concurrent_steps < 2:
-    return f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 2 (one stage per warpgroup)"
-  if cfg.epi_l2_lookahead < 0:
-    return f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"
-  if cfg.grid_tile_width < 1:
-    return f"grid_tile_width={cfg.grid_tile_width} must be >= 1"
-  return None
+  checks = (
+      (cfg.tile_m > 0 and cfg.tile_m % 64 == 0, f"tile_m={cfg.tile_m} must be a positive multiple of 64"),
+      (0 < cfg.tile_n <= 256 and cfg.tile_n % 64 == 0, f"tile_n={cfg.tile_n} must be a multiple of 64 in [64, 256]"),
+      (cfg.tile_t > 0 and cfg.tile_t % 64 == 0, f"tile_t={cfg.tile_t} must be a positive multiple of 64"),
+      (cfg.epi_m % 64 == 0 and cfg.tile_m % cfg.epi_m == 0,
+       f"epi_m={cfg.epi_m} must be a multiple of 64 dividing tile_m={cfg.tile_m}"),
+      (cfg.epi_n % 16 == 0 and cfg.tile_n % cfg.epi_n == 0,
+       f"epi_n={cfg.epi_n} must be a multiple of 16 dividing tile_n={cfg.tile_n}"),
+      (cfg.epi_slots >= 1, f"epi_slots={cfg.epi_slots} must be >= 1"),
+      (cfg.max_concurrent_steps >= 2,
+       f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 2 (one stage per warpgroup)"),
+      (cfg.epi_l2_lookahead >= 0, f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"),
+      (cfg.grid_tile_width >= 1, f"grid_tile_width={cfg.grid_tile_width} must be >= 1"),
+  )
+  return next((why for ok, why in checks if not ok), None)
 
 
 def device_problem() -> Optional[str]:
-  """Why the default device cannot run the kernel, or None.
-
-  ``wgmma`` exists on Hopper (sm_90) only: not before, and Blackwell has ``tcgen05``
-  instead. A CPU passes: there the kernel runs interpreted (or is only lowered).
-  """
+  """Why the default device cannot run the kernel, or None. ``wgmma`` exists on Hopper (sm_90)
+  only (Blackwell has ``tcgen05``); a CPU passes: there the kernel is interpreted or lowered."""
   try:
     device = jax.devices()[0]
   except RuntimeError:  # no backend at all
@@ -248,16 +234,10 @@ def _operand_problem(x, dy, w, slots) -> Optional[str]:
 def supports(x: Any, dy: Any, w: Any, slots: Sequence[Any],
              config: Optional[MosaicTileConfig] = None, *,
              compute_grad_sq_norm: bool = False) -> tuple[bool, str]:
-  """Whether the kernel takes these operands with ``config`` (None: :func:`default_config`).
-
-  Returns:
-    ``(True, "")`` or ``(False, reason)``; the reason names the value and the fix.
-  """
-  if (problem := _operand_problem(x, dy, w, slots)) is not None:
-    return False, problem
-  if config is None:
-    config = default_config(x, dy, w, slots, compute_grad_sq_norm=compute_grad_sq_norm)
-  return _tiling_problem(x, dy, w, slots, config, compute_grad_sq_norm)
+  """Whether the kernel takes these operands with ``config`` (None: :func:`default_config`):
+  ``(True, "")`` or ``(False, reason)``, the reason naming the value and the fix."""
+  cfg, why = select_config(x, dy, w, slots, config, compute_grad_sq_norm=compute_grad_sq_norm)
+  return cfg is not None, why
 
 
 def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> tuple[bool, str]:
@@ -293,12 +273,8 @@ def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> tuple[bool, str]:
 def default_config(x: Any, dy: Any, w: Any, slots: Sequence[Any], *,
                    compute_grad_sq_norm: bool = False,
                    num_sms: Optional[int] = None) -> MosaicTileConfig:
-  """The first row of the default table that fits these operands (see ``_DEFAULTS``).
-
-  When none fits, the last row that applies: the loosest shape requirements, whose
-  :func:`supports` reason then names what no row accepts (e.g. ``N=100 must be a multiple
-  of tile_n=64``).
-  """
+  """The first row of ``_DEFAULTS`` that applies to and fits these operands; if none fits, the
+  last that applies (the loosest), whose :func:`supports` reason then names the requirement."""
   quant_blocks = {s.codec.block for s in slots if quantized(s)}
   t = x.shape[0] if len(x.shape) == 2 else 0
   k, n = w.shape[-2:]
@@ -345,7 +321,7 @@ def select_config(x: Any, dy: Any, w: Any, slots: Sequence[Any],
   """
   if config is not None and not isinstance(config, MosaicTileConfig):
     raise ValueError(f"config={config!r} is not a MosaicTileConfig: pass "
-                     "pallas_kernels.MosaicTileConfig or None")
+                     "pallas_kernels.mosaic.MosaicTileConfig or None")
   if interpret and (why := interpreter_problem(weight_codec, slots)):
     return None, why
   if (problem := _operand_problem(x, dy, w, slots)) is not None:
