@@ -502,7 +502,7 @@ def test_planar_snake_visits_every_tile_once_in_plgpus_order():
     lin = jnp.arange(m * n, dtype=jnp.int32)
     mi, ni = (np.asarray(v) for v in mkernel.planar_snake(lin, m, n, width))
     assert sorted(zip(mi.tolist(), ni.tolist())) == [(i, j) for i in range(m) for j in range(n)]
-    if n % width:  # plgpu's helper divides by zero otherwise
+    if n % width:  # plgpu's version divides by zero otherwise
       ref = plgpu.planar_snake(lin, (m, n), 1, width)
       np.testing.assert_array_equal(mi, np.asarray(ref[0]))
       np.testing.assert_array_equal(ni, np.asarray(ref[1]))

@@ -104,7 +104,7 @@ def planar_snake(lin: Array, m_iters: int, n_iters: int, width: int):
   walking ``M`` backwards.
 
   Same order as ``plgpu.planar_snake`` along ``N``, written with static band widths: that
-  helper evaluates a remainder band of width 0 when the width divides the grid, an integer
+  function evaluates a remainder band of width 0 when the width divides the grid, an integer
   division by zero that kills the CPU interpreter (SIGFPE).
   """
   width = max(1, min(width, n_iters))
