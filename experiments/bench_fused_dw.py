@@ -550,7 +550,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def run_baseline(tree: pathlib.Path, argv: Sequence[str], out: pathlib.Path) -> dict:
   """This script's run on another checkout: a subprocess with ``tree`` first on PYTHONPATH, so
   ``pallas_kernels`` and ``forge_jax`` are the tree's (this file is the harness for both)."""
-  tree = tree.resolve()
+  tree, out = tree.resolve(), out.resolve()
   if not (tree / "pallas_kernels").is_dir():
     raise ValueError(f"--baseline-tree {tree} has no pallas_kernels/: pass a checkout of this "
                      "repository (e.g. git archive COMMIT | tar -x -C DIR)")
