@@ -59,3 +59,42 @@ def test_arguments_are_checked(tmp_path):
   ns = type("A", (), dict(shape="64x64x128", states="int8", optimizer="lion",
                           config_json=json.dumps({"tile_m": 64})))
   assert kernel_tools._run_args(ns) == args[:4] + ["--optimizer", "lion"] + args[4:]  # pylint: disable=protected-access
+
+
+def test_check_script_bf16_metric():
+  """experiments/check_mosaic_gpu's 16-bit check: summation-order rounding passes (one-ulp flips,
+  cancellation to ~0, NaN where both are NaN), a misplaced sub-tile does not."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from experiments import check_mosaic_gpu as check  # pylint: disable=g-import-not-at-top
+
+  b32 = 0.02 * jax.random.normal(jax.random.PRNGKey(0), (256, 256), jnp.float32)
+  b = b32.at[0, 0].set(0.0).at[1, 1].set(jnp.nan).astype(jnp.bfloat16)
+  a = b.at[0, 0].set(7.7e-10)  # cancellation: reference exactly 0, kernel 7.7e-10
+  bits = jax.lax.bitcast_convert_type(b[2:4, 2], jnp.uint16) + 1  # one ulp away
+  a = a.at[2:4, 2].set(jax.lax.bitcast_convert_type(bits, jnp.bfloat16))  # rounding flips
+  e = check._errors16(a, b)  # pylint: disable=protected-access
+  assert e["ok"] and e["nan_kernel"] == e["nan_ref"] == 1, e
+  swapped = a.at[:64, :32].set(a[:64, :32].reshape(64, 16, 2)[:, :, ::-1].reshape(64, 32))
+  assert not check._errors16(swapped, b)["ok"]  # pylint: disable=protected-access
+  assert not check._errors16(b.at[1, 1].set(0.5), b)["ok"]  # pylint: disable=protected-access
+
+
+def test_check_script_exits_nonzero_on_a_failed_case(tmp_path, monkeypatch):
+  """check_mosaic_gpu gates a GPU run: 0 when every case passes (here the odd shapes, which the
+  kernel must refuse with a reason), 1 when a case errors or fails its check."""
+  from experiments import check_mosaic_gpu as check  # pylint: disable=g-import-not-at-top
+
+  assert check.main(["--smoke", "--cases", "odd_shape", "--out", str(tmp_path / "ok")]) == 0
+  rows = json.loads((tmp_path / "ok" / "check_mosaic_gpu.json").read_text())["rows"]
+  assert len(rows) == len(check.ODD_SHAPES) and all(r["reason"] for r in rows), rows
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("simulated CUDA fault")
+
+  monkeypatch.setattr(check, "check_case", broken)
+  assert check.main(["--smoke", "--quick", "--cases", "first_run", "--out", str(tmp_path / "bad")]) == 1
+  table = (tmp_path / "bad" / "check_mosaic_gpu.md").read_text()
+  assert "0/1 ok" in table and "simulated CUDA fault" in table
+  labels = {c[0] for c in check.cases(quick=False, smoke=False)}
+  assert {"rule", "int8", "int8_sr", "sr", "stacked_norm", "llama_8b", "fallback_tiling"} <= labels
