@@ -1,35 +1,26 @@
 """Fused ``dW = x.T @ dy`` + optimizer update on Hopper, lowered through Mosaic GPU.
 
-The contract is :mod:`pallas_kernels.contract`'s: the rule ``update_fn(g, w, slots, scalars)
--> (u, new_slots)`` runs on float32 tiles of the gradient inside the kernel, the weight becomes
-``w + u``, and the new weight and slots are written in place; the gradient never reaches device
-memory.
+The contract is :mod:`pallas_kernels.contract`'s: ``update_fn`` runs on float32 tiles of the
+gradient inside the kernel and ``W`` and the states are rewritten in place; the gradient never
+reaches device memory. One persistent block per SM, three warpgroups:
 
-Structure (one persistent block per SM, three warpgroups):
-
-* ping-pong: each of the two compute warpgroups owns whole ``tile_m x tile_n`` tiles of ``W``
-  (the block's tiles alternate between them) and accumulates its tile in float32 registers over
-  the token dimension ``T``; the memory warpgroup streams the ``x``/``dy`` blocks of every step
-  of every tile through one ring of stages, so one warpgroup's epilogue runs while the other's
-  main loop keeps the tensor cores busy.
-* the contraction runs over ``T``, the major dimension of both ``x [T, K]`` and ``dy [T, N]``:
-  the ``(tile_t, tile_m)`` block of ``x`` is copied as is by TMA and handed to ``wgmma``
-  transposed (Hopper's tensor cores read a transposed 16-bit operand from shared memory), so no
-  transposed copy of ``x`` exists anywhere.
+* ping-pong: each compute warpgroup owns whole ``tile_m x tile_n`` tiles of ``W`` (a block's
+  tiles alternate between the two) and accumulates one in float32 registers over ``T``; the
+  memory warpgroup streams every step's ``x``/``dy`` blocks through one ring of stages, so one
+  warpgroup's epilogue runs while the other's main loop keeps the tensor cores busy.
+* the ``(tile_t, tile_m)`` block of ``x`` goes to ``wgmma`` transposed: Hopper's tensor cores
+  read a transposed 16-bit operand from shared memory, so no transposed copy of ``x`` exists.
 * the epilogue streams the tile through a ring of ``epi_slots`` shared-memory slots of
-  ``epi_m x epi_n`` sub-tiles (``W`` and each optimizer state). The first ones are fetched by
-  TMA before the main loop, so they land while the tensor cores work; each further one as soon
-  as its slot's results have left. A sub-tile is read into registers in the accumulator's WGMMA
-  layout, updated by the rule (:mod:`pallas_kernels.mosaic.rule_eval`), written back to its
-  slot and stored by an asynchronous TMA copy into the aliased ``W``/state arrays.
-* int8 states are decoded and re-encoded per sub-tile row (``epi_n`` = the quantization block);
-  a stochastically rounded bfloat16 weight hashes (seed, step, layer, row * N + col) as the
-  Triton kernel and the reference do, so all three write the same bits.
-* in place: ``pl.kernel`` runs under ``pl.run_state`` and is given ``W``, the states and the
-  optional norm partials as refs, which it aliases to its outputs, and ``x``, ``dy`` and the
-  scalars as arrays; under ``jit`` with ``W`` and the states donated there is no copy. (On jax
-  0.10.2-0.11 the Mosaic GPU module of a kernel given refs is named ``new_body``, after the
-  function jax wraps it in.)
+  ``epi_m x epi_n`` sub-tiles of ``W`` and each state, the first ones fetched by TMA before the
+  main loop; a sub-tile is read in the accumulator's WGMMA layout, updated by the rule
+  (:mod:`pallas_kernels.mosaic.rule_eval`) and stored back by an asynchronous TMA copy. int8
+  states are decoded and re-encoded per sub-tile row (``epi_n`` = their block); a
+  stochastically rounded bf16 weight hashes (seed, step, layer, row * N + col) as the Triton
+  kernel and the reference do, so all three write the same bits.
+* in place: under ``pl.run_state``, ``pl.kernel`` gets ``W``, the states and the norm partials
+  as refs, which it aliases to its outputs, and ``x``, ``dy`` and the scalars as arrays: no
+  copy under ``jit`` with ``W`` and the states donated. (On jax 0.10.2-0.11 the Mosaic GPU
+  module of a kernel given refs is named ``new_body``, after the function jax wraps it in.)
 """
 
 from __future__ import annotations
@@ -448,14 +439,11 @@ def fused_dw_update_mosaic(
   Same contract and results as :func:`pallas_kernels.reference.fused_dw_update_reference`.
 
   Args:
-    x: [T, K] layer input, bfloat16 or float16.
-    dy: [T, N] output cotangent, same dtype as ``x``.
-    w: [K, N] weight, or [L, K, N] stacked weights with ``layer`` given; float32, bfloat16 or
-      float16.
-    slots: optimizer states shaped like ``w`` (each its own float dtype), or
-      :class:`~pallas_kernels.numerics.QuantizedArray` int8 states (blocks of ``config.epi_n``
-      values along N; their scales pass through the kernel transposed, a scale-sized copy each
-      way).
+    x, dy: [T, K] layer input and [T, N] output cotangent, both bfloat16 or both float16.
+    w: [K, N] weight, or [L, K, N] stacked weights with ``layer``; float32, bfloat16 or float16.
+    slots: optimizer states shaped like ``w`` (float), or int8
+      :class:`~pallas_kernels.numerics.QuantizedArray` states (blocks of ``config.epi_n`` along
+      N; their scales pass through the kernel transposed, a scale-sized copy each way).
     scalars: pytree of float32 0-d arrays passed to ``update_fn``.
     update_fn: the elementwise rule ``(g, w, slots, scalars) -> (u, new_slots)``.
     layer: int32 scalar index into the leading axis of stacked ``w``/slots.
