@@ -12,6 +12,9 @@ three ways, on a Hopper GPU, from the repository root:
     PYTHONPATH=$PWD python -m experiments.kernel_tools ncu --out $OUT/ncu --states bfloat16
     # ptxas -v on the kernel (MOSAIC_GPU_DUMP_PTXAS=1): registers per thread and spill bytes.
     PYTHONPATH=$PWD python -m experiments.kernel_tools ptxas --out $OUT/ptxas --states int8
+    # The Mosaic GPU module (no GPU needed: lowered for sm_90), without locations, to diff
+    # against another checkout's (run it there with PYTHONPATH=that checkout).
+    PYTHONPATH=$PWD python -m experiments.kernel_tools mlir --out /tmp/mlir --states bfloat16
 
 Each writes ``kernel_<tool>.json`` and ``.md`` to ``--out``. ``run`` is the bare call the other
 tools wrap (``--interpret`` runs it under the Mosaic GPU interpreter, for a CPU).
@@ -244,7 +247,27 @@ def tool_ptxas(args, out: pathlib.Path) -> dict[str, Any]:
   return parse_ptxas(proc.stdout + proc.stderr)
 
 
-TOOLS = {"profile": tool_profile, "ncu": tool_ncu, "ptxas": tool_ptxas}
+def tool_mlir(args, out: pathlib.Path) -> dict[str, Any]:
+  """Lowers the call for sm_90 (on any host) and keeps the Mosaic GPU module Mosaic serializes,
+  printed without locations (jax-internal hook: ``mosaic.gpu.core._run_serde_pass``)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+
+  step, operands, cfg = kernel_call(args)
+  modules, real = [], mgpu_core._run_serde_pass  # pylint: disable=protected-access
+  mgpu_core._run_serde_pass = lambda module, **kw: (  # pylint: disable=protected-access
+      modules.append(module.operation.get_asm(enable_debug_info=False)) or real(module, **kw))
+  try:
+    step.trace(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands)).lower(
+        lowering_platforms=("cuda",))
+  finally:
+    mgpu_core._run_serde_pass = real  # pylint: disable=protected-access
+  (out / "kernel.mlir").write_text(modules[-1])
+  return {"config": dataclasses.asdict(cfg), "module": str(out / "kernel.mlir"),
+          "lines": modules[-1].count("\n")}
+
+
+TOOLS = {"profile": tool_profile, "ncu": tool_ncu, "ptxas": tool_ptxas, "mlir": tool_mlir}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -98,3 +98,17 @@ def test_check_script_exits_nonzero_on_a_failed_case(tmp_path, monkeypatch):
   assert "0/1 ok" in table and "simulated CUDA fault" in table
   labels = {c[0] for c in check.cases(quick=False, smoke=False)}
   assert {"rule", "int8", "int8_sr", "sr", "stacked_norm", "llama_8b", "fallback_tiling"} <= labels
+
+
+def test_mlir_tool_lowers_the_call_it_would_profile(tmp_path):
+  """kernel_tools mlir lowers the same call the GPU tools run (here int8 states, which round
+  stochastically) for sm_90 on this CPU and keeps its Mosaic GPU module."""
+  from tests._lowering import skip_if_cuda_lowering_needs_a_gpu  # pylint: disable=g-import-not-at-top
+
+  with skip_if_cuda_lowering_needs_a_gpu():
+    assert kernel_tools.main(["mlir", "--shape", "128x256x256", "--states", "int8",
+                              "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "kernel_mlir.json").read_text())["mlir"]
+  assert result["config"]["epi_n"] == 64 and not result["config"]["no_auto_barriers"]
+  module = (tmp_path / "kernel.mlir").read_text()
+  assert "wgmma" in module and "loc(" not in module
