@@ -13,8 +13,9 @@ three ways, on a Hopper GPU, from the repository root:
     # ptxas -v on the kernel (MOSAIC_GPU_DUMP_PTXAS=1): registers per thread and spill bytes.
     PYTHONPATH=$PWD python -m experiments.kernel_tools ptxas --out $OUT/ptxas --states int8
     # The Mosaic GPU module (no GPU needed: lowered for sm_90), without locations, to diff
-    # against another checkout's (run it there with PYTHONPATH=that checkout).
+    # against another checkout's (this file, that checkout's kernel):
     PYTHONPATH=$PWD python -m experiments.kernel_tools mlir --out /tmp/mlir --states bfloat16
+    PYTHONPATH=/tmp/old python experiments/kernel_tools.py mlir --out /tmp/mlir_old --states bfloat16
 
 Each writes ``kernel_<tool>.json`` and ``.md`` to ``--out``. ``run`` is the bare call the other
 tools wrap (``--interpret`` runs it under the Mosaic GPU interpreter, for a CPU).
@@ -81,7 +82,10 @@ def kernel_call(args, profile: Optional[tuple[int, str]] = None):
   """``(step, operands, config)``: the jitted kernel call (W and states donated) and its inputs."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
+  try:
+    from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
+  except ImportError:  # a checkout from before pallas_kernels/mosaic/ (same entry points)
+    from pallas_kernels import fused_dw_mosaic as mosaic  # pylint: disable=g-import-not-at-top
 
   x, dy, w, slots, scalars, rule = problem(args.shape, args.states, args.optimizer)
   cfg = mosaic.default_config(x, dy, w, slots)
@@ -93,8 +97,9 @@ def kernel_call(args, profile: Optional[tuple[int, str]] = None):
   def step(w, slots, x, dy, scalars):
     # The seed and step feed stochastic rounding (forge_jax's default int8 maps use it).
     return mosaic.fused_dw_update_mosaic(x, dy, w, slots, scalars, rule.update, config=cfg,
-                                         interpret=args.interpret, profile=profile,
-                                         seed=jnp.uint32(1), step=jnp.int32(3))[:2]
+                                         interpret=args.interpret, seed=jnp.uint32(1),
+                                         step=jnp.int32(3),
+                                         **({} if profile is None else {"profile": profile}))[:2]
 
   return jax.jit(step, donate_argnums=(0, 1)), (w, slots, x, dy, scalars), cfg
 
