@@ -17,13 +17,23 @@ momentum (bf16 x/dy, fp32 w and slots), on the same inputs, it times:
 * ``xla_gemm_optax``: that GEMM plus ``optax``'s own update and
   ``apply_updates`` in one jit with params and optimizer state donated (the
   unfused baseline: the gradient is written and read back);
-* ``pallas``: the fused Triton-lowered kernel, w and slots donated.
+* ``pallas``: the fused Triton-lowered kernel, w and slots donated;
+* ``mosaic``: the fused Mosaic GPU kernel (Hopper) at its default tiling, w and
+  slots donated (left out of the default list off GPUs: the interpreter is slow).
 
 Implementations are a dict of name -> builder (:data:`IMPLEMENTATIONS`); a new
-fused kernel with :func:`pallas_kernels.fused_dw.fused_dw_update`'s signature
-is added with one line, e.g.::
+fused kernel with :func:`pallas_kernels.fused_dw_update`'s signature is added
+with one line (``fused_builder``).
 
-    IMPLEMENTATIONS["mosaic"] = fused_builder(fused_dw_mosaic.fused_dw_update)
+``--baseline-tree DIR`` times another checkout of this repository (e.g. an older
+commit) side by side: this script runs first in a subprocess with ``DIR`` on
+``PYTHONPATH`` (its kernels, this harness), then on this tree, and writes
+``bench_fused_dw_compare.md`` with both times per row. For the Llama-3.1-8B
+projections on the H200::
+
+    PYTHONPATH=$PWD python -m experiments.bench_fused_dw --out $OUT --tokens 1024 4096 \
+      --shapes 4096x4096 4096x1024 4096x14336 14336x4096 --optimizers adamw \
+      --impls xla_gemm xla_gemm_optax mosaic --state-dtype bfloat16 --baseline-tree /tmp/old
 
 Every implementation that updates weights is checked against
 ``fused_dw_update_reference`` after one step from the common initial state,
@@ -43,6 +53,10 @@ import argparse
 import dataclasses
 import functools
 import gc
+import json
+import os
+import pathlib
+import subprocess
 import sys
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -53,8 +67,8 @@ import optax
 
 import forge_jax
 from experiments import _timing
-from pallas_kernels import fused_dw
-from pallas_kernels.fused_dw import TileConfig
+import pallas_kernels
+from pallas_kernels import TileConfig
 
 TOKENS = (1024, 4096, 16384)
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (5120, 17408))
@@ -271,11 +285,31 @@ def fused_builder(fused_fn: Callable) -> Builder:
   return build
 
 
+def mosaic_update(x, dy, w, slots, scalars, update_fn, *, interpret: bool):
+  """The Mosaic GPU kernel at its default tiling (one block of small tiles when interpreted).
+
+  Also runs against an older tree whose kernel lives in ``pallas_kernels.fused_dw_mosaic``
+  (``--baseline-tree``): same entry point, same default tiling.
+  """
+  try:
+    from pallas_kernels.mosaic import MosaicTileConfig, fused_dw_update_mosaic  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    from pallas_kernels.fused_dw_mosaic import MosaicTileConfig, fused_dw_update_mosaic  # pylint: disable=g-import-not-at-top
+  config = None
+  if interpret:
+    config = MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=16, num_sms=1)
+  return fused_dw_update_mosaic(x, dy, w, slots, scalars, update_fn, config=config,
+                                interpret=interpret)
+
+
 IMPLEMENTATIONS: dict[str, Builder] = {
     "xla_gemm": build_xla_gemm,
     "xla_gemm_optax": build_xla_optax,
-    "pallas": fused_builder(fused_dw.fused_dw_update),
+    "pallas": fused_builder(pallas_kernels.fused_dw_update),
+    "mosaic": fused_builder(mosaic_update),
 }
+# Left out of the default list when interpreting (CPU): minutes per shape under the interpreter.
+GPU_ONLY = {"mosaic"}
 # Implementations whose work does not depend on the optimizer: timed once per shape.
 OPTIMIZER_FREE = {"xla_gemm"}
 BASELINE = "xla_gemm_optax"
@@ -302,7 +336,7 @@ def _errors(w, slots, w0, ref_w, ref_slots):
 
 def reference_step(p: Problem):
   """The first step from the common initial state, by the jnp reference."""
-  run = jax.jit(functools.partial(fused_dw.fused_dw_update_reference, update_fn=p.rule.update))
+  run = jax.jit(functools.partial(pallas_kernels.fused_dw_update_reference, update_fn=p.rule.update))
   slots = p.rule.init_slots(p.w0)
   w, new_slots, _ = run(p.x, p.dy, p.w0, slots, p.rule.scalars(jnp.int32(0)))
   return w, new_slots
@@ -467,7 +501,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--tokens", type=int, nargs="+", default=None, help=f"T values (default {TOKENS})")
   parser.add_argument("--shapes", type=_parse_kn, nargs="+", default=None, help="KxN shapes")
   parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
-  parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=list(IMPLEMENTATIONS))
+  parser.add_argument("--impls", nargs="+", default=None, choices=list(IMPLEMENTATIONS),
+                      help="default: all (without the GPU-only ones when interpreting)")
   parser.add_argument("--tile", type=_parse_tile, default=None,
                       help="pallas tile 'block_k,block_n,block_t,num_warps,num_stages' (default: the tuned table)")
   parser.add_argument("--iters", type=int, default=30)
@@ -476,12 +511,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="calls per dispatch (one jit): device time for shapes shorter than a dispatch")
   parser.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
                       help="dtype of the weight and of every optimizer state (both sides)")
+  parser.add_argument("--baseline-tree", default=None, type=pathlib.Path, metavar="DIR",
+                      help="another checkout to time side by side (see the module docstring)")
   args = parser.parse_args(argv)
 
   interpret, tokens, shapes, timing = run_plan(args, smoke_shape=(40, 72))
+  if args.impls is None:
+    args.impls = [i for i in IMPLEMENTATIONS if not (interpret and i in GPU_ONLY)]
   if args.tile is not None:
-    IMPLEMENTATIONS["pallas"] = fused_builder(functools.partial(fused_dw.fused_dw_update, config=args.tile))
+    IMPLEMENTATIONS["pallas"] = fused_builder(functools.partial(pallas_kernels.fused_dw_update, config=args.tile))
   folder = _timing.out_dir(args.out)
+  baseline = None
+  if args.baseline_tree is not None:
+    baseline = run_baseline(args.baseline_tree, argv, folder / "baseline")
   info = _timing.run_info("experiments.bench_fused_dw", argv)
   update_tol, slot_tol = tolerances(args.state_dtype)
   info.update(interpret=interpret, timing=timing, peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
@@ -498,7 +540,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   )
   _timing.write_table(folder / "bench_fused_dw.md", markdown(info, rows, args.impls),
                       folder / "bench_fused_dw.json")
+  if baseline is not None:
+    _timing.write_table(folder / "bench_fused_dw_compare.md",
+                        compare_markdown(info, baseline, rows, args.baseline_tree),
+                        folder / "bench_fused_dw.json")
   return 0
+
+
+def run_baseline(tree: pathlib.Path, argv: Sequence[str], out: pathlib.Path) -> dict:
+  """This script's run on another checkout: a subprocess with ``tree`` first on PYTHONPATH, so
+  ``pallas_kernels`` and ``forge_jax`` are the tree's (this file is the harness for both)."""
+  tree, out = tree.resolve(), out.resolve()
+  if not (tree / "pallas_kernels").is_dir():
+    raise ValueError(f"--baseline-tree {tree} has no pallas_kernels/: pass a checkout of this "
+                     "repository (e.g. git archive COMMIT | tar -x -C DIR)")
+  rest, skip = [], False
+  for a in argv:  # the same run without --baseline-tree / --out
+    if skip or a in ("--baseline-tree", "--out"):
+      skip = not skip
+      continue
+    if not a.startswith(("--baseline-tree=", "--out=")):
+      rest.append(a)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
+  cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *rest, "--out", str(out)]
+  _timing.log(f"baseline: {' '.join(cmd)} (PYTHONPATH={tree})")
+  proc = subprocess.run(cmd, env=env, cwd=tree, check=False)
+  if proc.returncode != 0:
+    raise RuntimeError(f"the baseline run on {tree} ended with {proc.returncode}")
+  return json.loads((out / "bench_fused_dw.json").read_text())
+
+
+def compare_markdown(info: dict, baseline: dict, rows: list[dict], tree: pathlib.Path) -> str:
+  """Baseline vs this tree, per (shape, optimizer, implementation): ms and the ratio."""
+  key = lambda r: (r["shape"], r["optimizer"], r["impl"])
+  old = {key(r): r for r in baseline["rows"]}
+  out = ["# Fused dW + update: baseline tree vs this tree", "",
+         f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}. Baseline: "
+         f"`{tree}` (its kernels, this harness), run first. Weight and optimizer states: "
+         f"{info.get('state_dtype', 'float32')}. Median ms per call (see bench_fused_dw.md).", "",
+         "| T x K x N | optimizer | impl | baseline ms | this tree ms | this / baseline |",
+         "|---|---|---|---|---|---|"]
+  for r in rows:
+    o = old.get(key(r), {})
+    cell = lambda row: f"{row['ms']:.4f}" if "ms" in row else row.get("status", "-")
+    ratio = f"{r['ms'] / o['ms']:.3f}" if "ms" in r and "ms" in o else "-"
+    out.append(f"| {r['shape']} | {r['optimizer']} | {r['impl']} | {cell(o)} | {cell(r)} | {ratio} |")
+  return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

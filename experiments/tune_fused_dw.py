@@ -50,6 +50,7 @@ import numpy as np
 
 import forge_jax
 from experiments import _timing
+import pallas_kernels
 from pallas_kernels import fused_dw
 from pallas_kernels.fused_dw import TileConfig
 
@@ -177,7 +178,7 @@ class Problem:
     self.w0 = 0.02 * jax.random.normal(kw, (k, n), F32)
     self.slots0 = rule.init_slots(self.w0)
     reference = jax.jit(
-        functools.partial(fused_dw.fused_dw_update_reference, update_fn=rule.update)
+        functools.partial(pallas_kernels.fused_dw_update_reference, update_fn=rule.update)
     )
     self.ref_w, self.ref_slots, _ = reference(
         self.x, self.dy, self.w0, self.slots0, rule.scalars(jnp.int32(0))
@@ -265,7 +266,7 @@ def selfcheck(configs: Sequence[TileConfig], shape: tuple[int, int, int], *, int
     w = jax.random.normal(kw, (3, k, n), F32).astype(BF16)
     slots = (0.1 * jax.random.normal(km, (3, k, n), F32),)
     scalars = rule.scalars(jnp.int32(3))
-    want = fused_dw.fused_dw_update_reference(
+    want = pallas_kernels.fused_dw_update_reference(
         x, dy, w, slots, scalars, rule.update, layer=jnp.int32(1), compute_grad_sq_norm=True
     )
     for cfg in configs:

@@ -8,7 +8,7 @@ optimizer's elementwise rule to each tile as soon as it is complete:
 * ``"pallas"``: the Pallas kernel lowered through Triton (any CUDA GPU);
 * ``"interpret"``: the same kernel in Pallas interpret mode (CPU tests);
 * ``"mosaic"``: the warp-specialized Hopper kernel lowered through Mosaic GPU
-  (:mod:`pallas_kernels.fused_dw_mosaic`; sm_90 only). Calls it cannot take
+  (:mod:`pallas_kernels.mosaic`; sm_90 only). Calls it cannot take
   (shapes off its tiling, float32 ``x``, a non-Hopper GPU) run on
   ``"pallas"`` instead, with one :class:`BackendFallbackWarning` per distinct
   reason. It takes int8 optimizer states and stochastically rounded weights
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from forge_jax import _lowp
 from forge_jax import _optimizers
 from forge_jax import _rules
-from pallas_kernels import fused_dw as _fused_dw
+import pallas_kernels
 from pallas_kernels import numerics
 
 BACKENDS = ("auto", "xla", "pallas", "interpret", "mosaic", "mosaic_interpret")
@@ -97,35 +97,26 @@ def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_wei
 def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None, interpret=False):
   """``(reason, None)`` if the Mosaic GPU kernel cannot take this call, else ``(None, config)``.
 
-  ``config`` is the caller's ``MosaicTileConfig`` or ``None`` (the kernel's
-  per-operand default).
+  Asks the kernel once (``select_config``); ``config`` is the caller's ``MosaicTileConfig`` or
+  ``None`` (the kernel's per-operand default).
   """
   try:
-    from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+    from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
   except Exception as e:  # pylint: disable=broad-except  (a jax without Mosaic GPU)
     return f"Mosaic GPU is not available in this jax ({type(e).__name__}: {e})", None
-  if config is not None and not isinstance(config, fm.MosaicTileConfig):
-    raise ValueError(
-        f"config={config!r} is not a MosaicTileConfig: backend='mosaic' takes "
-        "pallas_kernels.fused_dw_mosaic.MosaicTileConfig or None."
-    )
-  # Stochastic rounding (of the weight: checked on the H200,
-  # experiments/results/h200/mosaic_quick_sr_fixed/; of int8 slots) runs in the
-  # epilogue, but not under jax 0.10.2's Mosaic GPU interpreter.
-  if interpret and (why := fm.interpreter_problem((rounding or {}).get("weight_codec"), slots)):
-    return why, None
-  cfg = config
-  if cfg is None:
-    cfg = fm.default_config(x, dy, w, slots, compute_grad_sq_norm=compute_grad_sq_norm)
-  ok, reason = fm.supports(x, dy, w, slots, cfg, compute_grad_sq_norm=compute_grad_sq_norm)
-  return (None, cfg) if ok else (reason, None)
+  # Stochastic rounding (of the weight, of int8 slots) runs in the epilogue on the GPU
+  # (experiments/results/h200/mosaic_quick_sr_fixed/), not under jax 0.10.2's interpreter.
+  cfg, reason = mosaic.select_config(
+      x, dy, w, slots, config, compute_grad_sq_norm=compute_grad_sq_norm,
+      weight_codec=(rounding or {}).get("weight_codec"), interpret=interpret)
+  return (None, cfg) if cfg is not None else (reason, None)
 
 
 @dataclasses.dataclass(frozen=True)
 class _RuleUpdate:
   """``rule.update`` with ``decay`` bound: hashable and equal by value (unlike a
   ``functools.partial``), so that the kernels' trace cache serves every layer
-  of a model with one trace per shape (see ``fused_dw_mosaic._launch_cached``)."""
+  of a model with one trace per shape."""
 
   rule: Any
   decay: bool
@@ -143,19 +134,19 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
   and a Triton ``TileConfig`` given with it means the Triton kernel.
   """
   auto = backend == _AUTO_MOSAIC
-  if auto and isinstance(config, _fused_dw.TileConfig):
+  if auto and isinstance(config, pallas_kernels.TileConfig):
     reason, cfg = "a Triton TileConfig was given", None
   else:
     reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding,
                                   interpret=backend == "mosaic_interpret")
   if reason is None:
-    from pallas_kernels import fused_dw_mosaic as fm  # pylint: disable=g-import-not-at-top
+    from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
 
     interpret = backend == "mosaic_interpret"
     if interpret and cfg.num_sms is None:
       cfg = dataclasses.replace(cfg, num_sms=1)  # one interpreted block, not 132
-    return fm.fused_dw_update_mosaic(
-        x, dy, w, slots, scalars, update_fn, layer=layer, config=cfg,
+    return mosaic.fused_dw_update_mosaic(
+        x, dy, w, slots, scalars, update_fn, layer=layer, config=cfg, config_checked=True,
         compute_grad_sq_norm=compute_grad_sq_norm, interpret=interpret, **(rounding or {}),
     )
   # The Triton kernel takes float32 and bfloat16 inputs only (float16 goes to XLA).
@@ -171,7 +162,7 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
   kwargs = {} if rounding is None else {"rounding": rounding}
   return _run_backend(
       fallback, x, dy, w, slots, scalars, update_fn, layer=layer,
-      config=config if isinstance(config, _fused_dw.TileConfig) else None,
+      config=config if isinstance(config, pallas_kernels.TileConfig) else None,
       compute_grad_sq_norm=compute_grad_sq_norm, **kwargs,
   )
 
@@ -186,18 +177,18 @@ def _run_backend(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
   if config is not None and type(config).__name__ not in ("TileConfig", "MosaicTileConfig"):
     raise ValueError(
         f"config={config!r} is not a tile configuration: pass "
-        "pallas_kernels.fused_dw.TileConfig (backends 'pallas', 'interpret'), "
-        "pallas_kernels.fused_dw_mosaic.MosaicTileConfig (the Mosaic backends) or None."
+        "pallas_kernels.TileConfig (backends 'pallas', 'interpret'), "
+        "pallas_kernels.mosaic.MosaicTileConfig (the Mosaic backends) or None."
     )
-  if backend in ("pallas", "interpret") and config is not None and not isinstance(config, _fused_dw.TileConfig):
+  if backend in ("pallas", "interpret") and config is not None and not isinstance(config, pallas_kernels.TileConfig):
     raise ValueError(f"config={config!r} is not a TileConfig: backend={backend!r} takes "
-                     "pallas_kernels.fused_dw.TileConfig or None.")
+                     "pallas_kernels.TileConfig or None.")
   if backend == "xla":
-    return _fused_dw.fused_dw_update_reference(
+    return pallas_kernels.fused_dw_update_reference(
         x, dy, w, slots, scalars, update_fn, layer=layer,
         compute_grad_sq_norm=compute_grad_sq_norm, **rounding,
     )
-  return _fused_dw.fused_dw_update(
+  return pallas_kernels.fused_dw_update(
       x, dy, w, slots, scalars, update_fn, layer=layer, config=config,
       compute_grad_sq_norm=compute_grad_sq_norm, interpret=backend == "interpret",
       **rounding,
@@ -266,7 +257,7 @@ def _set_layer_entry(value, new, layer):
 def _order_after(scalars, after):
   """``scalars`` with a data dependency on ``after`` and unchanged values."""
   leaves, treedef = jax.tree.flatten(scalars)
-  return jax.tree.unflatten(treedef, [leaves[0] + _fused_dw.zero_after(after), *leaves[1:]])
+  return jax.tree.unflatten(treedef, [leaves[0] + pallas_kernels.zero_after(after), *leaves[1:]])
 
 
 def fused_linear_update(
@@ -357,7 +348,7 @@ def fused_linear_update(
   slots = tuple(_lowp.from_float_view(s) for s in rule.slots_of(state))
   for name, q in zip(rule.slot_names, slots):
     if isinstance(q, numerics.QuantizedArray):
-      _fused_dw._check_quantized(q, f"state.{name}")  # pylint: disable=protected-access
+      pallas_kernels.check_quantized(q, f"state.{name}")
   resolved = _resolve_backend(backend, any(isinstance(q, numerics.QuantizedArray) for q in slots),
                               stochastic_weights=weight_codec.needs_bits)
   if x2.shape[0] == 0:

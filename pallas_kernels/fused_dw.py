@@ -6,26 +6,13 @@ For ``x`` [T, K] and ``dy`` [T, N], each program of the kernel owns one
 optimizer's elementwise ``update_fn`` on that tile, and writes the new weight
 and state-slot tiles in place. The gradient tile never leaves the kernel.
 
-The contract shared by every implementation in this package:
+The contract (``update_fn``, stored forms, stacked weights) is the one of
+:mod:`pallas_kernels.contract`; :func:`pallas_kernels.reference.fused_dw_update_reference`
+is its plain-jnp reference.
 
-``update_fn(g, w, slots, scalars) -> (u, new_slots)``
-  ``g``, ``w`` and each slot are float32 tiles of one shape; ``scalars`` is the
-  caller's pytree of float32 0-d values (rebuilt inside the kernel from a
-  packed vector); ``u`` is the float32 update (the weight becomes ``w + u``)
-  and ``new_slots`` the float32 slots. Plain jnp arithmetic only.
-
-Stored forms (:mod:`pallas_kernels.numerics`): every value is read through
-a codec's ``decode`` into float32 and written back through its ``encode``.
-The weight's codec is an argument (``weight_codec``: round to nearest by
-default, or stochastic rounding to bfloat16 with bits hashed from ``seed``,
-``step``, ``layer`` and the element's index); a slot is either a float array
-(round to nearest) or a :class:`~pallas_kernels.numerics.QuantizedArray`
-(int8 codes + per-block scales, dequantized and re-quantized in registers).
-
-Stacked weights: ``w`` and the slots may carry a leading layer axis
-([L, K, N]); then ``layer`` (an int32 scalar) selects the one slice that is
-read and rewritten, and every other slice is left untouched, so a loop over
-layers can update a stacked parameter in place without slicing copies.
+Pallas's Triton backend is deprecated from jax 0.11: when jax removes it, the
+Mosaic GPU kernel (:mod:`pallas_kernels.mosaic`) takes its place on Hopper and
+the ``"xla"`` reference everywhere else.
 
 The Triton-lowered kernel (:func:`fused_dw_update`):
 
@@ -51,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 from jax import lax
@@ -60,16 +47,17 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 from pallas_kernels import numerics
+from pallas_kernels.contract import (UpdateFn, check_quantized, codecs_for, pack_scalars, parts_of,
+                                     rebuild, rounding_ints)
 
 Array = jax.Array
-UpdateFn = Callable[..., tuple[Array, tuple[Array, ...]]]
 
 # Triton's tl.dot needs at least 16 in each of M, N and K.
 _MIN_BLOCK = 16
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # jax >= 0.11 warns on every lowering of a Triton pallas_call (the backend is
 # deprecated in favour of Mosaic GPU). This kernel uses it on purpose until
-# the Mosaic GPU kernel (fused_dw_mosaic.py) is faster, so exactly that
+# the Mosaic GPU kernel (pallas_kernels/mosaic/) is faster, so exactly that
 # message is silenced, and nothing else.
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
@@ -360,70 +348,12 @@ def _check_inputs(x: Array, dy: Array, w: Array, slots: tuple, layer) -> None:
           "optimizer slot is elementwise, shaped like its weight."
       )
     if isinstance(s, numerics.QuantizedArray):
-      _check_quantized(s, f"slots[{i}]")
+      check_quantized(s, f"slots[{i}]")
     elif not jnp.issubdtype(s.dtype, jnp.floating):
       raise ValueError(
           f"slots[{i}].dtype={s.dtype} must be a floating dtype (int8 states are "
           "passed as a numerics.QuantizedArray, codes with their scales)."
       )
-
-
-def _check_quantized(s: numerics.QuantizedArray, name: str) -> None:
-  s.codec.check(s.shape, name)
-  scale_shape = s.shape[:-1] + (s.shape[-1] // s.codec.block,)
-  if s.codes.dtype != numerics.CODE_DTYPE or s.scale.dtype != numerics.SCALE_DTYPE:
-    raise ValueError(
-        f"{name} has codes of dtype {s.codes.dtype} and scales of dtype {s.scale.dtype}; "
-        f"expected {numerics.CODE_DTYPE} and {numerics.SCALE_DTYPE} (build it with "
-        "BlockQuantized.quantize)."
-    )
-  if tuple(s.scale.shape) != scale_shape:
-    raise ValueError(
-        f"{name}.scale.shape={tuple(s.scale.shape)} must be {scale_shape}: one scale "
-        f"per block of {s.codec.block} values along the last axis."
-    )
-
-
-def _codecs(w: Array, slots: tuple, weight_codec) -> tuple[numerics.Codec, ...]:
-  return (weight_codec or numerics.Cast(),) + tuple(numerics.codec_of(s) for s in slots)
-
-
-def _parts(codecs, w: Array, slots: tuple) -> list[Array]:
-  return [p for c, v in zip(codecs, (w,) + slots) for p in c.parts(v)]
-
-
-def _rebuild(codecs, parts: Sequence[Array]) -> tuple[Array, tuple]:
-  values, i = [], 0
-  for c in codecs:
-    m = len(c.col_divisors())
-    values.append(c.rebuild(parts[i : i + m]))
-    i += m
-  return values[0], tuple(values[1:])
-
-
-def _rounding_ints(codecs, seed, step) -> tuple[Array, Array]:
-  """(seed, step) as int32 scalars; a ValueError if bits are needed but missing."""
-  if any(c.needs_bits for c in codecs) and (seed is None or step is None):
-    raise ValueError(
-        f"seed={seed!r} and step={step!r}: stochastic rounding needs both (the random "
-        "bits hash seed, step, layer and the element index). Pass seed= and step=."
-    )
-  as_i32 = lambda v: jax.lax.bitcast_convert_type(numerics._u32(0 if v is None else v), jnp.int32)
-  return as_i32(seed), as_i32(step)
-
-
-def _pack_scalars(scalars: Any) -> tuple[Array, Any]:
-  """Flattens the scalars pytree into one float32 vector (+ its treedef)."""
-  leaves, treedef = jax.tree.flatten(scalars)
-  for i, leaf in enumerate(leaves):
-    if jnp.ndim(leaf) != 0:
-      raise ValueError(
-          f"scalars leaf {i} has shape {jnp.shape(leaf)}; every leaf of scalars "
-          "must be a 0-d value (per-element data belongs in the slots)."
-      )
-  # A zero-length input is not a valid Triton argument: keep one dummy entry.
-  packed = [jnp.asarray(leaf, jnp.float32) for leaf in leaves] or [jnp.zeros((), jnp.float32)]
-  return jnp.stack(packed), treedef
 
 
 def _silence_triton_deprecation() -> None:
@@ -455,7 +385,7 @@ def fused_dw_update(
 ):
   """``dW = x.T @ dy`` consumed tile by tile by ``update_fn``, in place.
 
-  Same contract as :func:`fused_dw_update_reference`. Under a jit that
+  Same contract as :func:`pallas_kernels.reference.fused_dw_update_reference`. Under a jit that
   donates ``w`` and ``slots`` the new values are written over the old ones;
   without donation XLA copies them first (the result is the same).
 
@@ -490,7 +420,7 @@ def fused_dw_update(
   slots = tuple(slots)
   _check_inputs(x, dy, w, slots, layer)
   (t, k), n = x.shape, dy.shape[1]
-  codecs = _codecs(w, slots, weight_codec)
+  codecs = codecs_for(w, slots, weight_codec)
   block = max(d for c in codecs for d in c.col_divisors())
   if config is None:
     config = default_tile_config(t, k, n, x.dtype)
@@ -504,12 +434,12 @@ def fused_dw_update(
         f"config.block_n={config.block_n} must be a multiple of the quantization "
         f"block={block}: a tile re-quantizes whole blocks. Use a larger block_n."
     )
-  seed_i32, step_i32 = _rounding_ints(codecs, seed, step)
+  seed_i32, step_i32 = rounding_ints(codecs, seed, step)
   compute_dtype = jnp.promote_types(x.dtype, dy.dtype)
   # Full fp32 (no TF32) for fp32 inputs, as the reference; bf16 is exact in
   # the tensor cores' products either way.
   precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-  scalar_vec, scalars_treedef = _pack_scalars(scalars)
+  scalar_vec, scalars_treedef = pack_scalars(scalars)
   stacked = w.ndim == 3
   with_ints = stacked or any(c.needs_bits for c in codecs)
   inputs = [x, dy, scalar_vec]
@@ -518,7 +448,7 @@ def fused_dw_update(
     layer_i32 = jnp.int32(0) if not stacked else jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
     inputs.append(jnp.stack([layer_i32, seed_i32, step_i32]))
   first_state = len(inputs)
-  parts = _parts(codecs, w, slots)
+  parts = parts_of(codecs, w, slots)
   inputs += parts
   grid = (pl.cdiv(k, config.block_k), pl.cdiv(n, config.block_n))
   out_shape = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in parts]
@@ -550,104 +480,6 @@ def fused_dw_update(
       interpret=interpret,
       name="fused_dw_update",
   )(*inputs)
-  new_w, new_slots = _rebuild(codecs, outs[: len(parts)])
+  new_w, new_slots = rebuild(codecs, outs[: len(parts)])
   norm = jnp.sum(outs[-1]) if compute_grad_sq_norm else None
-  return new_w, new_slots, norm
-
-
-# ----------------------------------------------------------------------------
-# The plain-jnp reference.
-# ----------------------------------------------------------------------------
-
-
-def zero_after(x: Array) -> Array:
-  """A float32 zero (0.0 or -0.0) computed from one element of ``x``: adding it to a value
-  orders that value's consumers after ``x`` without changing it (XLA cannot fold it away,
-  and ``lax.optimization_barrier`` alone does not order on every backend)."""
-  token = jnp.ravel(x)[0].astype(jnp.float32)
-  return jnp.where(jnp.isfinite(token), token, 0.0) * 0.0
-
-
-def fused_dw_update_reference(
-    x: Array,
-    dy: Array,
-    w: Array,
-    slots: Sequence[Array],
-    scalars: Any,
-    update_fn: UpdateFn,
-    *,
-    layer: Optional[Array] = None,
-    compute_grad_sq_norm: bool = False,
-    weight_codec: Optional[numerics.Codec] = None,
-    seed: Optional[Any] = None,
-    step: Optional[Any] = None,
-):
-  """Plain-jnp reference: the same contract as the kernels.
-
-  Args:
-    x: [T, K] layer input (any float dtype).
-    dy: [T, N] output cotangent.
-    w: [K, N] weight, or [L, K, N] stacked weights with ``layer`` given.
-    slots: optimizer-state arrays shaped like ``w`` (float arrays or
-      :class:`~pallas_kernels.numerics.QuantizedArray`).
-    scalars: pytree of float32 0-d arrays passed to ``update_fn``.
-    update_fn: the elementwise rule (see the module docstring).
-    layer: int32 scalar index into the leading axis of stacked ``w``/slots.
-    compute_grad_sq_norm: also return ``sum(dW**2)`` in float32.
-    weight_codec: the weight's write-back (see :func:`fused_dw_update`).
-    seed: the rounding seed (stochastic rounding).
-    step: the optimizer step (stochastic rounding).
-
-  Returns:
-    ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless
-    requested.
-  """
-  g = jax.lax.dot_general(
-      x, dy, (((0,), (0,)), ((), ())),
-      precision=jax.lax.Precision.HIGHEST,
-      preferred_element_type=jnp.float32,
-  )
-  slots = tuple(slots)
-  codecs = _codecs(w, slots, weight_codec)
-  seed_i32, step_i32 = _rounding_ints(codecs, seed, step)
-  parts = _parts(codecs, w, slots)
-  if layer is None:
-    parts_l, layer_i32 = parts, jnp.int32(0)
-  else:
-    # Clamped like dynamic_index_in_dim (and like the kernel's index).
-    layer_i32 = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
-    parts_l = [jax.lax.dynamic_index_in_dim(p, layer_i32, keepdims=False) for p in parts]
-  w_l, slots_l = _rebuild(codecs, parts_l)
-  w32 = codecs[0].decode(codecs[0].parts(w_l))
-  slots32 = tuple(c.decode(c.parts(s)) for c, s in zip(codecs[1:], slots_l))
-  u, new = update_fn(g, w32, slots32, scalars)
-  bits = None
-  if any(c.needs_bits for c in codecs):
-    key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
-    bits = numerics.element_bits(key, numerics.matrix_index(g.shape))
-  n_w = len(codecs[0].col_divisors())
-  new_parts, i = [], 0
-  for j, (c, value) in enumerate(zip(codecs, (w32 + u, *new))):
-    m = len(c.col_divisors())
-    bits_j = numerics.value_bits(bits, j) if c.needs_bits else None
-    new_parts += c.encode(value, tuple(p.dtype for p in parts_l[i : i + m]), bits_j)
-    i += m
-  if layer is not None:
-    # The weight's update reads the old slots (its step needs their new
-    # values), and nothing orders that read before the slots' in-place
-    # updates: XLA then protects every slot stack with copies, twice per layer
-    # inside a ScannedStack's backward loop (XLA:CPU, fp32 AdamW, a 2-weight
-    # stack: 8 stack-sized copies, step temporaries 754 KB against 361 KB
-    # without them; experiments/stack_copies.py at commit 2b67016).
-    # The slots are written at an index that depends on the written weight,
-    # so every read of the old slots comes first.
-    def update(parts_, new_, index):
-      return [jax.lax.dynamic_update_index_in_dim(p, q.astype(p.dtype), index, 0)
-              for p, q in zip(parts_, new_)]
-
-    new_w_parts = update(parts[:n_w], new_parts[:n_w], layer_i32)
-    new_parts = new_w_parts + update(parts[n_w:], new_parts[n_w:],
-                                     layer_i32 + zero_after(new_w_parts[0]).astype(jnp.int32))
-  new_w, new_slots = _rebuild(codecs, new_parts)
-  norm = jnp.sum(g * g) if compute_grad_sq_norm else None
   return new_w, new_slots, norm

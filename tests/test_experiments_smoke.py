@@ -69,7 +69,7 @@ def test_bench_smoke_checks_times_and_reports_every_implementation(tmp_path, mon
   assert bench_fused_dw.main(["--smoke", "--out", str(tmp_path)]) == 0
   result = json.loads((tmp_path / "bench_fused_dw.json").read_text())
   rows = result["rows"]
-  impls = set(bench_fused_dw.IMPLEMENTATIONS)
+  impls = set(bench_fused_dw.IMPLEMENTATIONS) - bench_fused_dw.GPU_ONLY  # interpreted: no mosaic
   assert {(r["impl"], r["optimizer"]) for r in rows} == {
       (i, o) for i in impls for o in bench_fused_dw.OPTIMIZERS
   }
@@ -158,112 +158,6 @@ def test_dispatched_runs_n_calls_in_one_jit_without_merging_them(tmp_path):
     bench_fused_dw.main(["--smoke", "--calls", "0", "--out", str(tmp_path)])
 
 
-def test_roofline_classifies_what_limits_each_shape(tmp_path):
-  from experiments import roofline  # pylint: disable=g-import-not-at-top
-
-  def rows(t, k, n, bytes_, gemm, optax_, kernel):
-    flops = 2.0 * t * k * n
-    base = {"t": t, "k": k, "n": n, "optimizer": "adamw", "shape": f"{t}x{k}x{n}", "flops": flops,
-            "floor_bytes": bytes_, "status": "ok"}
-    return [dict(base, impl="xla_gemm", ms=gemm), dict(base, impl="xla_gemm_optax", ms=optax_),
-            dict(base, impl="mosaic", ms=kernel)]
-
-  # 1 GiB at 4.3 TB/s = 0.2497 ms (memory-bound: 2*64*4096*4096 flops take 0.0027 ms);
-  # 2*16384*4096*4096 flops at 790 TFLOP/s = 0.696 ms (compute-bound).
-  doc = {"sections": {"timing": {"state_dtype": "bfloat16", "info": {"command": "c"}, "rows": [
-      *rows(64, 4096, 4096, 2**30, 0.01, 0.4, 0.30),  # within 25% of the memory floor
-      *rows(16384, 4096, 4096, 2**20, 0.70, 0.80, 0.75),  # within 10% of the GEMM alone
-      *rows(1024, 4096, 4096, 2**20, 0.06, 0.12, 0.11),  # neither
-      {"impl": "mosaic", "status": "error", "t": 1, "k": 1, "n": 1, "optimizer": "adamw"},
-  ]}}}
-  path = tmp_path / "check_mosaic_gpu.json"
-  path.write_text(json.dumps(doc))
-  assert roofline.main([str(path), "--out", str(tmp_path / "out")]) == 0
-  got = {(r["t"]): r for r in json.loads((tmp_path / "out" / "roofline.json").read_text())["rows"]}
-  assert {t: (r["bound"], r["limit"]) for t, r in got.items()} == {
-      64: ("memory", "memory"), 16384: ("compute", "compute"), 1024: ("compute", "beyond")}
-  assert abs(got[64]["frac_floor"] - 0.2497 / 0.30) < 1e-3 and abs(got[1024]["speedup"] - 0.12 / 0.11) < 1e-9
-  assert abs(got[1024]["over_gemm"] - (0.11 - 0.06) / 0.11) < 1e-9
-  table = (tmp_path / "out" / "roofline.md").read_text()
-  assert "| 1024x4096x4096 | bfloat16 | adamw |" in table and "bfloat16, T=1024: beyond 1" in table
-
-
-def test_main_loop_script_runs_and_its_gemm_configs_lower(tmp_path, monkeypatch):
-  """experiments.main_loop: the skip_compute variant leaves the states alone and W too, but for the
-  one sub-tile per row band that takes the gradient to keep the MMAs (its rows time the main loop
-  and the ring, not the update), the real kernel checks against the reference, and
-  every hopper_matmul_mgpu config it times lowers for sm_90 on this jax."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=g-import-not-at-top
-
-  from experiments import main_loop  # pylint: disable=g-import-not-at-top
-  from tests._lowering import skip_if_cuda_lowering_needs_a_gpu  # pylint: disable=g-import-not-at-top
-
-  x, dy, w0 = bench_fused_dw.make_inputs(128, 128, 256, state_dtype=jnp.bfloat16)
-  p = bench_fused_dw.make_problem(x, dy, w0, "adamw", interpret=True)
-  runner = main_loop.build_main_loop(p)
-  new_w, new_slots, _ = runner.step(runner.init())
-  cfg = main_loop.resolve_config(p.x, p.dy, p.w0, p.rule.init_slots(p.w0), interpret=True)
-  first = np.arange(w0.shape[1]) % cfg.tile_n < cfg.epi_n  # the sub-tiles that keep the MMAs
-  grad = np.asarray(jnp.dot(x.T, dy, preferred_element_type=jnp.float32).astype(w0.dtype), np.float32)
-  new_w, w0_np = np.asarray(new_w, np.float32), np.asarray(w0, np.float32)
-  np.testing.assert_array_equal(new_w[:, ~first], w0_np[:, ~first])  # loaded and stored back untouched
-  np.testing.assert_allclose(new_w[:, first], grad[:, first], rtol=1e-2, atol=1e-2)
-  for got_slot, want_slot in zip(new_slots, p.rule.init_slots(w0)):
-    assert bool(jnp.array_equal(got_slot, want_slot))
-  # xla_stream is the rule's step from a zero gradient, in place (what mosaic_stream computes):
-  # from nonzero states, so that the step moves them.
-  slots = tuple(jnp.abs(w0) * (i + 1) for i in range(2))  # AdamW's m, v
-  scalars = p.rule.scalars(jnp.int32(3))
-  got = main_loop._xla_stream_call(x, dy, w0, slots, scalars, p.rule.update)  # pylint: disable=protected-access
-  want = fused_dw.fused_dw_update_reference(x, jnp.zeros_like(dy), w0, slots, scalars, p.rule.update)
-  for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  assert not bool(jnp.array_equal(got[0], w0)) and not bool(jnp.array_equal(got[1][0], slots[0]))
-  # The real kernel, by contrast, does update W: main()'s "mosaic" row below is "ok" only if its
-  # update (w - w0) matches the reference's to bench_fused_dw.tolerances (w == w0 fails that).
-  # A --configs entry that does not fit the shape: error rows naming why, the others still run.
-  assert main_loop.main(["--smoke", "--impls", "xla_gemm", "xla_stream", "mosaic_main_loop", "mosaic",
-                         "--configs", '[{"tile_n": 96}]', "--out", str(tmp_path)]) == 0
-  rows = json.loads((tmp_path / "main_loop.json").read_text())["rows"]
-  assert [(r["impl"], r["status"]) for r in rows] == [
-      ("xla_gemm", "ok"), ("xla_stream", "ok"), ("mosaic_main_loop", "ok"), ("mosaic", "ok"),
-      ("mosaic_main_loop@0", "error"), ("mosaic@0", "error")], rows
-  assert "err_update" in rows[3] and "err_update" not in rows[2]
-  assert rows[3]["err_update"] <= bench_fused_dw.tolerances(jnp.bfloat16)[0], rows[3]
-  assert "tile_n=96 must be a multiple of 64" in rows[4]["error"]
-  # W and the states (bf16 w, m, v of 128x256), read and written once.
-  assert rows[1]["state_bytes"] == 2 * 3 * 128 * 256 * 2
-  table = (tmp_path / "main_loop.md").read_text()
-  assert "| mosaic | coop 64x64x64 st2 epi64x16/2" in table
-  ms = rows[1]["ms"]
-  assert f"| {ms:.3f} | {rows[1]['tflops']:.0f} | {rows[0]['ms'] / ms:.2f}x | {rows[1]['state_bytes'] / ms / 1e9:.2f} |" in table
-  with pytest.raises(SystemExit):
-    main_loop.main(["--smoke", "--configs", '[{"bogus": 1}]', "--out", str(tmp_path)])
-
-  monkeypatch.setattr(hm, "get_num_sms", lambda: 132)
-  a = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
-  b = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
-  for name, fields in main_loop.MGPU_CONFIGS.items():
-    config = main_loop.mgpu_tuning_config(fields)
-    with skip_if_cuda_lowering_needs_a_gpu():
-      text = jax.jit(lambda a, b: hm.matmul(a, b, None, config)).trace(a, b).lower(  # pylint: disable=cell-var-from-loop
-          lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text, name
-
-
-
-def test_main_loop_optimizer_flag_takes_plain_sgd(tmp_path):
-  """experiments.main_loop --optimizer sgd: W alone, no state (the smallest W/state stream); the
-  xla_optax row is checked against the reference with that rule, and the table names it."""
-  from experiments import main_loop  # pylint: disable=g-import-not-at-top
-
-  assert main_loop.main(["--smoke", "--optimizer", "sgd", "--impls", "xla_gemm", "xla_optax",
-                         "--out", str(tmp_path)]) == 0
-  got = json.loads((tmp_path / "main_loop.json").read_text())
-  assert [(r["impl"], r["status"]) for r in got["rows"]] == [("xla_gemm", "ok"), ("xla_optax", "ok")]
-  assert got["rows"][0]["state_bytes"] == 2 * 128 * 256 * 2  # W alone, bf16, read and written
-  assert "sgd, bf16 x/dy" in (tmp_path / "main_loop.md").read_text()
 
 def test_live_buffers_sums_the_schedule_and_lists_the_peak():
   from experiments import live_buffers  # pylint: disable=g-import-not-at-top
@@ -404,44 +298,3 @@ def test_capacity_plan_finds_a_tiny_models_edge(tmp_path, monkeypatch):
     capacity_plan.main(["--model", "tiny-llama", "--out", str(tmp_path)])
 
 
-def test_ncu_kernel_summary_command_and_rows(tmp_path):
-  """experiments.ncu_kernel on CPU: its rows are main_loop's, the ncu command profiles only the
-  child's window with the clocks left alone, and the raw page's CSV (header, units, one row per
-  kernel, ncu's '==' messages mixed in) becomes the summary, units converted."""
-  from experiments import main_loop, ncu_kernel  # pylint: disable=g-import-not-at-top
-
-  assert set(ncu_kernel.IMPLS) <= set(main_loop.implementations())
-  # Cases: STORAGE:T[:OPTIMIZER] (AdamW unless named); a bad one is named before ncu starts.
-  assert ncu_kernel._parse_case("bf16:4096:sgd") == ("bf16", 4096, "sgd")  # pylint: disable=protected-access
-  assert ncu_kernel._parse_case("fp32:1024") == ("fp32", 1024, "adamw")  # pylint: disable=protected-access
-  for bad, why in (("bf16:4096:adam", "optimizer 'adam' is not one of"), ("int8:64", "STORAGE:T")):
-    with pytest.raises(SystemExit):
-      ncu_kernel.main(["--cases", bad])
-    with pytest.raises(ValueError, match=why):
-      ncu_kernel._parse_case(bad)  # pylint: disable=protected-access
-  cmd = ncu_kernel.ncu_command("/x/ncu", tmp_path / "kernels", ["--cases", "bf16:1024"], "full")
-  assert cmd[:5] == ["/x/ncu", "--clock-control", "none", "--profile-from-start", "off"]
-  assert cmd[cmd.index("--set") + 1] == "full" and cmd[-3:] == ["--child", "--cases", "bf16:1024"]
-  listed = ncu_kernel.ncu_command("ncu", tmp_path / "k", [], "SpeedOfLight,WarpStateStats")
-  assert listed.count("--section") == 2 and "--set" not in listed
-  raw = "\n".join([
-      "==PROF== Disconnected from process 1",
-      '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","lts__t_sector_hit_rate.pct",'
-      '"sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",'
-      '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",'
-      '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"',
-      '"","","usecond","Mbyte","%","%","inst","inst"',
-      '"0","mosaic_gpu_kernel","107.5","201.3","61.2","55.0","3.5","0.25"',
-      '"1","gemm_fusion","1,060.0","16.8","90.0","80.0","0","1.5"',
-  ])
-  kernels = ncu_kernel.summarize_raw(raw)
-  assert [k["name"] for k in kernels] == ["mosaic_gpu_kernel", "gemm_fusion"]
-  first, second = kernels
-  assert first["duration"] == pytest.approx(107.5) and first["dram_read"] == pytest.approx(201.3e6)
-  assert first["l2_hit_pct"] == 61.2 and first["tensor_pct"] == 55.0
-  assert list(first["stalls"]) == ["long_scoreboard", "barrier"]
-  assert second["duration"] == pytest.approx(1060.0) and list(second["stalls"]) == ["barrier"]
-  info = {"command": "python -m experiments.ncu_kernel", "date": "d"}
-  text = ncu_kernel.markdown(info, kernels, [{"case": "bf16:1024", "impl": "mosaic", "config": "ping"}])
-  assert "| 0 | `mosaic_gpu_kernel` | 107.5 | 201.3 |" in text and "long_scoreboard 3.50" in text
-  assert ncu_kernel.summarize_raw("") == []

@@ -30,7 +30,7 @@ import pytest
 
 import forge_jax
 from pallas_kernels import fused_dw
-from pallas_kernels.fused_dw import TileConfig, fused_dw_update, fused_dw_update_reference
+from pallas_kernels import TileConfig, fused_dw_update, fused_dw_update_reference
 from tests._lowering import lower_for_cuda
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
@@ -78,7 +78,7 @@ def adam_scalars():
 
 
 # ----------------------------------------------------------------------------
-# Helpers.
+# Inputs and checks.
 # ----------------------------------------------------------------------------
 
 

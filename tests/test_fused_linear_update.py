@@ -10,7 +10,8 @@ import optax
 import pytest
 
 import forge_jax
-from pallas_kernels import fused_dw_mosaic
+from pallas_kernels import mosaic
+from pallas_kernels.mosaic import config as mosaic_config
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
 
@@ -184,7 +185,7 @@ def test_errors():
     forge_jax.fused_linear_update(x, dy, w, state, opt, backend="xla", config="garbage")
   with pytest.raises(ValueError, match="is not a TileConfig: backend='interpret'"):
     forge_jax.fused_linear_update(x, dy, w, state, opt, backend="interpret",
-                                  config=fused_dw_mosaic.MosaicTileConfig())
+                                  config=mosaic.MosaicTileConfig())
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="needs a GPU"):
       forge_jax.fused_linear_update(x, dy, w, state, opt, backend="pallas")
@@ -196,7 +197,7 @@ def test_float16_inputs_on_a_gpu_without_the_mosaic_kernel_go_to_xla(monkeypatch
   non-Hopper GPU)."""
   from forge_jax import _fused  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
-  monkeypatch.setattr(fused_dw_mosaic, "_device_problem", lambda: "needs a Hopper GPU (test)")
+  monkeypatch.setattr(mosaic_config, "device_problem", lambda: "needs a Hopper GPU (test)")
   opt = forge_jax.adamw(1e-2)
   x, dy, w = jnp.ones((64, 64), jnp.float16), jnp.ones((64, 128), jnp.float16), jnp.ones((64, 128))
   out = jax.eval_shape(lambda *a: forge_jax.fused_linear_update(*a, opt, backend="auto"),

@@ -20,6 +20,7 @@ from experiments import bench_fused_dw
 from experiments import bench_lowp
 from experiments import lowp_bytes
 from experiments import lowp_fidelity
+import pallas_kernels
 from pallas_kernels import numerics as nm
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
@@ -158,7 +159,7 @@ def test_optax_face_xla_backend_and_kernel_agree_sr_int8():
   step_face = jax.jit(functools.partial(_optax_face_step, opt))
   step = lambda backend: jax.jit(functools.partial(
       forge_jax.fused_linear_update, optimizer=opt, backend=backend, stream=0,
-      config=forge_jax._fused._fused_dw.TileConfig(32, 64, 16, 4, 2)))
+      config=pallas_kernels.TileConfig(32, 64, 16, 4, 2)))
   step_xla, step_kernel = step("xla"), step("interpret")
   for i in range(3):
     xi = x * (1.0 + 0.1 * i)

@@ -20,9 +20,10 @@ import pytest
 
 import forge_jax
 from forge_jax import _fused
-from pallas_kernels import fused_dw as fd
-from pallas_kernels import fused_dw_mosaic as fm
+import pallas_kernels as fd
+from pallas_kernels import mosaic as fm
 from pallas_kernels import numerics as pallas_numerics
+from pallas_kernels.mosaic import config as mosaic_config
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -132,7 +133,7 @@ def fake_gpu(monkeypatch):
 
   def fake(name):
     def run(x, dy, w, slots, scalars, update_fn, *, layer=None, config=None,
-            compute_grad_sq_norm=False, interpret=False, **rounding):
+            compute_grad_sq_norm=False, interpret=False, config_checked=False, **rounding):
       calls.append((name, config, interpret))
       return fd.fused_dw_update_reference(
           x, dy, w, slots, scalars, update_fn, layer=layer, compute_grad_sq_norm=compute_grad_sq_norm,
@@ -184,7 +185,7 @@ def test_mosaic_falls_back_to_pallas_once_per_reason(fake_gpu, t, k, n, in_dtype
 
 
 def test_mosaic_falls_back_on_a_non_hopper_gpu(fake_gpu, monkeypatch):
-  monkeypatch.setattr(fm, "_device_problem", lambda: "needs a Hopper GPU (sm_90, wgmma); A100 is sm_8.0")
+  monkeypatch.setattr(mosaic_config, "device_problem", lambda: "needs a Hopper GPU (sm_90, wgmma); A100 is sm_8.0")
   x, dy, w, state, opt = _problem(64, 128, 256)
   with pytest.warns(_fused.BackendFallbackWarning, match="Hopper"):
     forge_jax.fused_linear_update(x, dy, w, state, opt, backend="mosaic")
@@ -226,7 +227,7 @@ def test_auto_on_a_non_hopper_gpu_is_the_triton_kernel_except_for_int8_states(fa
   """"auto" takes the Triton kernel on a non-Hopper GPU (without a warning: it promised no
   kernel), but XLA's dot + update for int8 states (measured faster on the H200; see
   _fused._resolve_backend)."""
-  monkeypatch.setattr(fm, "_device_problem", lambda: "needs a Hopper GPU (sm_90, wgmma); A100 is sm_8.0")
+  monkeypatch.setattr(mosaic_config, "device_problem", lambda: "needs a Hopper GPU (sm_90, wgmma); A100 is sm_8.0")
   x, dy, w, state, opt = _problem(64, 128, 256)
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")

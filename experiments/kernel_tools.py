@@ -1,0 +1,311 @@
+"""The Mosaic GPU kernel engineer's tools: in-kernel profile, Nsight Compute counters, ptxas report.
+
+One call of ``pallas_kernels.mosaic.fused_dw_update_mosaic`` (bf16 x/dy, a T x K x N problem,
+an optimizer, weight and state storage, the default tiling or ``--config-json`` fields) examined
+three ways, on a Hopper GPU, from the repository root:
+
+    # Mosaic GPU's in-kernel profiler: time per named region (fdw_mainloop, fdw_epilogue,
+    # fdw_epi_wait, ...) per warpgroup, from its Chrome traces (kept gzipped in --out).
+    PYTHONPATH=$PWD python -m experiments.kernel_tools profile --out $OUT/profile --shape 1024x4096x4096
+    # Nsight Compute on that one call (between cuProfilerStart/Stop): duration, DRAM bytes, tensor
+    # pipe and SM throughput; the .ncu-rep stays in --out.
+    PYTHONPATH=$PWD python -m experiments.kernel_tools ncu --out $OUT/ncu --states bfloat16
+    # ptxas -v on the kernel (MOSAIC_GPU_DUMP_PTXAS=1): registers per thread and spill bytes.
+    PYTHONPATH=$PWD python -m experiments.kernel_tools ptxas --out $OUT/ptxas --states int8
+    # The Mosaic GPU module (no GPU needed: lowered for sm_90), without locations, to diff
+    # against another checkout's (this file, that checkout's kernel):
+    PYTHONPATH=$PWD python -m experiments.kernel_tools mlir --out /tmp/mlir --states bfloat16
+    PYTHONPATH=/tmp/old python experiments/kernel_tools.py mlir --out /tmp/mlir_old --states bfloat16
+
+Each writes ``kernel_<tool>.json`` and ``.md`` to ``--out``. ``run`` is the bare call the other
+tools wrap (``--interpret`` runs it under the Mosaic GPU interpreter, for a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import dataclasses
+import glob
+import gzip
+import io
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+from typing import Any, Optional, Sequence
+
+OPTIMIZERS = ("adamw", "lion", "sgd_momentum")
+STATES = ("float32", "bfloat16", "int8")
+PROFILE_SPACE = 512  # profiler ranges per warpgroup (a block's producer waits ~120 times at T=1024)
+_USED = re.compile(r"Used (\d+) registers")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+# ncu raw metric -> short name, for the summary.
+NCU_METRICS = {
+    "gpu__time_duration.sum": "duration",
+    "dram__bytes_read.sum": "dram_read",
+    "dram__bytes_write.sum": "dram_write",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pct",
+    "lts__t_sector_hit_rate.pct": "l2_hit_pct",
+}
+
+
+def problem(shape: str, states: str, optimizer: str, seed: int = 0):
+  """``(x, dy, w, slots, scalars, rule)`` on the default device: random bf16 x/dy,
+  a weight (and states) of ``states`` storage (int8: float32 weight, int8 states)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import forge_jax  # pylint: disable=g-import-not-at-top
+
+  t, k, n = (int(v) for v in shape.lower().split("x"))
+  precision = forge_jax.Precision(state_dtype="int8", min_quantized_size=0) if states == "int8" else None
+  ctor = {"adamw": lambda: forge_jax.adamw(1e-3, weight_decay=0.1, precision=precision),
+          "lion": lambda: forge_jax.lion(1e-4, weight_decay=0.1, precision=precision),
+          "sgd_momentum": lambda: forge_jax.sgd(1e-2, momentum=0.9, precision=precision)}[optimizer]
+  opt = ctor()
+  kx, kd, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, (t, n), jnp.float32).astype(jnp.bfloat16)
+  w_dtype = jnp.bfloat16 if states == "bfloat16" else jnp.float32
+  w = (0.02 * jax.random.normal(kw, (k, n), jnp.float32)).astype(w_dtype)
+  state = opt.init(w)
+  slots = tuple(state[1:])
+  return x, dy, w, slots, opt.rule.scalars(jnp.int32(3)), opt.rule
+
+
+def kernel_call(args, profile: Optional[tuple[int, str]] = None):
+  """``(step, operands, config)``: the jitted kernel call (W and states donated) and its inputs."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  try:
+    from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
+  except ImportError:  # a checkout from before pallas_kernels/mosaic/ (same entry points)
+    from pallas_kernels import fused_dw_mosaic as mosaic  # pylint: disable=g-import-not-at-top
+
+  x, dy, w, slots, scalars, rule = problem(args.shape, args.states, args.optimizer)
+  cfg = mosaic.default_config(x, dy, w, slots)
+  if args.config_json:
+    cfg = dataclasses.replace(cfg, **json.loads(args.config_json))
+  if args.interpret:
+    cfg = dataclasses.replace(cfg, num_sms=1)
+
+  def step(w, slots, x, dy, scalars):
+    # The seed and step feed stochastic rounding (forge_jax's default int8 maps use it).
+    return mosaic.fused_dw_update_mosaic(x, dy, w, slots, scalars, rule.update, config=cfg,
+                                         interpret=args.interpret, seed=jnp.uint32(1),
+                                         step=jnp.int32(3),
+                                         **({} if profile is None else {"profile": profile}))[:2]
+
+  return jax.jit(step, donate_argnums=(0, 1)), (w, slots, x, dy, scalars), cfg
+
+
+def _cuda_profiler(start: bool) -> None:
+  """cuProfilerStart/Stop on the primary context (the one XLA uses), made current here."""
+  import ctypes  # pylint: disable=g-import-not-at-top
+
+  cuda = ctypes.CDLL("libcuda.so.1")
+  dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+  for call, call_args in (("cuDeviceGet", (ctypes.byref(dev), 0)),
+                          ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), dev)),
+                          ("cuCtxSetCurrent", (ctx,)),
+                          ("cuProfilerStart" if start else "cuProfilerStop", ())):
+    if (rc := getattr(cuda, call)(*call_args)) != 0:
+      raise RuntimeError(f"{call} returned CUDA error {rc}")
+
+
+def run(args, profile: Optional[tuple[int, str]] = None) -> dict[str, Any]:
+  """Compiles and runs the call once, then once more (inside the CUDA profiler range with
+  ``--cuda-profiler-range``, for ncu); returns the config used."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  step, (w, slots, *rest), cfg = kernel_call(args, profile)
+  w, slots = jax.block_until_ready(step(w, slots, *rest))
+  if args.cuda_profiler_range:
+    _cuda_profiler(True)
+  jax.block_until_ready(step(w, slots, *rest))
+  if args.cuda_profiler_range:
+    _cuda_profiler(False)
+  return dataclasses.asdict(cfg)
+
+
+# ----------------------------------------------------------------------------
+# Reading the tools' output.
+# ----------------------------------------------------------------------------
+
+
+def summarize_trace(trace: dict) -> dict[str, Any]:
+  """Per-region totals of a Mosaic GPU profiler trace (Chrome ``B``/``E`` events):
+  ``{"regions": {name: {"count", "total_us", "mean_us"}}, "tracks", "span_us"}``. Nested regions
+  count in full at each level (``fdw_epilogue`` includes its ``fdw_epi_*``)."""
+  stacks: dict[tuple, list] = collections.defaultdict(list)
+  first: dict[tuple, float] = {}
+  last: dict[tuple, float] = {}
+  totals: dict[str, list[float]] = collections.defaultdict(list)
+  for ev in trace.get("traceEvents", []):
+    track, ts = (ev.get("pid"), ev.get("tid")), float(ev["ts"])
+    first[track], last[track] = min(first.get(track, ts), ts), max(last.get(track, ts), ts)
+    if ev["ph"] == "B":
+      stacks[track].append((ev["name"], ts))
+    elif ev["ph"] == "E" and stacks[track]:  # (an end without its begin: a trace cut short)
+      name, start = stacks[track].pop()
+      totals[name].append(ts - start)
+  regions = {name: {"count": len(d), "total_us": sum(d), "mean_us": sum(d) / len(d)}
+             for name, d in sorted(totals.items())}
+  spans = [last[t] - first[t] for t in first]
+  return {"regions": regions, "tracks": len(first), "span_us": max(spans, default=0.0)}
+
+
+def parse_ptxas(text: str) -> dict[str, Any]:
+  """ptxas ``-v`` figures in a process's output, maxima over its functions (None if absent)."""
+  regs = [int(m.group(1)) for m in _USED.finditer(text)]
+  frames = [tuple(int(g) for g in m.groups()) for m in _FRAME.finditer(text)]
+  top = lambda i: max(f[i] for f in frames) if frames else None
+  return {"registers": max(regs, default=None), "stack_frame_bytes": top(0),
+          "spill_store_bytes": top(1), "spill_load_bytes": top(2), "functions": len(regs)}
+
+
+def ncu_command(ncu: str, report: pathlib.Path, run_args: Sequence[str]) -> list[str]:
+  """Nsight Compute on ``kernel_tools run`` between cuProfilerStart/Stop, clocks left alone."""
+  return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--target-processes",
+          "all", "--set", "full", "-f", "-o", str(report), sys.executable, "-m",
+          "experiments.kernel_tools", "run", "--cuda-profiler-range", *run_args]
+
+
+def summarize_ncu_raw(raw_csv: str) -> list[dict[str, Any]]:
+  """One dict per kernel of ``ncu --import R --page raw --csv``: its name and NCU_METRICS."""
+  rows = list(csv.reader(io.StringIO(raw_csv)))
+  if len(rows) < 3:
+    return []
+  header, data = rows[0], rows[2:]  # rows[1]: units
+  out = []
+  for row in data:
+    values = dict(zip(header, row))
+    kernel = {"name": values.get("Kernel Name", "?")}
+    for metric, short in NCU_METRICS.items():
+      if metric in values:
+        try:
+          kernel[short] = float(values[metric].replace(",", ""))
+        except ValueError:
+          kernel[short] = values[metric]
+    out.append(kernel)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# The tools.
+# ----------------------------------------------------------------------------
+
+
+def _run_args(args) -> list[str]:
+  out = ["--shape", args.shape, "--states", args.states, "--optimizer", args.optimizer]
+  return out + (["--config-json", args.config_json] if args.config_json else [])
+
+
+def tool_profile(args, out: pathlib.Path) -> dict[str, Any]:
+  """Runs the call with the profiler; the profiler's buffers take shared memory, so a config
+  that no longer fits is retried with one stage fewer."""
+  traces = out / "traces"
+  traces.mkdir(parents=True, exist_ok=True)
+  config = json.loads(args.config_json) if args.config_json else {}
+  while True:
+    args.config_json = json.dumps(config) if config else None
+    try:
+      cfg = run(args, profile=(PROFILE_SPACE, str(traces)))
+      break
+    except Exception as e:  # pylint: disable=broad-except
+      stages = config.get("max_concurrent_steps")
+      if "shared memory" not in str(e) or stages == 2:
+        raise
+      config["max_concurrent_steps"] = (stages or 5) - 1
+  files = sorted(glob.glob(str(traces / "*.json")))
+  summary = summarize_trace(json.loads(pathlib.Path(files[-1]).read_text())) if files else {}
+  for f in files:  # kept, compressed
+    pathlib.Path(f + ".gz").write_bytes(gzip.compress(pathlib.Path(f).read_bytes()))
+    os.remove(f)
+  return {"config": cfg, "trace_files": len(files), **summary}
+
+
+def tool_ncu(args, out: pathlib.Path) -> dict[str, Any]:
+  ncu = shutil.which("ncu") or max(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), default=None)
+  if ncu is None:
+    raise RuntimeError("ncu (Nsight Compute) is neither on PATH nor under /opt/nvidia/nsight-compute")
+  report = out / "kernel"
+  subprocess.run(ncu_command(ncu, report, _run_args(args)), check=True)
+  raw = subprocess.run([ncu, "--import", f"{report}.ncu-rep", "--page", "raw", "--csv"],
+                       check=True, capture_output=True, text=True).stdout
+  return {"report": f"{report}.ncu-rep", "kernels": summarize_ncu_raw(raw)}
+
+
+def tool_ptxas(args, out: pathlib.Path) -> dict[str, Any]:
+  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
+  env.pop("MOSAIC_GPU_DUMP_TO", None)  # with it set, Mosaic GPU writes files and skips ptxas -v
+  proc = subprocess.run([sys.executable, "-m", "experiments.kernel_tools", "run", *_run_args(args)],
+                        env=env, capture_output=True, text=True, check=False)
+  (out / "ptxas.log").write_text(proc.stdout + proc.stderr)
+  if proc.returncode != 0:
+    raise RuntimeError(f"the kernel call ended with {proc.returncode}: {proc.stderr[-1500:]}")
+  return parse_ptxas(proc.stdout + proc.stderr)
+
+
+def tool_mlir(args, out: pathlib.Path) -> dict[str, Any]:
+  """Lowers the call for sm_90 (on any host) and keeps the Mosaic GPU module Mosaic serializes,
+  printed without locations (jax-internal hook: ``mosaic.gpu.core._run_serde_pass``)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+
+  step, operands, cfg = kernel_call(args)
+  modules, real = [], mgpu_core._run_serde_pass  # pylint: disable=protected-access
+  mgpu_core._run_serde_pass = lambda module, **kw: (  # pylint: disable=protected-access
+      modules.append(module.operation.get_asm(enable_debug_info=False)) or real(module, **kw))
+  try:
+    step.trace(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands)).lower(
+        lowering_platforms=("cuda",))
+  finally:
+    mgpu_core._run_serde_pass = real  # pylint: disable=protected-access
+  (out / "kernel.mlir").write_text(modules[-1])
+  return {"config": dataclasses.asdict(cfg), "module": str(out / "kernel.mlir"),
+          "lines": modules[-1].count("\n")}
+
+
+TOOLS = {"profile": tool_profile, "ncu": tool_ncu, "ptxas": tool_ptxas, "mlir": tool_mlir}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("tool", choices=("run", *TOOLS))
+  parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
+  parser.add_argument("--shape", default="1024x4096x4096", help="T x K x N")
+  parser.add_argument("--states", default="float32", choices=STATES,
+                      help="weight and state storage (int8: float32 weight, int8 states)")
+  parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+  parser.add_argument("--config-json", default=None, help="MosaicTileConfig fields over the default")
+  parser.add_argument("--interpret", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--cuda-profiler-range", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if not re.fullmatch(r"\d+x\d+x\d+", args.shape):
+    parser.error(f"--shape takes T x K x N, e.g. 1024x4096x4096; got {args.shape!r}")
+  if args.tool == "run":
+    print(json.dumps(run(args)))
+    return 0
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+
+  out = _timing.out_dir(args.out)
+  info = _timing.run_info("experiments.kernel_tools", argv)
+  result = {"info": info, args.tool: TOOLS[args.tool](args, out)}
+  _timing.write_json(out / f"kernel_{args.tool}.json", result)
+  lines = [f"# kernel_tools {args.tool}: {args.shape} {args.optimizer}, {args.states} states", "",
+           f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}.", "",
+           "```", json.dumps(result[args.tool], indent=1, default=str)[:6000], "```"]
+  (out / f"kernel_{args.tool}.md").write_text("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

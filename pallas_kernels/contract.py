@@ -1,0 +1,108 @@
+"""The contract every fused ``dW`` + update implementation in this package keeps.
+
+``update_fn(g, w, slots, scalars) -> (u, new_slots)``
+  ``g``, ``w`` and each slot are float32 tiles of one shape; ``scalars`` is the
+  caller's pytree of float32 0-d values (rebuilt inside a kernel from a packed
+  vector); ``u`` is the float32 update (the weight becomes ``w + u``) and
+  ``new_slots`` the float32 slots. Plain elementwise jnp arithmetic only: the
+  same function runs in the kernels' epilogues, in the XLA reference and in the
+  tests' expectations.
+
+Stored forms (:mod:`pallas_kernels.numerics`): every value is read through a
+codec's ``decode`` into float32 and written back through its ``encode``. The
+weight's codec is an argument (``weight_codec``: round to nearest by default,
+or stochastic rounding to bfloat16 with bits hashed from ``seed``, ``step``,
+``layer`` and the element's index); a slot is either a float array (round to
+nearest) or a :class:`~pallas_kernels.numerics.QuantizedArray` (int8 codes +
+per-block scales, dequantized and re-quantized in registers).
+
+Stacked weights: ``w`` and the slots may carry a leading layer axis
+([L, K, N]); then ``layer`` (an int32 scalar, clamped to ``[0, L)``) selects
+the one slice that is read and rewritten, so a loop over layers updates a
+stacked parameter in place without slicing copies.
+
+Every implementation returns ``(new_w, new_slots, grad_sq_norm)``, the last
+``None`` unless ``compute_grad_sq_norm``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import numerics
+
+Array = jax.Array
+UpdateFn = Callable[..., tuple[Array, tuple[Array, ...]]]
+
+
+def check_quantized(s: numerics.QuantizedArray, name: str) -> None:
+  """ValueErrors for an int8 state whose codes, scales or block do not fit its shape."""
+  s.codec.check(s.shape, name)
+  scale_shape = s.shape[:-1] + (s.shape[-1] // s.codec.block,)
+  if s.codes.dtype != numerics.CODE_DTYPE or s.scale.dtype != numerics.SCALE_DTYPE:
+    raise ValueError(
+        f"{name} has codes of dtype {s.codes.dtype} and scales of dtype {s.scale.dtype}; "
+        f"expected {numerics.CODE_DTYPE} and {numerics.SCALE_DTYPE} (build it with "
+        "BlockQuantized.quantize)."
+    )
+  if tuple(s.scale.shape) != scale_shape:
+    raise ValueError(
+        f"{name}.scale.shape={tuple(s.scale.shape)} must be {scale_shape}: one scale "
+        f"per block of {s.codec.block} values along the last axis."
+    )
+
+
+def codecs_for(w: Array, slots: tuple, weight_codec) -> tuple[numerics.Codec, ...]:
+  """The weight's codec (round to nearest unless given), then each slot's."""
+  return (weight_codec or numerics.Cast(),) + tuple(numerics.codec_of(s) for s in slots)
+
+
+def parts_of(codecs, w: Array, slots: tuple) -> list[Array]:
+  """The stored arrays of the weight and slots, in order (an int8 slot: codes, then scales)."""
+  return [p for c, v in zip(codecs, (w,) + slots) for p in c.parts(v)]
+
+
+def rebuild(codecs, parts: Sequence[Array]) -> tuple[Array, tuple]:
+  """Inverse of :func:`parts_of`: ``(w, slots)`` from the stored arrays."""
+  values, i = [], 0
+  for c in codecs:
+    m = len(c.col_divisors())
+    values.append(c.rebuild(parts[i : i + m]))
+    i += m
+  return values[0], tuple(values[1:])
+
+
+def rounding_ints(codecs, seed, step) -> tuple[Array, Array]:
+  """(seed, step) as int32 scalars; a ValueError if bits are needed but missing."""
+  if any(c.needs_bits for c in codecs) and (seed is None or step is None):
+    raise ValueError(
+        f"seed={seed!r} and step={step!r}: stochastic rounding needs both (the random "
+        "bits hash seed, step, layer and the element index). Pass seed= and step=."
+    )
+  as_i32 = lambda v: jax.lax.bitcast_convert_type(numerics._u32(0 if v is None else v), jnp.int32)
+  return as_i32(seed), as_i32(step)
+
+
+def pack_scalars(scalars: Any) -> tuple[Array, Any]:
+  """Flattens the scalars pytree into one float32 vector (+ its treedef)."""
+  leaves, treedef = jax.tree.flatten(scalars)
+  for i, leaf in enumerate(leaves):
+    if jnp.ndim(leaf) != 0:
+      raise ValueError(
+          f"scalars leaf {i} has shape {jnp.shape(leaf)}; every leaf of scalars "
+          "must be a 0-d value (per-element data belongs in the slots)."
+      )
+  # A zero-length input is not a valid Triton argument: keep one dummy entry.
+  packed = [jnp.asarray(leaf, jnp.float32) for leaf in leaves] or [jnp.zeros((), jnp.float32)]
+  return jnp.stack(packed), treedef
+
+
+def zero_after(x: Array) -> Array:
+  """A float32 zero (0.0 or -0.0) computed from one element of ``x``: adding it to a value
+  orders that value's consumers after ``x`` without changing it (XLA cannot fold it away,
+  and ``lax.optimization_barrier`` alone does not order on every backend)."""
+  token = jnp.ravel(x)[0].astype(jnp.float32)
+  return jnp.where(jnp.isfinite(token), token, 0.0) * 0.0

@@ -1,0 +1,332 @@
+"""Tiling of the Mosaic GPU kernel: the config, the one table of defaults, and what it supports.
+
+Everything here reads shapes and dtypes only (arrays or ``jax.ShapeDtypeStruct``), so a
+caller can pick a backend before tracing anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import numerics
+
+# A Hopper block may use 227 KiB of shared memory; Mosaic GPU's own total (barriers included,
+# checked while lowering) exceeds smem_bytes' count by about 2.1 KiB, hence a 3 KiB margin.
+# fp32 AdamW's default (exactly 224 KiB here) lowers and runs on the H200; the tests lower every
+# default in the margin, so a config Mosaic refuses fails a test, not a user's compile.
+SMEM_BUDGET_BYTES = 224 * 1024
+MOSAIC_SMEM_LIMIT = 227 * 1024
+NUM_COMPUTE_WGS = 2
+MAX_SLOTS = 4
+MEMORY_REGISTERS = 40  # per thread of the memory warpgroup; the compute warpgroups get the rest
+DEFAULT_NUM_SMS = 132  # the grid when the device says nothing (interpreter, cross-lowering): H200
+_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTileConfig:
+  """Static tiling of the ping-pong kernel. The defaults are what float32 AdamW gets.
+
+  Each compute warpgroup owns whole ``tile_m x tile_n`` tiles of ``W``; the memory warpgroup
+  feeds their main loops in turn through one ring of ``max_concurrent_steps`` stages, so one
+  warpgroup's epilogue runs while the other's main loop keeps the tensor cores busy (faster
+  than both warpgroups sharing a tile at every setting measured on the H200).
+
+  Attributes:
+    tile_m: rows of ``W`` per tile (the ``x`` block width, wgmma ``M``); a multiple of 64.
+    tile_n: columns of ``W`` per tile; a multiple of 64, at most 256.
+    tile_t: tokens per pipeline step (wgmma ``K``); a multiple of 64.
+    max_concurrent_steps: stages of ``x``/``dy`` blocks in shared memory (at least 2).
+    epi_m: rows of an epilogue sub-tile; a multiple of 64 dividing ``tile_m``.
+    epi_n: columns of an epilogue sub-tile; a multiple of 16 dividing ``tile_n``; the
+      quantization block of int8 states.
+    epi_slots: depth of each compute warpgroup's epilogue ring; the first ``epi_slots``
+      sub-tiles of a tile are fetched during its main loop.
+    epi_l2_lookahead: during the epilogue, TMA-prefetch into L2 the ``W``/state sub-tile this
+      many sub-tiles beyond the ring (0: off), so the ring's own loads hit L2.
+    mma_in_flight: keep one ``wgmma`` in flight across main-loop steps (wait for the previous
+      step's and release its stage one step later), so the tensor cores do not idle between
+      steps.
+    no_auto_barriers: lower without Pallas's warpgroup barriers around every register ->
+      shared-memory store. Each thread reads and rewrites only its own elements of a ring
+      slot, and ``commit_smem`` (kept) orders them before the TMA store and the refill. Float
+      states only: the four threads of a quad share an int8 row scale.
+    grid_tile_width: the persistent loop walks bands of this many tiles along ``N`` (L2
+      locality of the ``x``/``dy`` blocks).
+    num_sms: persistent grid size; ``None`` means the device's SM count.
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_t: int = 64
+  max_concurrent_steps: int = 4
+  epi_m: int = 64
+  epi_n: int = 32
+  epi_slots: int = 2
+  epi_l2_lookahead: int = 0
+  mma_in_flight: bool = True
+  no_auto_barriers: bool = True
+  grid_tile_width: int = 8
+  num_sms: Optional[int] = None
+
+
+_Cfg = MosaicTileConfig
+# Fallback tilings: Pallas's store barriers and one wgmma at a time (as shipped; not swept).
+_PLAIN = dict(mma_in_flight=False, no_auto_barriers=False)
+_SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the main loop, bounds)
+# THE default table. default_config takes the first row whose conditions the call meets and
+# whose config ``supports`` accepts. Conditions: "float" (no int8 state) or "int8"; "short" /
+# "long" T; "two_byte" (weight and every state in 2 bytes); "small_grid" (128x128 tiles give
+# the SMs at most 1.5 each). Sources, H200, jax 0.11.2, AdamW, experiments/results/h200/:
+# - small grids: with one tile per SM no next tile's main loop hides the epilogue; 64-row
+#   tiles were faster for qwen3-0.6b's projections (bf16, T=1024, mosaic_small_shapes/:
+#   1024x1024 0.019 -> 0.013 ms, 1024x3072 0.028 -> 0.025) and slower from 256 tiles.
+# - 2-byte states (mosaic_bf16_sweep/): 4 stages with 64x64 sub-tiles at T <= 1024 (0.112 ms
+#   against 0.120), 5 stages with 64x32 at T=4096 (0.228 against 0.248).
+# - float states (mosaic_defaults/): 4 stages with 64x32 sub-tiles at every T swept (0.290 /
+#   0.171 / 0.159 ms at T = 4096 / 1024 / 64, against 0.298 / 0.211 / 0.206 with 64x16 and the
+#   L2 lookahead, and 0.348 / 0.180 / 0.157 with 3 stages); when the states are larger the
+#   order gives up the sub-tile width first at long T, a stage first at short T. One wgmma in
+#   flight (mosaic_tuned/: main loop at T=16384 1.024 -> 0.883 ms) and no store barriers
+#   (mosaic_barriers/: 0.160 -> 0.155 ms at T=1024) for all of them.
+# - int8 states: one quantization block per sub-tile row (epi_n is replaced by the block);
+#   Pallas's barriers stay (shared row scales).
+_DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
+    (frozenset(when.split()), cfg) for when, cfg in (
+        ("float small_grid", _Cfg(tile_m=64, max_concurrent_steps=6)),
+        ("float small_grid", _Cfg(tile_m=64, max_concurrent_steps=5)),
+        ("float small_grid", _Cfg(tile_m=64)),
+        ("float two_byte short", _Cfg(epi_n=64)),
+        ("float two_byte long", _Cfg(max_concurrent_steps=5)),
+        ("float", _Cfg()),
+        ("float long", _Cfg(epi_n=16, epi_l2_lookahead=4)),
+        ("float", _Cfg(max_concurrent_steps=3)),
+        ("float", _Cfg(max_concurrent_steps=3, epi_n=16, epi_l2_lookahead=4)),
+        ("float short", _Cfg(epi_n=16, epi_l2_lookahead=4)),
+        # Smaller pipelines and tiles, for what the above do not fit or divide.
+        ("float", _Cfg(max_concurrent_steps=3, epi_n=16, **_PLAIN)),
+        ("float", _Cfg(max_concurrent_steps=2, epi_n=16, **_PLAIN)),
+        ("float", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=16, **_PLAIN)),
+        ("float", _Cfg(tile_m=64, epi_n=16, **_PLAIN)),  # K a multiple of 64 only
+        ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16, **_PLAIN)),
+        ("int8", _Cfg(epi_n=64, no_auto_barriers=False)),
+        ("int8", _Cfg(max_concurrent_steps=3, epi_n=64, no_auto_barriers=False)),
+        ("int8", _Cfg(max_concurrent_steps=2, epi_n=64, no_auto_barriers=False)),
+        ("int8", _Cfg(tile_m=64, max_concurrent_steps=3, epi_n=64, no_auto_barriers=False)),
+    ))
+_SMALL_GRID_WAVES = 1.5
+
+
+def quantized(slot) -> bool:
+  """Whether ``slot`` is an int8 state (codes + per-block scales)."""
+  return isinstance(slot, numerics.QuantizedArray)
+
+
+def stored_dtype(slot):
+  """What the kernel streams for a slot: its dtype, or int8 codes for a quantized one."""
+  return slot.codes.dtype if quantized(slot) else slot.dtype
+
+
+def ring_depth(cfg: MosaicTileConfig) -> int:
+  """Epilogue ring slots allocated: no more than a tile has sub-tiles."""
+  return min(cfg.epi_slots, (cfg.tile_m // cfg.epi_m) * (cfg.tile_n // cfg.epi_n))
+
+
+def smem_bytes(cfg: MosaicTileConfig, in_dtype, w_dtype, slot_dtypes, with_norm: bool,
+               num_quantized: int = 0) -> int:
+  """Shared memory the kernel allocates for ``cfg``: stage ring + epilogue rings (+ norms).
+
+  ``slot_dtypes`` are the stored dtypes (int8 codes for a quantized slot); each of the
+  ``num_quantized`` int8 slots adds its per-row scales to the ring.
+  """
+  stage = cfg.tile_t * (cfg.tile_m + cfg.tile_n) * jnp.dtype(in_dtype).itemsize
+  per_sub = cfg.epi_m * cfg.epi_n * sum(jnp.dtype(d).itemsize for d in (w_dtype, *slot_dtypes))
+  per_sub += num_quantized * cfg.epi_m * 4
+  total = cfg.max_concurrent_steps * stage + NUM_COMPUTE_WGS * ring_depth(cfg) * per_sub
+  return total + (NUM_COMPUTE_WGS * cfg.tile_m * 4 if with_norm else 0)
+
+
+def grid_size(cfg: MosaicTileConfig) -> int:
+  """Blocks of the persistent grid: ``cfg.num_sms``, or the device's SM count."""
+  if cfg.num_sms is not None:
+    return cfg.num_sms
+  device = jax.devices()[0]
+  count = getattr(device, "core_count", None)
+  return count if device.platform == "gpu" and count else DEFAULT_NUM_SMS
+
+
+def _swizzle_ok(cols: int, dtype) -> bool:
+  """Whether a row of ``cols`` elements gets a real swizzle (>= 32 bytes)."""
+  return any(cols * jnp.dtype(dtype).itemsize % s == 0 for s in (128, 64, 32))
+
+
+def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
+  """Why ``cfg`` is not a valid tiling, or None."""
+  checks = (
+      (cfg.tile_m > 0 and cfg.tile_m % 64 == 0, f"tile_m={cfg.tile_m} must be a positive multiple of 64"),
+      (0 < cfg.tile_n <= 256 and cfg.tile_n % 64 == 0, f"tile_n={cfg.tile_n} must be a multiple of 64 in [64, 256]"),
+      (cfg.tile_t > 0 and cfg.tile_t % 64 == 0, f"tile_t={cfg.tile_t} must be a positive multiple of 64"),
+      (cfg.epi_m % 64 == 0 and cfg.tile_m % cfg.epi_m == 0,
+       f"epi_m={cfg.epi_m} must be a multiple of 64 dividing tile_m={cfg.tile_m}"),
+      (cfg.epi_n % 16 == 0 and cfg.tile_n % cfg.epi_n == 0,
+       f"epi_n={cfg.epi_n} must be a multiple of 16 dividing tile_n={cfg.tile_n}"),
+      (cfg.epi_slots >= 1, f"epi_slots={cfg.epi_slots} must be >= 1"),
+      (cfg.max_concurrent_steps >= 2,
+       f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 2 (one stage per warpgroup)"),
+      (cfg.epi_l2_lookahead >= 0, f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"),
+      (cfg.grid_tile_width >= 1, f"grid_tile_width={cfg.grid_tile_width} must be >= 1"),
+  )
+  return next((why for ok, why in checks if not ok), None)
+
+
+def device_problem() -> Optional[str]:
+  """Why the default device cannot run the kernel, or None. ``wgmma`` exists on Hopper (sm_90)
+  only (Blackwell has ``tcgen05``); a CPU passes: there the kernel is interpreted or lowered."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:  # no backend at all
+    return None
+  if device.platform != "gpu":
+    return None
+  capability = getattr(device, "compute_capability", None)
+  if capability is not None and not str(capability).startswith("9."):
+    return f"needs a Hopper GPU (sm_90, wgmma); {device.device_kind} is sm_{capability}"
+  return None
+
+
+def _operand_problem(x, dy, w, slots) -> Optional[str]:
+  """Why the operands (whatever the tiling) cannot go to the kernel, or None."""
+  if len(x.shape) != 2 or len(dy.shape) != 2:
+    return f"x and dy must be 2-D [T, K] / [T, N], got {x.shape} and {dy.shape}"
+  (t, k), (t2, n) = x.shape, dy.shape
+  if t != t2:
+    return f"x and dy disagree on T: {x.shape} vs {dy.shape}"
+  if len(w.shape) not in (2, 3) or tuple(w.shape[-2:]) != (k, n):
+    return f"w must be [K, N] = {(k, n)} or stacked [L, K, N], got {w.shape}"
+  if jnp.dtype(x.dtype) not in _INPUT_DTYPES or jnp.dtype(dy.dtype) != jnp.dtype(x.dtype):
+    return (f"x/dy dtypes {x.dtype}/{dy.dtype}: both must be bfloat16 or both float16 "
+            "(wgmma reads the transposed x operand only for 16-bit types)")
+  if jnp.dtype(w.dtype) not in _STATE_DTYPES:
+    return f"w dtype {w.dtype} must be float32, bfloat16 or float16"
+  if len(slots) > MAX_SLOTS:
+    return f"{len(slots)} optimizer slots: at most {MAX_SLOTS} are supported"
+  for i, s in enumerate(slots):
+    if tuple(s.shape) != tuple(w.shape):
+      return f"slot {i} has shape {s.shape}, expected w's {w.shape}"
+    if not quantized(s):
+      if jnp.dtype(s.dtype) not in _STATE_DTYPES:
+        return f"slot {i} dtype {s.dtype} must be float32, bfloat16 or float16"
+      continue
+    block = s.codec.block
+    if jnp.dtype(s.codes.dtype) != jnp.dtype(jnp.int8):
+      return f"slot {i} is quantized with {s.codes.dtype} codes; the kernel takes int8"
+    if tuple(s.scale.shape) != tuple(w.shape[:-1]) + (n // block,) or n % block:
+      return (f"slot {i}'s scale has shape {s.scale.shape}, expected "
+              f"{tuple(w.shape[:-1]) + (n // block,)} (N={n} in blocks of {block})")
+  return None
+
+
+def supports(x: Any, dy: Any, w: Any, slots: Sequence[Any],
+             config: Optional[MosaicTileConfig] = None, *,
+             compute_grad_sq_norm: bool = False) -> tuple[bool, str]:
+  """Whether the kernel takes these operands with ``config`` (None: :func:`default_config`):
+  ``(True, "")`` or ``(False, reason)``, the reason naming the value and the fix."""
+  cfg, why = select_config(x, dy, w, slots, config, compute_grad_sq_norm=compute_grad_sq_norm)
+  return cfg is not None, why
+
+
+def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> tuple[bool, str]:
+  if (problem := config_problem(cfg)) is not None:
+    return False, f"invalid MosaicTileConfig: {problem}"
+  if (problem := device_problem()) is not None:
+    return False, problem
+  for i, s in enumerate(slots):
+    if not quantized(s):
+      continue
+    if cfg.epi_n != s.codec.block:
+      return False, (f"slot {i} is int8 in blocks of {s.codec.block} columns: epi_n={cfg.epi_n} "
+                     "must equal the block (one block per sub-tile row)")
+    if cfg.no_auto_barriers:
+      return False, (f"slot {i} is int8: no_auto_barriers=True needs float states (the four "
+                     "threads of a quad read a row's scale and rewrite it, a race without the "
+                     "barriers)")
+  for name, dt in [("w", w.dtype)] + [(f"slot {i}", stored_dtype(s)) for i, s in enumerate(slots)]:
+    if not _swizzle_ok(cfg.epi_n, dt):
+      return False, f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"
+  (t, k), n = x.shape, dy.shape[1]
+  for dim, size, field in (("T", t, "tile_t"), ("K", k, "tile_m"), ("N", n, "tile_n")):
+    if size % getattr(cfg, field):
+      return False, f"{dim}={size} must be a multiple of {field}={getattr(cfg, field)}"
+  smem = smem_bytes(cfg, x.dtype, w.dtype, [stored_dtype(s) for s in slots], with_norm,
+                    sum(map(quantized, slots)))
+  if smem > SMEM_BUDGET_BYTES:
+    return False, (f"config needs {smem} bytes of shared memory (budget {SMEM_BUDGET_BYTES}); "
+                   "lower max_concurrent_steps, epi_slots or the epilogue sub-tile")
+  return True, ""
+
+
+def default_config(x: Any, dy: Any, w: Any, slots: Sequence[Any], *,
+                   compute_grad_sq_norm: bool = False,
+                   num_sms: Optional[int] = None) -> MosaicTileConfig:
+  """The first row of ``_DEFAULTS`` that applies to and fits these operands; if none fits, the
+  last that applies (the loosest), whose :func:`supports` reason then names the requirement."""
+  quant_blocks = {s.codec.block for s in slots if quantized(s)}
+  t = x.shape[0] if len(x.shape) == 2 else 0
+  k, n = w.shape[-2:]
+  grid_sms = grid_size(MosaicTileConfig(num_sms=num_sms))
+  traits = {"int8"} if quant_blocks else {"float", "short" if t <= _SHORT_T else "long"}
+  if all(jnp.dtype(stored_dtype(a)).itemsize <= 2 for a in (w, *slots)):
+    traits.add("two_byte")
+  if -(-k // 128) * -(-n // 128) <= _SMALL_GRID_WAVES * grid_sms:
+    traits.add("small_grid")
+  candidates = [cfg for when, cfg in _DEFAULTS if when <= traits]
+  if quant_blocks:
+    candidates = [dataclasses.replace(c, epi_n=min(quant_blocks)) for c in candidates]
+  candidates = [dataclasses.replace(c, num_sms=num_sms) for c in candidates]
+  for cfg in candidates:
+    if _tiling_problem(x, dy, w, slots, cfg, compute_grad_sq_norm)[0]:
+      return cfg
+  return candidates[-1]
+
+
+def interpreter_problem(weight_codec: Optional[numerics.Codec], slots: Sequence[Any]) -> Optional[str]:
+  """Why the Mosaic GPU interpreter cannot run this call, or None: stochastic rounding (of the
+  weight, or an int8 slot's map). jax 0.10.2's interpreter never returns (no error) from an
+  epilogue with the hash's iota or float32 -> uint32 bitcasts."""
+  if getattr(weight_codec, "needs_bits", False):
+    return (f"the Mosaic GPU interpreter cannot run the {type(weight_codec).__name__} write-back "
+            "of the weight (stochastic rounding hangs it)")
+  for i, s in enumerate(slots):
+    if quantized(s) and s.codec.needs_bits:
+      return (f"the Mosaic GPU interpreter cannot run the stochastically rounded int8 map of "
+              f"optimizer slot {i} (stochastic rounding hangs it)")
+  return None
+
+
+def select_config(x: Any, dy: Any, w: Any, slots: Sequence[Any],
+                  config: Optional[MosaicTileConfig] = None, *, compute_grad_sq_norm: bool = False,
+                  weight_codec: Optional[numerics.Codec] = None,
+                  interpret: bool = False) -> tuple[Optional[MosaicTileConfig], str]:
+  """Asks once whether the kernel takes a call: ``(config, "")`` to pass to
+  :func:`~pallas_kernels.mosaic.fused_dw_update_mosaic` with ``config_checked=True``, or
+  ``(None, reason)``.
+
+  ``config`` is the caller's tiling or ``None`` (:func:`default_config`); ``interpret``: the
+  call would run under the Mosaic GPU interpreter.
+  """
+  if config is not None and not isinstance(config, MosaicTileConfig):
+    raise ValueError(f"config={config!r} is not a MosaicTileConfig: pass "
+                     "pallas_kernels.mosaic.MosaicTileConfig or None")
+  if interpret and (why := interpreter_problem(weight_codec, slots)):
+    return None, why
+  if (problem := _operand_problem(x, dy, w, slots)) is not None:
+    return None, problem
+  if config is None:
+    config = default_config(x, dy, w, slots, compute_grad_sq_norm=compute_grad_sq_norm)
+  ok, reason = _tiling_problem(x, dy, w, slots, config, compute_grad_sq_norm)
+  return (config, "") if ok else (None, reason)

@@ -1,0 +1,588 @@
+"""Fused ``dW = x.T @ dy`` + optimizer update on Hopper, lowered through Mosaic GPU.
+
+The contract is :mod:`pallas_kernels.contract`'s: ``update_fn`` runs on float32 tiles of the
+gradient inside the kernel and ``W`` and the states are rewritten in place; the gradient never
+reaches device memory. One persistent block per SM, three warpgroups:
+
+* ping-pong: each compute warpgroup owns whole ``tile_m x tile_n`` tiles of ``W`` (a block's
+  tiles alternate between the two) and accumulates one in float32 registers over ``T``; the
+  memory warpgroup streams every step's ``x``/``dy`` blocks through one ring of stages, so one
+  warpgroup's epilogue runs while the other's main loop keeps the tensor cores busy.
+* the ``(tile_t, tile_m)`` block of ``x`` goes to ``wgmma`` transposed: Hopper's tensor cores
+  read a transposed 16-bit operand from shared memory, so no transposed copy of ``x`` exists.
+* the epilogue streams the tile through a ring of ``epi_slots`` shared-memory slots of
+  ``epi_m x epi_n`` sub-tiles of ``W`` and each state, the first ones fetched by TMA before the
+  main loop; a sub-tile is read in the accumulator's WGMMA layout, updated by the rule
+  (:mod:`pallas_kernels.mosaic.rule_eval`) and stored back by an asynchronous TMA copy. int8
+  states are decoded and re-encoded per sub-tile row (``epi_n`` = their block); a
+  stochastically rounded bf16 weight hashes (seed, step, layer, row * N + col) as the Triton
+  kernel and the reference do, so all three write the same bits.
+* in place: under ``pl.run_state``, ``pl.kernel`` gets ``W``, the states and the norm partials
+  as refs, which it aliases to its outputs, and ``x``, ``dy`` and the scalars as arrays: no
+  copy under ``jit`` with ``W`` and the states donated. (On jax 0.10.2-0.11 the Mosaic GPU
+  module of a kernel given refs is named ``new_body``, after the function jax wraps it in.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any, Optional, Sequence, Union
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import numerics
+from pallas_kernels.contract import UpdateFn, rounding_ints
+from pallas_kernels.mosaic import config as mcfg
+from pallas_kernels.mosaic import rule_eval
+from pallas_kernels.mosaic.config import MosaicTileConfig
+from pallas_kernels.numerics import store_cast
+
+Array = jax.Array
+_WGS = mcfg.NUM_COMPUTE_WGS
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Everything static the kernel body needs."""
+
+  cfg: MosaicTileConfig
+  t: int
+  k: int
+  n: int
+  num_sms: int
+  num_scalars: int
+  with_norm: bool
+  interpreting: bool
+  stochastic: bool  # stochastic rounding of the weight (its key in layer_gmem[1])
+  codecs: tuple  # per slot: None (a float array) or its numerics.BlockQuantized codec
+
+  @property
+  def needs_bits(self) -> bool:
+    return self.stochastic or any(c is not None and c.needs_bits for c in self.codecs)
+
+  @property
+  def depth(self) -> int:
+    return mcfg.ring_depth(self.cfg)
+
+  @property
+  def sub_tiles(self) -> list[tuple[int, int]]:
+    """(row, col) offsets of the epilogue sub-tiles within a tile."""
+    c = self.cfg
+    return [(mi * c.epi_m, ni * c.epi_n)
+            for mi in range(c.tile_m // c.epi_m) for ni in range(c.tile_n // c.epi_n)]
+
+
+def _region(name: str):
+  """A named range of the kernel body: a timed range per warpgroup under the profiler."""
+  return jax.named_scope(f"fdw_{name}")
+
+
+def _mma_transforms(cols: int, dtype) -> tuple:
+  """Tiling + swizzle for a shared-memory buffer whose rows hold ``cols`` elements."""
+  swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def planar_snake(lin: Array, m_iters: int, n_iters: int, width: int):
+  """``(m, n)`` of linear tile ``lin``: bands of ``width`` tiles along ``N``, every other band
+  walking ``M`` backwards.
+
+  Same order as ``plgpu.planar_snake`` along ``N``, written with static band widths: that
+  function evaluates a remainder band of width 0 when the width divides the grid, an integer
+  division by zero that kills the CPU interpreter (SIGFPE).
+  """
+  width = max(1, min(width, n_iters))
+  full_bands = n_iters // width
+  full_elems = full_bands * width * m_iters
+  rem_width = n_iters - full_bands * width
+
+  def coords(idx, band_width, first_n, first_band):
+    per_band = jnp.int32(band_width * m_iters)
+    band, within = lax.div(idx, per_band), lax.rem(idx, per_band)
+    n = first_n + band * band_width + lax.rem(within, jnp.int32(band_width))
+    m = lax.div(within, jnp.int32(band_width))
+    odd = lax.rem(band + first_band, 2) == 1
+    return jnp.where(odd, m_iters - 1 - m, m), n
+
+  m, n = coords(lin, width, 0, 0)
+  if rem_width:  # a last, narrower band
+    tail_m, tail_n = coords(jnp.maximum(lin - full_elems, 0), rem_width, full_bands * width,
+                            full_bands)
+    in_tail = lin >= full_elems
+    n = jnp.where(in_tail, tail_n, n)
+    m = jnp.where(in_tail, tail_m, m)
+  return m, n
+
+
+def _mma(acc_ref, x_smem, dy_smem, xt_smem, interpreting: bool, wait: bool) -> None:
+  """``acc += x_block.T @ dy_block`` on the tensor cores, awaited if ``wait``."""
+  if interpreting:
+    # The interpreter cannot read a transposed wgmma operand: x goes through registers.
+    xt_smem[...] = x_smem[...].T
+    plgpu.commit_smem()
+    plgpu.wgmma(acc_ref, xt_smem, dy_smem)
+  else:
+    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
+  if wait:
+    plgpu.wgmma_wait(0)
+
+
+@dataclasses.dataclass
+class _Epilogue:
+  """One compute warpgroup's epilogue: the TMA ring of W/state sub-tiles + the rule.
+
+  ``begin`` (before a tile's main loop) refills the first ring slots; ``finish`` (after it)
+  streams the sub-tiles through the ring and stores the results in place.
+  """
+
+  plan: _Plan
+  rule: rule_eval.TracedRule
+  scalars_treedef: Any
+  sc_gmem: Any
+  layer_gmem: Any  # [layer, rounding key bits] (int32)
+  w_gmem: Any
+  slot_gmems: Sequence[Any]  # per slot: the array, or (codes, transposed scales)
+  norm_gmem: Any
+  w_ring: Any
+  slot_rings: Sequence[Any]
+  ring_ready: Any
+  norm_smem: Any
+  wg_idx: Any
+
+  def _window(self, j: int, row0, col0):
+    r, c = self.plan.sub_tiles[j]
+    return pl.ds(row0 + r, self.plan.cfg.epi_m), pl.ds(col0 + c, self.plan.cfg.epi_n)
+
+  def _slot_refs(self, slot: int) -> list:
+    """Each state's buffer in ring slot ``slot``: a ref, or ``(codes, scales)`` for int8."""
+    at = lambda ring: ring.at[self.wg_idx, slot]
+    return [tuple(map(at, ring)) if isinstance(ring, tuple) else at(ring) for ring in self.slot_rings]
+
+  def _slot_copies(self, j: int, row0, col0, s_refs):
+    """``(shared buffer, device window)`` of sub-tile ``j`` for every stored part of every state."""
+    win = self._window(j, row0, col0)
+    for ref, gmem in zip(s_refs, self.slot_gmems):
+      if isinstance(gmem, tuple):  # int8: codes, then the scales in the [N/blk, L*K] view
+        r, c = self.plan.sub_tiles[j]
+        yield ref[0], gmem[0].at[win]
+        yield ref[1], gmem[1].at[lax.div(col0 + c, jnp.int32(self.plan.cfg.epi_n)),
+                                 pl.ds(row0 + r, self.plan.cfg.epi_m)]
+      else:
+        yield ref, gmem.at[win]
+
+  def _fetch(self, j: int, row0, col0) -> None:
+    slot = j % self.plan.depth
+    barrier = self.ring_ready.at[self.wg_idx * self.plan.depth + slot]
+    plgpu.copy_gmem_to_smem(self.w_gmem.at[self._window(j, row0, col0)],
+                            self.w_ring.at[self.wg_idx, slot], barrier)
+    for smem, gmem in self._slot_copies(j, row0, col0, self._slot_refs(slot)):
+      plgpu.copy_gmem_to_smem(gmem, smem, barrier)
+
+  def _prefetch_l2(self, j: int, row0, col0) -> None:
+    """TMA prefetch of sub-tile ``j`` into L2 (a hint: the interpreter has no L2)."""
+    if self.plan.interpreting or j >= len(self.plan.sub_tiles):
+      return
+    win = self._window(j, row0, col0)
+    for src in (self.w_gmem, *(g[0] if isinstance(g, tuple) else g for g in self.slot_gmems)):
+      plgpu.async_prefetch(src.at[win])
+
+  def begin(self, row0, col0) -> None:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left the ring
+    for j in range(self.plan.depth):
+      self._fetch(j, row0, col0)
+
+  def _element_bits(self, row0, col0):
+    """Each element's hashed bits (uint32, WGMMA layout) for the sub-tile at ``row0, col0`` of
+    the [L*K, N] view: ``element_bits(key, row * N + col)``, the row within its layer."""
+    plan = self.plan
+    shape = (plan.cfg.epi_m, plan.cfg.epi_n)
+    layout = None if plan.interpreting else plgpu.Layout.WGMMA  # no layout casts there
+    local_row0 = row0 - self.layer_gmem[0] * plan.k
+    rows = local_row0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+    cols = col0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+    # Not a scalar bitcast_convert_type: warpgroup semantics lowers that to a vector
+    # ("Scalars must be represented by non-vector types", jax 0.10.2-0.11.2).
+    key = self.layer_gmem[1].astype(jnp.uint32)
+    return numerics.element_bits(key, numerics.element_index(rows, cols, plan.n))
+
+  @staticmethod
+  def _decode_slot(raw, codec):
+    """A state's sub-tile as read from the ring, in float32 (int8: codes + row scales)."""
+    return raw.astype(jnp.float32) if codec is None else codec.decode_block_rows(*raw)
+
+  @staticmethod
+  def _write_slot(ref, codec, value, bits) -> None:
+    if codec is None:
+      ref[...] = store_cast(value, ref.dtype)
+      return
+    codes, scale = codec.encode_block_rows(value, bits)
+    ref[0][...] = codes.astype(ref[0].dtype)
+    ref[1][...] = scale
+
+  def finish(self, acc, row0, col0, norm_block, norm_row0) -> None:
+    plan, cfg = self.plan, self.plan.cfg
+    scalars = jax.tree.unflatten(self.scalars_treedef,
+                                 [self.sc_gmem[i] for i in range(plan.num_scalars)])
+    scalar_leaves = jax.tree.leaves(scalars)
+    row_sums = {}
+    ahead = cfg.epi_l2_lookahead
+    for j in range(plan.depth, plan.depth + ahead):
+      self._prefetch_l2(j, row0, col0)
+    for j, (r, c) in enumerate(plan.sub_tiles):
+      slot = j % plan.depth
+      with _region("epi_wait"):
+        plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * plan.depth + slot])
+      w_ref, s_refs = self.w_ring.at[self.wg_idx, slot], self._slot_refs(slot)
+      with _region("epi_load"):  # swizzled SMEM reads come back in the accumulator's layout
+        w_raw = w_ref[...]
+        s_raw = tuple(tuple(p[...] for p in ref) if isinstance(ref, tuple) else ref[...]
+                      for ref in s_refs)
+      g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
+      with _region("epi_decode"):
+        w32 = w_raw.astype(jnp.float32)
+        s32 = tuple(self._decode_slot(raw, codec) for raw, codec in zip(s_raw, plan.codecs))
+      with _region("epi_math"):
+        u, new_slots = self.rule(g, w32, s32, scalar_leaves)
+      with _region("epi_write"):
+        bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
+        if plan.stochastic:
+          w_ref[...] = numerics.stochastic_round(w32 + u, bits, w_ref.dtype)
+        else:
+          w_ref[...] = store_cast(w32 + u, w_ref.dtype)
+        for i, (ref, new, codec) in enumerate(zip(s_refs, new_slots, plan.codecs)):
+          sr = codec is not None and codec.needs_bits
+          self._write_slot(ref, codec, new, numerics.value_bits(bits, 1 + i) if sr else None)
+        if plan.with_norm:
+          part = jnp.sum(g * g, axis=1)
+          row_sums[r] = part if r not in row_sums else row_sums[r] + part
+      with _region("epi_store"):
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[self._window(j, row0, col0)],
+                                commit_group=False)
+        for smem, gmem in self._slot_copies(j, row0, col0, s_refs):
+          plgpu.copy_smem_to_gmem(smem, gmem, commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        if ahead:
+          self._prefetch_l2(j + plan.depth + ahead, row0, col0)
+      if j + plan.depth < len(plan.sub_tiles):
+        with _region("epi_store_read"):  # refill this slot once its results were read out
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        with _region("epi_refill"):
+          self._fetch(j + plan.depth, row0, col0)
+    if plan.with_norm:
+      for r, part in row_sums.items():
+        self.norm_smem[self.wg_idx, pl.ds(r, cfg.epi_m)] = part
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(self.norm_smem.at[self.wg_idx],
+                              self.norm_gmem.at[norm_block, pl.ds(norm_row0, cfg.tile_m)])
+
+
+def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm_gmem, *,
+                  plan: _Plan, rule, scalars_treedef, slot_dtypes):
+  """One block: the persistent ping-pong loop over its ``W`` tiles.
+
+  Barriers: ``stage_ready[w * S + s]`` (two TMA arrivals) completes only for steps of
+  warpgroup ``w``'s tiles, so each compute warpgroup waits on exactly its own completions;
+  ``stage_free[s]`` (one arrival, from whichever warpgroup read slot ``s``) is waited only by
+  the memory warpgroup, which drains the last completions before it exits.
+  """
+  cfg = plan.cfg
+  tile_m, tile_n, tile_t = cfg.tile_m, cfg.tile_n, cfg.tile_t
+  stages, t_iters = cfg.max_concurrent_steps, plan.t // cfg.tile_t
+  m_iters, n_iters = plan.k // tile_m, plan.n // tile_n
+  in_dtype = x_gmem.dtype
+  in_transforms = _mma_transforms(64, in_dtype)  # rows of >= 64 16-bit elements: 128 B swizzle
+  epi_shape = (_WGS, plan.depth, cfg.epi_m, cfg.epi_n)
+  ring = lambda d: plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d))
+  slot_rings = [ring(d) if q is None else (ring(d), plgpu.SMEM(epi_shape[:3], jnp.float32))
+                for d, q in zip(slot_dtypes, plan.codecs)]
+
+  @functools.partial(
+      pl.run_scoped,
+      x_stages=plgpu.SMEM((stages, tile_t, tile_m), in_dtype, transforms=in_transforms),
+      dy_stages=plgpu.SMEM((stages, tile_t, tile_n), in_dtype, transforms=in_transforms),
+      stage_ready=plgpu.Barrier(num_arrivals=2, num_barriers=_WGS * stages),
+      stage_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      w_ring=ring(w_gmem.dtype),
+      slot_rings=slot_rings,
+      # One arrival per TMA copy into a ring slot: W, each state, each int8 state's scales.
+      ring_ready=plgpu.Barrier(num_arrivals=1 + len(plan.codecs) + sum(c is not None for c in plan.codecs),
+                               num_barriers=_WGS * plan.depth),
+      norm_smem=plgpu.SMEM((_WGS, tile_m), jnp.float32) if plan.with_norm else None,
+      xt_smem=(plgpu.SMEM((_WGS, tile_m, tile_t), in_dtype, transforms=in_transforms)
+               if plan.interpreting else None),
+      collective_axes="wg",
+  )
+  def _scope(x_stages, dy_stages, stage_ready, stage_free, w_ring, slot_rings, ring_ready,
+             norm_smem, xt_smem):
+    wg_idx = lax.axis_index("wg")
+    block = lax.axis_index("sm")
+    # This block's tiles: block, block + num_sms, ... of the snake order.
+    num_local = lax.div(m_iters * n_iters - block + (plan.num_sms - 1), jnp.int32(plan.num_sms))
+    tile_coords = lambda i: planar_snake(block + i * plan.num_sms, m_iters, n_iters,
+                                         cfg.grid_tile_width)
+
+    @pl.when(wg_idx == _WGS)
+    def _memory_warpgroup():
+      plgpu.set_max_registers(mcfg.MEMORY_REGISTERS, action="decrease")
+      total = num_local * t_iters
+
+      @pl.loop(0, num_local)
+      def _tile(i):
+        m_idx, n_idx = tile_coords(i)
+        owner = lax.rem(i, _WGS)
+
+        @pl.loop(0, t_iters)
+        def _step(k):
+          slot = lax.rem(i * t_iters + k, stages)
+
+          @pl.when(i * t_iters + k >= stages)
+          def _wait_free():
+            with _region("mem_wait_free"):  # long: the consumers bound; short: the loads do
+              plgpu.barrier_wait(stage_free.at[slot])
+
+          ready = stage_ready.at[owner * stages + slot]
+          rows = pl.ds(k * tile_t, tile_t)
+          plgpu.copy_gmem_to_smem(x_gmem.at[rows, pl.ds(m_idx * tile_m, tile_m)],
+                                  x_stages.at[slot], ready)
+          plgpu.copy_gmem_to_smem(dy_gmem.at[rows, pl.ds(n_idx * tile_n, tile_n)],
+                                  dy_stages.at[slot], ready)
+
+      @pl.loop(jnp.maximum(total - stages, 0), total)
+      def _drain(step):  # every completion of a barrier is awaited before it goes away
+        plgpu.barrier_wait(stage_free.at[lax.rem(step, stages)])
+
+    @pl.when(wg_idx < _WGS)
+    def _compute_warpgroup():
+      registers = min(256, (512 - mcfg.MEMORY_REGISTERS) // _WGS) // 8 * 8
+      plgpu.set_max_registers(registers, action="increase")
+      epi = _Epilogue(plan, rule, scalars_treedef, sc_gmem, layer_gmem, w_gmem, slot_gmems,
+                      norm_gmem, w_ring, slot_rings, ring_ready, norm_smem, wg_idx)
+      xt = xt_smem.at[wg_idx] if plan.interpreting else None
+
+      @pl.loop(0, lax.div(num_local - wg_idx + (_WGS - 1), _WGS))
+      def _tile(j):
+        i = wg_idx + j * _WGS  # tiles wg_idx, wg_idx + 2, ... of this block's list
+        m_idx, n_idx = tile_coords(i)
+        row0 = layer_gmem[0] * plan.k + m_idx * tile_m  # the layer is a row offset
+        col0 = n_idx * tile_n
+        epi.begin(row0, col0)
+
+        def main_loop(acc_ref):
+          @pl.loop(0, t_iters)
+          def _step(k):
+            step = i * t_iters + k
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(stage_ready.at[wg_idx * stages + slot])
+            _mma(acc_ref, x_stages.at[slot], dy_stages.at[slot], xt, plan.interpreting,
+                 wait=not cfg.mma_in_flight)
+            if cfg.mma_in_flight:  # wait for the previous step's wgmma, then free its stage
+              plgpu.wgmma_wait(1)
+              prev_slot = lax.rem(step + (stages - 1), stages)
+              pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
+            else:
+              plgpu.barrier_arrive(stage_free.at[slot])
+
+          if cfg.mma_in_flight:
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(stage_free.at[lax.rem(i * t_iters + (t_iters - 1), stages)])
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          with _region("mainloop"):
+            main_loop(acc_ref)
+          with _region("epilogue"):
+            epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m)
+
+    plgpu.wait_smem_to_gmem(0)  # every result is in device memory before the kernel exits
+
+
+def _interpret_params(interpret: Any):
+  """``InterpretGPUParams`` for ``interpret=True`` (public in jax 0.11.2, private before)."""
+  if interpret is False or interpret is None:
+    return None
+  if interpret is not True:
+    return interpret
+  params_cls = getattr(plgpu, "InterpretGPUParams", None)
+  if params_cls is None:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params_cls  # pylint: disable=g-import-not-at-top
+  return params_cls()
+
+
+def fused_dw_update_mosaic(
+    x: Array,
+    dy: Array,
+    w: Array,
+    slots: Sequence[Array],
+    scalars: Any,
+    update_fn: UpdateFn,
+    *,
+    layer: Optional[Array] = None,
+    config: Optional[MosaicTileConfig] = None,
+    config_checked: bool = False,
+    compute_grad_sq_norm: bool = False,
+    interpret: Union[bool, Any] = False,
+    weight_codec: Optional[numerics.Codec] = None,
+    seed: Optional[Any] = None,
+    step: Optional[Any] = None,
+    profile: Optional[tuple[int, str]] = None,
+):
+  """Fused ``dW = x.T @ dy`` + optimizer update on one Hopper GPU (Mosaic GPU).
+
+  Same contract and results as :func:`pallas_kernels.reference.fused_dw_update_reference`.
+
+  Args:
+    x, dy: [T, K] layer input and [T, N] output cotangent, both bfloat16 or both float16.
+    w: [K, N] weight, or [L, K, N] stacked weights with ``layer``; float32, bfloat16 or float16.
+    slots: optimizer states shaped like ``w`` (float), or int8
+      :class:`~pallas_kernels.numerics.QuantizedArray` states (blocks of ``config.epi_n`` along
+      N; their scales pass through the kernel transposed, a scale-sized copy each way).
+    scalars: pytree of float32 0-d arrays passed to ``update_fn``.
+    update_fn: the elementwise rule ``(g, w, slots, scalars) -> (u, new_slots)``.
+    layer: int32 scalar index into the leading axis of stacked ``w``/slots.
+    config: tiling; ``None`` picks :func:`~pallas_kernels.mosaic.default_config`.
+    config_checked: ``config`` came from :func:`~pallas_kernels.mosaic.select_config` for these
+      very operands, so it is not checked again.
+    compute_grad_sq_norm: also return ``sum(dW**2)`` in float32 (from per-row partial sums the
+      kernel writes, summed by XLA).
+    interpret: run on CPU under the Mosaic GPU interpreter (``True`` or an
+      ``InterpretGPUParams``).
+    weight_codec: ``None``/``numerics.Cast()`` (round to nearest) or
+      ``numerics.StochasticRound()`` (bfloat16 ``w``).
+    seed, step: the stochastic-rounding seed and step (needed with it).
+    profile: ``(profile_space, profile_dir)``: Mosaic GPU's in-kernel profiler records each
+      named region of the body per warpgroup and writes a Chrome trace to ``profile_dir`` after
+      every call (``python -m experiments.kernel_tools profile``).
+
+  Returns:
+    ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless requested. ``w``
+    and the slots are updated in place when donated.
+
+  Raises:
+    ValueError: for operands the kernel cannot take (the message says why and what to change).
+  """
+  slots = tuple(slots)
+  interpreting = _interpret_params(interpret) is not None
+  codec = weight_codec or numerics.Cast()
+  if not config_checked:
+    config, reason = mcfg.select_config(x, dy, w, slots, config,
+                                        compute_grad_sq_norm=compute_grad_sq_norm)
+    if config is None:
+      raise ValueError(f"fused_dw_update_mosaic: {reason}")
+  if w.ndim == 3 and layer is None:
+    raise ValueError(f"w has shape {w.shape} (stacked): pass layer=")
+  if w.ndim == 2 and layer is not None:
+    raise ValueError(f"layer={layer!r} given but w has shape {w.shape} (not stacked)")
+  for leaf in jax.tree.leaves(scalars):
+    if jnp.ndim(leaf) != 0:
+      raise ValueError(f"scalars must be 0-d, got a leaf of shape {jnp.shape(leaf)}")
+  if codec.needs_bits and not isinstance(codec, numerics.StochasticRound):
+    raise ValueError(f"weight_codec={codec!r}: the Mosaic kernel takes Cast or StochasticRound")
+  if interpreting and (why := mcfg.interpreter_problem(codec, slots)):
+    raise NotImplementedError(
+        f"{why}; it is checked by lowering for cuda and on the GPU "
+        "(experiments.check_mosaic_gpu). Use backend='interpret' or 'xla' on a CPU.")
+  if isinstance(codec, numerics.StochasticRound):  # its dtype check
+    numerics.stochastic_round(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.uint32), w.dtype)
+  static = dict(update_fn=update_fn, cfg=config, compute_grad_sq_norm=compute_grad_sq_norm,
+                interpret=interpret, codec=codec, profile=profile)
+  try:
+    hash(tuple(static.values()))
+  except TypeError:  # e.g. a rule holding an array hyperparameter: lowered at every call site
+    return _launch(x, dy, w, slots, scalars, layer, seed, step, **static)
+  return _launch_cached(x, dy, w, slots, scalars, layer, seed, step, **static)
+
+
+def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, compute_grad_sq_norm,
+            interpret, codec, profile):
+  """The kernel call, for operands :func:`fused_dw_update_mosaic` has checked."""
+  (t, k), n = x.shape, dy.shape[1]
+  num_layers = w.shape[0] if w.ndim == 3 else 1
+  leaves, treedef = jax.tree.flatten(scalars)
+  sc_vec = jnp.stack([jnp.asarray(v, jnp.float32) for v in leaves] or [jnp.zeros((), jnp.float32)])
+  # Clamped like dynamic_index_in_dim: an out-of-range layer must not address other rows.
+  layer_i32 = (jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1) if w.ndim == 3
+               else jnp.int32(0))
+  # The hash key of (seed, step, layer), computed once here; the kernel hashes it with each
+  # element's index.
+  quant = [s for s in slots if mcfg.quantized(s)]
+  seed_i32, step_i32 = rounding_ints((codec, *(s.codec for s in quant)), seed, step)
+  key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
+  layer_vec = jnp.stack([layer_i32, jax.lax.bitcast_convert_type(key, jnp.int32)])
+  params = _interpret_params(interpret)
+  plan = _Plan(cfg=cfg, t=t, k=k, n=n, num_sms=mcfg.grid_size(cfg), num_scalars=len(leaves),
+               with_norm=compute_grad_sq_norm, interpreting=params is not None,
+               stochastic=isinstance(codec, numerics.StochasticRound),
+               codecs=tuple(s.codec if mcfg.quantized(s) else None for s in slots))
+  rule = rule_eval.trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars)
+  flat = lambda a: a.reshape(num_layers * k, n)  # one [L*K, N] array; the layer is a row offset
+  # One row of per-W-row partial sums per column tile; NaN makes a missed entry loud.
+  norm_init = jnp.full((n // cfg.tile_n, k), jnp.nan, jnp.float32) if compute_grad_sq_norm else None
+  mesh = plgpu.Mesh(grid=(plan.num_sms,), grid_names=("sm",), num_threads=_WGS + 1,
+                    thread_name="wg")
+  compiler_params = plgpu.CompilerParams(
+      lowering_semantics=getattr(plgpu.LoweringSemantics, rule_eval.LOWERING_SEMANTICS),
+      unsafe_no_auto_barriers=cfg.no_auto_barriers,
+      **({} if profile is None else dict(profile_space=profile[0], profile_dir=profile[1])))
+  body = functools.partial(_fused_kernel, plan=plan, rule=rule, scalars_treedef=treedef,
+                           slot_dtypes=tuple(mcfg.stored_dtype(s) for s in slots))
+
+  def stateful(refs):
+    x_ref, dy_ref, sc_ref, layer_ref, w_ref, slot_refs, norm_ref = refs
+    if params is not None:
+      # The Mosaic GPU interpreter (jax 0.10.2) cannot run pl.kernel on run_state's refs (their
+      # memory space is None: KeyError in its GPU callbacks), so the interpreted launch keeps
+      # pl.core_map (deprecated in jax 0.11.2; its warning is the only one filtered). Same body.
+      with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*core_map", category=DeprecationWarning)
+        pl.core_map(mesh, compiler_params=compiler_params, name="fused_dw_update_mosaic",
+                    interpret=params)(lambda: body(*refs[:5], tuple(slot_refs), norm_ref))
+      return
+    # pl.kernel aliases the refs it is given to its outputs (W, the states, the norm partials:
+    # in place under jit with them donated) and reads the arrays (x, dy, the scalars). Operands
+    # in the order the kernel first reads them.
+    operands = (x_ref[...], dy_ref[...], layer_ref[...], w_ref, slot_refs, sc_ref[...], norm_ref)
+    flat, tree = jax.tree.flatten(operands)
+
+    def fused_dw_update_mosaic(*flat_refs):
+      x, dy, lay, w_, slots_, sc, norm = jax.tree.unflatten(tree, flat_refs)
+      body(x, dy, sc, lay, w_, tuple(slots_), norm)
+
+    pl.kernel(fused_dw_update_mosaic, out_type=(), mesh=mesh, compiler_params=compiler_params,
+              name="fused_dw_update_mosaic")(*flat)
+
+  def kernel_view(s):
+    if not mcfg.quantized(s):
+      return flat(s)
+    # Scales transposed, [N/blk, L*K]: a sub-tile's row scales are then one contiguous TMA box
+    # (a [64, 1] column is 4 bytes wide; TMA needs 16).
+    return flat(s.codes), s.scale.reshape(num_layers * k, n // s.codec.block).T
+
+  def from_kernel_view(new, old):
+    if not mcfg.quantized(old):
+      return new.reshape(old.shape)
+    codes, scale_t = new
+    return numerics.QuantizedArray(codes.reshape(old.codes.shape),
+                                   scale_t.T.reshape(old.scale.shape), old.codec)
+
+  outs = pl.run_state(stateful)(
+      (x, dy, sc_vec, layer_vec, flat(w), tuple(map(kernel_view, slots)), norm_init))
+  new_w, new_slots, norm_parts = outs[4].reshape(w.shape), outs[5], outs[6]
+  new_slots = tuple(from_kernel_view(s, old) for s, old in zip(new_slots, slots))
+  return new_w, new_slots, jnp.sum(norm_parts) if compute_grad_sq_norm else None
+
+
+# One trace (and one lowering per jit module) for every call with the same shapes and static
+# arguments: an unrolled model calls the kernel once per layer, and lowering one call takes
+# about 1.7 s on the host (qwen3-0.6b unrolled: 325 s for 196 calls,
+# experiments/results/cpu/unrolled_lowering/).
+_launch_cached = jax.jit(
+    _launch, static_argnames=("update_fn", "cfg", "compute_grad_sq_norm", "interpret", "codec",
+                              "profile"))

@@ -1,0 +1,132 @@
+"""The optimizer rule, evaluated so that Mosaic GPU can lower it.
+
+The rule (one definition, shared with XLA and the Triton kernel) is traced once on an
+epilogue sub-tile and its jaxpr evaluated inside the kernel with two changes:
+
+* primitives this jax's Mosaic GPU cannot lower are spelled with ones it can: jax 0.10.2 and
+  0.11.1 lower ``rsqrt`` but not ``sqrt`` (0.11.2 lowers both), so ``sqrt`` becomes
+  :func:`portable_sqrt` where it is missing;
+* an array divided by a scalar (Adam's bias corrections) becomes the array times the scalar's
+  reciprocal: one division per sub-tile instead of one per element. On the GPU that is the same
+  number: Mosaic GPU compiles float32 division as ``div.full.f32``, the numerator times
+  ``rcp.approx`` of the divisor after rescaling divisors outside [2**-126, 2**126] (PTX ISA),
+  and bias corrections lie in (0, 1]. Under the interpreter (exact division) the two differ by
+  at most 1 ulp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from jax import lax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+
+Array = jax.Array
+# The kernel is lowered with warpgroup semantics on every jax version: jax >= 0.11's default
+# (jax 0.10's is "Lane"), what jax's own Hopper matmul asks for, and what every H200 run used.
+LOWERING_SEMANTICS = "Warpgroup"
+
+
+def portable_sqrt(x: Array) -> Array:
+  """``sqrt`` from ``rsqrt``: within a few ulp for finite ``x > 0``; NaN for ``x < 0`` and NaN
+  as ``sqrt``; the ``where`` keeps ``sqrt(+-0) == +-0`` and ``sqrt(inf) == inf`` (``0 * inf``
+  would be NaN)."""
+  root = x * lax.rsqrt(x)
+  return jnp.where(x == 0, x, jnp.where(x == jnp.inf, x, root))
+
+
+# Primitive -> portable spelling, applied where this jax's Mosaic GPU has no lowering for it.
+REWRITES: dict[Any, Callable[..., Array]] = {jex_core.primitives.sqrt_p: portable_sqrt}
+_INLINED_CALLS = {
+    jex_core.primitives.jit_p: "jaxpr",
+    jex_core.primitives.closed_call_p: "call_jaxpr",
+    jex_core.primitives.custom_jvp_call_p: "call_jaxpr",
+}
+
+
+def lowers_natively(prim) -> bool:
+  """Whether this jax's Mosaic GPU has a warpgroup lowering rule for ``prim``. Private API:
+  any surprise counts as "no", which only costs the portable spelling."""
+  try:
+    from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
+
+    for (lowering_sem, primitive_sem), table in mgpu_lowering.mosaic_lowering_rules.items():
+      if lowering_sem.name == LOWERING_SEMANTICS and primitive_sem.name == "Warpgroup":
+        return prim in table
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return False
+
+
+def active_rewrites(force: bool = False) -> dict[Any, Callable[..., Array]]:
+  """The rewrites the kernel applies on this jax (all of them with ``force``)."""
+  return {prim: fn for prim, fn in REWRITES.items() if force or not lowers_natively(prim)}
+
+
+def _open_jaxpr(j) -> tuple[Any, list]:
+  """``(jaxpr, consts)`` of a closed jaxpr (jax 0.10: ``ClosedJaxpr`` wraps a ``Jaxpr``; jax
+  0.11: they are one class and ``.jaxpr`` is the object itself)."""
+  return getattr(j, "jaxpr", j), list(getattr(j, "consts", ()))
+
+
+def _is_scalar(v) -> bool:
+  return tuple(getattr(v.aval, "shape", ())) == ()
+
+
+def eval_for_mosaic(closed_jaxpr, *args, rewrites: dict[Any, Callable[..., Array]]) -> list:
+  """Evaluates a closed jaxpr as the kernel does (see the module docstring).
+
+  Nested ``jit`` / ``closed_call`` / ``custom_jvp_call`` bodies (``jnp`` functions are often
+  jitted) are inlined so their primitives are rewritten too; everything else is bound
+  unchanged, as ``jax.core.eval_jaxpr`` does.
+  """
+  jaxpr, consts = _open_jaxpr(closed_jaxpr)
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    prim = eqn.primitive
+    if prim in rewrites:
+      outvals = [rewrites[prim](*invals)]
+    elif prim is lax.div_p and _is_scalar(eqn.invars[1]) and not _is_scalar(eqn.invars[0]):
+      outvals = [invals[0] * (1.0 / invals[1])]
+    elif prim in _INLINED_CALLS:
+      outvals = eval_for_mosaic(eqn.params[_INLINED_CALLS[prim]], *invals, rewrites=rewrites)
+    else:
+      outvals = prim.bind(*invals, **prim.get_bind_params(eqn.params))
+      outvals = outvals if prim.multiple_results else [outvals]
+    env.update(zip(eqn.outvars, outvals))
+  return [read(v) for v in jaxpr.outvars]
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedRule:
+  """``update_fn`` traced once on one epilogue sub-tile; called as the rule itself."""
+
+  closed_jaxpr: Any
+  out_tree: Any
+  force_rewrites: bool = False
+
+  def __call__(self, g, w, slots, scalar_leaves):
+    outs = eval_for_mosaic(self.closed_jaxpr, g, w, *slots, *scalar_leaves,
+                           rewrites=active_rewrites(self.force_rewrites))
+    return jax.tree.unflatten(self.out_tree, outs)
+
+
+def trace_rule(update_fn, shape, num_slots: int, scalars, *, force_rewrites: bool = False) -> TracedRule:
+  """Traces ``update_fn`` on float32 tiles of ``shape``; ValueError unless it is elementwise
+  and returns one new value per slot."""
+  tile = jax.ShapeDtypeStruct(shape, jnp.float32)
+  scalar_avals = jax.tree.map(lambda _: jax.ShapeDtypeStruct((), jnp.float32), scalars)
+  closed, out_shape = jax.make_jaxpr(update_fn, return_shape=True)(
+      tile, tile, (tile,) * num_slots, scalar_avals)
+  if len(out_shape[1]) != num_slots:
+    raise ValueError(f"update_fn returned {len(out_shape[1])} slots for {num_slots} given")
+  for s in jax.tree.leaves(out_shape):
+    if tuple(s.shape) != tuple(shape):
+      raise ValueError(f"update_fn must be elementwise: got an output of shape {s.shape}")
+  return TracedRule(closed, jax.tree.structure(out_shape), force_rewrites)

@@ -1,0 +1,114 @@
+"""experiments.kernel_tools on a CPU: what it reads from the profiler, ncu and ptxas, and how it
+calls them (the tools themselves need a Hopper GPU; the kernel call they wrap is
+tests/test_fused_dw_mosaic.py's, the profiler argument included)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import kernel_tools
+
+
+def test_profile_trace_summary():
+  ev = lambda name, ph, ts, tid: {"name": name, "ph": ph, "ts": ts, "pid": 1, "tid": tid}
+  trace = {"traceEvents": [
+      ev("fdw_mainloop", "B", 0.0, 1), ev("fdw_mainloop", "E", 10.0, 1),
+      ev("fdw_epilogue", "B", 10.0, 1), ev("fdw_epi_wait", "B", 10.0, 1), ev("fdw_epi_wait", "E", 13.0, 1),
+      ev("fdw_epi_wait", "B", 14.0, 1), ev("fdw_epi_wait", "E", 15.0, 1), ev("fdw_epilogue", "E", 20.0, 1),
+      ev("fdw_mainloop", "B", 5.0, 2), ev("fdw_mainloop", "E", 9.0, 2), ev("fdw_epilogue", "E", 9.5, 2),
+  ]}
+  s = kernel_tools.summarize_trace(trace)
+  assert s["tracks"] == 2 and s["span_us"] == 20.0
+  assert s["regions"]["fdw_mainloop"] == {"count": 2, "total_us": 14.0, "mean_us": 7.0}
+  assert s["regions"]["fdw_epi_wait"]["total_us"] == 4.0
+  assert s["regions"]["fdw_epilogue"] == {"count": 1, "total_us": 10.0, "mean_us": 10.0}  # unmatched end
+
+
+def test_ptxas_report_parsing():
+  text = ("ptxas info    : Compiling entry function 'new_body_kernel' for 'sm_90a'\n"
+          "ptxas info    : Used 168 registers, used 1 barriers\n"
+          "    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+          "ptxas info    : Used 40 registers\n"
+          "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+  assert kernel_tools.parse_ptxas(text) == {
+      "registers": 168, "stack_frame_bytes": 8, "spill_store_bytes": 4, "spill_load_bytes": 4,
+      "functions": 2}
+  assert kernel_tools.parse_ptxas("no report")["registers"] is None
+
+
+def test_ncu_runs_one_profiled_call_and_summarizes_the_raw_page(tmp_path):
+  cmd = kernel_tools.ncu_command("/x/ncu", tmp_path / "kernel", ["--shape", "64x64x128"])
+  assert cmd[0] == "/x/ncu" and ["--profile-from-start", "off"] == cmd[3:5]
+  assert cmd[-5:] == ["experiments.kernel_tools", "run", "--cuda-profiler-range", "--shape", "64x64x128"]
+  raw = ('"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","other"\n'
+         '"","","usecond","byte",""\n'
+         '"0","new_body_kernel","101.5","1,048,576","x"\n')
+  assert kernel_tools.summarize_ncu_raw(raw) == [
+      {"name": "new_body_kernel", "duration": 101.5, "dram_read": 1048576.0}]
+  assert kernel_tools.summarize_ncu_raw("") == []
+
+
+def test_arguments_are_checked(tmp_path):
+  with pytest.raises(SystemExit):
+    kernel_tools.main(["profile", "--shape", "1024x4096", "--out", str(tmp_path)])
+  with pytest.raises(SystemExit):
+    kernel_tools.main(["sass", "--out", str(tmp_path)])
+  args = ["--shape", "64x64x128", "--states", "int8", "--config-json", json.dumps({"tile_m": 64})]
+  ns = type("A", (), dict(shape="64x64x128", states="int8", optimizer="lion",
+                          config_json=json.dumps({"tile_m": 64})))
+  assert kernel_tools._run_args(ns) == args[:4] + ["--optimizer", "lion"] + args[4:]  # pylint: disable=protected-access
+
+
+def test_check_script_bf16_metric():
+  """experiments/check_mosaic_gpu's 16-bit check: summation-order rounding passes (one-ulp flips,
+  cancellation to ~0, NaN where both are NaN), a misplaced sub-tile does not."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from experiments import check_mosaic_gpu as check  # pylint: disable=g-import-not-at-top
+
+  b32 = 0.02 * jax.random.normal(jax.random.PRNGKey(0), (256, 256), jnp.float32)
+  b = b32.at[0, 0].set(0.0).at[1, 1].set(jnp.nan).astype(jnp.bfloat16)
+  a = b.at[0, 0].set(7.7e-10)  # cancellation: reference exactly 0, kernel 7.7e-10
+  bits = jax.lax.bitcast_convert_type(b[2:4, 2], jnp.uint16) + 1  # one ulp away
+  a = a.at[2:4, 2].set(jax.lax.bitcast_convert_type(bits, jnp.bfloat16))  # rounding flips
+  e = check._errors16(a, b)  # pylint: disable=protected-access
+  assert e["ok"] and e["nan_kernel"] == e["nan_ref"] == 1, e
+  swapped = a.at[:64, :32].set(a[:64, :32].reshape(64, 16, 2)[:, :, ::-1].reshape(64, 32))
+  assert not check._errors16(swapped, b)["ok"]  # pylint: disable=protected-access
+  assert not check._errors16(b.at[1, 1].set(0.5), b)["ok"]  # pylint: disable=protected-access
+
+
+def test_check_script_exits_nonzero_on_a_failed_case(tmp_path, monkeypatch):
+  """check_mosaic_gpu gates a GPU run: 0 when every case passes (here the odd shapes, which the
+  kernel must refuse with a reason), 1 when a case errors or fails its check."""
+  from experiments import check_mosaic_gpu as check  # pylint: disable=g-import-not-at-top
+
+  assert check.main(["--smoke", "--cases", "odd_shape", "--out", str(tmp_path / "ok")]) == 0
+  rows = json.loads((tmp_path / "ok" / "check_mosaic_gpu.json").read_text())["rows"]
+  assert len(rows) == len(check.ODD_SHAPES) and all(r["reason"] for r in rows), rows
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("simulated CUDA fault")
+
+  monkeypatch.setattr(check, "check_case", broken)
+  assert check.main(["--smoke", "--quick", "--cases", "first_run", "--out", str(tmp_path / "bad")]) == 1
+  table = (tmp_path / "bad" / "check_mosaic_gpu.md").read_text()
+  assert "0/1 ok" in table and "simulated CUDA fault" in table
+  labels = {c[0] for c in check.cases(quick=False, smoke=False)}
+  assert {"rule", "int8", "int8_sr", "sr", "stacked_norm", "llama_8b", "fallback_tiling"} <= labels
+
+
+def test_mlir_tool_lowers_the_call_it_would_profile(tmp_path):
+  """kernel_tools mlir lowers the same call the GPU tools run (here int8 states, which round
+  stochastically) for sm_90 on this CPU and keeps its Mosaic GPU module."""
+  from tests._lowering import skip_if_cuda_lowering_needs_a_gpu  # pylint: disable=g-import-not-at-top
+
+  with skip_if_cuda_lowering_needs_a_gpu():
+    assert kernel_tools.main(["mlir", "--shape", "128x256x256", "--states", "int8",
+                              "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "kernel_mlir.json").read_text())["mlir"]
+  assert result["config"]["epi_n"] == 64 and not result["config"]["no_auto_barriers"]
+  module = (tmp_path / "kernel.mlir").read_text()
+  assert "wgmma" in module and "loc(" not in module
