@@ -15,7 +15,7 @@ import pytest
 import forge_jax
 from forge_jax import _fused
 from forge_jax import _math
-from pallas_kernels import fused_dw_mosaic as fm
+from pallas_kernels import mosaic as fm
 from tests._lowering import skip_if_cuda_lowering_needs_a_gpu
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
