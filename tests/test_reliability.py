@@ -368,3 +368,79 @@ def test_non_finite_gradient_with_finite_loss_is_reported_and_confined():
     assert np.isnan(got[:, 2]).all()
     np.testing.assert_array_equal(np.delete(got, 2, axis=1), np.delete(want, 2, axis=1))
   assert np.isnan(bad.params["l0"]["bias"][2])
+
+
+# ----------------------------------------------------------------------------------------------
+# Small things a user hits.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_grad_with_respect_to_inputs_alone_works_through_forge_layers():
+  opt = forge_jax.adamw(1e-2)
+  model = Net(opt)
+  batch = _batch()
+  variables = model.init(jax.random.PRNGKey(0), batch["x"])
+  loss = lambda v, x: jnp.sum(model.apply(v, x) ** 2)
+  got = jax.grad(lambda x: loss(variables, x))(batch["x"])
+  want = jax.grad(lambda x: loss({"params": variables["params"]}, x))(batch["x"])  # plain Dense
+  np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match=r"forge_jax.Dense head was traced outside .*inputs alone"):
+    jax.grad(lambda p: loss({**variables, "params": p}, batch["x"]))(variables["params"])
+
+
+def test_checkpoint_mismatch_is_short_and_old_checkpoints_restore(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  opt = forge_jax.sgd(1e-1)
+  batch = _batch()
+  state = _state(Net(opt), batch["x"], opt)
+  path = forge_jax.save_train_state(tmp_path / "ckpt", state)
+  other = _state(Block(opt), batch["x"], opt)
+  with pytest.raises(ValueError) as e:
+    forge_jax.restore_train_state(path, other)
+  msg = str(e.value)
+  assert "expected but not stored: forge_state/l/kernel" in msg and len(msg.splitlines()) == 1, msg
+  # A checkpoint written before TrainState counted skipped steps.
+  old = forge_jax.save_train_state(tmp_path / "old", state.replace(skipped_steps=None))
+  restored = forge_jax.restore_train_state(old, state)
+  assert int(restored.skipped_steps) == 0
+  _assert_unchanged(restored.replace(skipped_steps=None), _host(state.replace(skipped_steps=None)))
+
+
+def test_truncated_safetensors_file_is_named(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  cfg = models.get_config("tiny-llama")
+  (tmp_path / "config.json").write_text(json.dumps(models.config_to_hf(cfg)))
+  weights = tmp_path / "model.safetensors"
+  save_file({"a": np.ones((64, 64), np.float32)}, weights)
+  weights.write_bytes(weights.read_bytes()[:1000])
+  with pytest.raises(ValueError, match=r"cannot read .*model.safetensors \(1,000 bytes\).*truncated"):
+    models.load_checkpoint(tmp_path)
+
+
+def test_train_cli_warmup_help_and_usage_errors(tmp_path, capsys):
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  assert train.parse_args(["--steps", "6"]).warmup == 5  # the default fits a short run
+  assert train.parse_args([]).warmup == 20
+  with pytest.raises(SystemExit):
+    train.parse_args(["--help"])
+  help_text = " ".join(capsys.readouterr().out.split())
+  for default in ("--steps STEPS training steps (default: 200)", "(default: adamw)",
+                  "(default: bpe)", "(default: runs/train)"):
+    assert default in help_text, default
+  # A mismatch is one argparse-style line and exit status 2, not a traceback.
+  assert train.main(["--steps", "6", "--warmup", "9"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.endswith("error: --warmup 9 must be below --steps 6 for the cosine schedule "
+                      "(or use --schedule constant)") and len(err.splitlines()) == 1, err
+  out = tmp_path / "run"
+  out.mkdir()
+  (out / "config.json").write_text(
+      '{"trajectory": ' + __import__("json").dumps(
+          {k: getattr(train.parse_args(["--out", str(out)]), k) for k in train.TRAJECTORY_KEYS})
+      + "}")
+  assert train.main(["--out", str(out), "--resume", "--lr", "1"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "error: --resume with arguments that change the run (saved, given): {'lr': (0.003, 1.0)}" in err
+  assert len(err.splitlines()) == 1, err
