@@ -19,8 +19,8 @@ pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _dense(opt, features, name):
-  return forge_jax.Dense(features, optimizer=opt, backend="xla", name=name)
+def _dense(opt, features, name, backend="xla"):
+  return forge_jax.Dense(features, optimizer=opt, backend=backend, name=name)
 
 
 class Block(nn.Module):
@@ -332,14 +332,16 @@ class Poisoned(nn.Module):
 
   opt: object
   poison: bool = True
+  backend: str = "xla"
+  width: int = 8
 
   @nn.compact
   def __call__(self, x):
-    h = _dense(self.opt, 8, "l0")(x)
+    h = _dense(self.opt, self.width, "l0", self.backend)(x)
     if self.poison:
       h = _nan_in_cotangent(h)
-    h = jnp.tanh(_dense(self.opt, 8, "l1")(jnp.tanh(h)))
-    return _dense(self.opt, 4, "head")(h)
+    h = jnp.tanh(_dense(self.opt, self.width, "l1", self.backend)(jnp.tanh(h)))
+    return _dense(self.opt, 4, "head", self.backend)(h)
 
 
 def test_non_finite_gradient_with_finite_loss_is_reported_and_confined():
@@ -347,11 +349,14 @@ def test_non_finite_gradient_with_finite_loss_is_reported_and_confined():
   updates when a NaN first shows inside the backward pass, so every element whose gradient is
   finite is updated exactly as without the NaN, those whose gradient is not become NaN, and
   metrics["grad_norm"] is NaN (the cue to restore a checkpoint)."""
+  _check_nan_confined("xla", _batch(), width=8)
+
+
+def _check_nan_confined(backend, batch, width):
   opt = forge_jax.adamw(1e-2)
-  batch = _batch()
   out = {}
   for poison in (False, True):
-    model = Poisoned(opt, poison)
+    model = Poisoned(opt, poison, backend, width)
     state = _state(model, batch["x"], opt)
     state, metrics = forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
     out[poison] = (_host(state), metrics)
@@ -368,6 +373,29 @@ def test_non_finite_gradient_with_finite_loss_is_reported_and_confined():
     assert np.isnan(got[:, 2]).all()
     np.testing.assert_array_equal(np.delete(got, 2, axis=1), np.delete(want, 2, axis=1))
   assert np.isnan(bad.params["l0"]["bias"][2])
+
+
+def _skip_bit_for_bit(backend, batch, width):
+  opt = forge_jax.adamw(1e-2)
+  model = Poisoned(opt, False, backend, width)
+  state = _state(model, batch["x"], opt)
+  loss = functools.partial(_mse, model.apply)
+  state, _ = forge_jax.train_step(state, batch, loss)
+  before = _host(state)
+  state, metrics = forge_jax.train_step(state, _poison(batch, ("x", (0, 0)), jnp.nan), loss)
+  assert bool(metrics["skipped"])
+  _assert_unchanged(state, before.replace(skipped_steps=np.int32(1)))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton and Mosaic GPU kernels")
+@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
+def test_kernels_keep_the_non_finite_semantics(backend):
+  """On the GPU, with the fused kernels (shapes on the Mosaic kernel's tiling, bf16 inputs)."""
+  key = jax.random.PRNGKey(3)
+  batch = {"x": jax.random.normal(key, (128, 256)).astype(jnp.bfloat16),
+           "y": jax.random.normal(jax.random.fold_in(key, 1), (128, 4))}
+  _skip_bit_for_bit(backend, batch, 256)
+  _check_nan_confined(backend, batch, 256)
 
 
 # ----------------------------------------------------------------------------------------------
