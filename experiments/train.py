@@ -43,6 +43,7 @@ import optax
 from flax import struct
 
 import forge_jax
+from forge_jax import _checkpoint as ckpt_lib
 import models
 from experiments import data as data_lib
 from experiments import runlog
@@ -382,23 +383,36 @@ def _complete_summary(out: pathlib.Path) -> Optional[dict]:
   return summary if summary and summary.get("complete") else None
 
 
+def _checkpoints(out: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+  """The complete checkpoints in ``out``, newest first. orbax writes each into a temporary
+  directory and renames it when complete, so a write killed midway leaves no ``step_N``."""
+  ckpts = sorted((out / "ckpt").glob("step_*"), reverse=True) if (out / "ckpt").exists() else []
+  return [(int(c.name[5:]), c) for c in ckpts if c.name[5:].isdigit()]
+
+
 def _restore(trainer: Trainer, out: pathlib.Path, resume: bool):
-  """(state, first step): the newest checkpoint's with ``resume``, else a fresh state at 0."""
-  found = latest_checkpoint(out) if resume else None
+  """(state, first step): the newest readable checkpoint's with ``resume``, else a fresh state
+  at 0. A checkpoint that cannot be read back is reported and the one before it used."""
+  found = _checkpoints(out) if resume else []
   if not found:
     if resume and (out / "log.jsonl").exists():
       print(f"--resume: {out} has no checkpoint (--ckpt-every 0 and no --time-limit?): "
             "starting again from step 0; its log is rewritten", file=sys.stderr)
     return trainer.init_state(), 0
-  start, path = found
   # Restored into shapes only: a materialized fresh state would double peak memory.
-  try:
-    state = forge_jax.restore_train_state(path, jax.eval_shape(trainer.init_state))
-  except ValueError as e:
-    raise UsageError(f"--resume: {e}") from None
-  if int(state.step) != start:
-    raise UsageError(f"checkpoint {path} holds step {int(state.step)}, not {start}")
-  return state, start
+  like = jax.eval_shape(trainer.init_state)
+  for start, path in found:
+    try:
+      state = forge_jax.restore_train_state(path, like)
+    except ckpt_lib.CheckpointReadError as e:
+      print(f"--resume: skipping {path}: {e}", file=sys.stderr)
+      continue
+    except ValueError as e:
+      raise UsageError(f"--resume: {e}") from None
+    if int(state.step) != start:
+      raise UsageError(f"checkpoint {path} holds step {int(state.step)}, not {start}")
+    return state, start
+  raise UsageError(f"--resume: no checkpoint in {out / 'ckpt'} can be read (see above)")
 
 
 def run(args: argparse.Namespace, data: Optional[data_lib.TokenData] = None) -> dict:

@@ -13,6 +13,10 @@ from typing import Any
 import jax
 
 
+class CheckpointReadError(ValueError):
+  """A checkpoint whose files cannot be read back (corrupted, or cut short by a crash)."""
+
+
 def _ocp():
   try:
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
@@ -59,6 +63,8 @@ def restore_train_state(directory: str | os.PathLike, like: Any) -> Any:
     ValueError: when the checkpoint does not match ``like``'s structure, shapes or
       dtypes (orbax would cast a stored array to ``like``'s dtype), naming the first
       entries that differ.
+    CheckpointReadError: when its files cannot be read (its metadata, or its arrays once
+      the metadata matched ``like``): a corrupted checkpoint, where an older one may serve.
   """
   ocp = _ocp()
   path = os.path.abspath(os.fspath(directory))
@@ -75,10 +81,11 @@ def restore_train_state(directory: str | os.PathLike, like: Any) -> Any:
       _check_matches(path, stored, abstract)
     try:
       state = ckptr.restore(path, abstract)
-    except (ValueError, KeyError) as e:
-      raise ValueError(
-          f"the checkpoint at {path} does not match the given state (another model, "
-          f"optimizer or configuration?): {_first_lines(e)}"
+    except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore raise many types)
+      what = ("its metadata cannot be read" if stored is None else
+              "its entries match the given state but their data cannot be read")
+      raise CheckpointReadError(
+          f"the checkpoint at {path} is corrupted or incomplete ({what}): {_first_lines(e)}"
       ) from e
   if no_skipped:
     state = state.replace(skipped_steps=jax.numpy.zeros([], jax.numpy.int32))

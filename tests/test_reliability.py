@@ -472,3 +472,45 @@ def test_train_cli_warmup_help_and_usage_errors(tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert "error: --resume with arguments that change the run (saved, given): {'lr': (0.003, 1.0)}" in err
   assert len(err.splitlines()) == 1, err
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_resume_skips_a_killed_write_and_a_corrupted_newest_checkpoint(tmp_path, capsys):
+  """A write killed midway leaves only orbax's temporary directory (renamed to step_N when
+  complete), which --resume ignores; a corrupted newest checkpoint is reported and the one
+  before it restored, bit for bit."""
+  pytest.importorskip("orbax.checkpoint")
+  import types  # pylint: disable=g-import-not-at-top
+  from experiments import runlog, train  # pylint: disable=g-import-not-at-top
+  opt = forge_jax.adamw(1e-2)
+  model = Net(opt)
+  batch = _batch()
+  loss = functools.partial(_mse, model.apply)
+  init = lambda: _state(model, batch["x"], opt)
+  state, saved = init(), {}
+  for step in (1, 2):
+    state, _ = forge_jax.train_step(state, batch, loss)
+    runlog.save_checkpoint(tmp_path, step, state, keep=3)
+    saved[step] = _host(state)
+  killed = tmp_path / "ckpt" / "step_00000003.orbax-checkpoint-tmp-1733100000"
+  killed.mkdir()
+  (killed / "_CHECKPOINT_METADATA").write_text("{")
+  trainer = types.SimpleNamespace(init_state=init)
+  restored, start = train._restore(trainer, tmp_path, resume=True)  # pylint: disable=protected-access
+  assert start == 2
+  _assert_unchanged(restored, saved[2])
+  newest = tmp_path / "ckpt" / "step_00000002"
+  for f in newest.rglob("*"):
+    if f.is_file() and f.parent.name == "d":
+      f.write_bytes(b"\0" * f.stat().st_size)
+  restored, start = train._restore(trainer, tmp_path, resume=True)  # pylint: disable=protected-access
+  assert start == 1
+  _assert_unchanged(restored, saved[1])
+  assert f"skipping {newest}: the checkpoint at {newest} is corrupted" in capsys.readouterr().err
+  # The run continues from there exactly as it went the first time.
+  again, _ = forge_jax.train_step(restored, batch, loss)
+  _assert_unchanged(again, saved[2])
