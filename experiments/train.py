@@ -409,8 +409,11 @@ def _restore(trainer: Trainer, out: pathlib.Path, resume: bool):
       continue
     except ValueError as e:
       raise UsageError(f"--resume: {e}") from None
-    if int(state.step) != start:
-      raise UsageError(f"checkpoint {path} holds step {int(state.step)}, not {start}")
+    # A FORGE step skipped for a non-finite loss leaves state.step as it was (and counts in
+    # state.skipped_steps); the checkpoint's name counts the loop's steps.
+    taken = int(state.step) + int(getattr(state, "skipped_steps", None) or 0)
+    if taken != start:
+      raise UsageError(f"checkpoint {path} holds step {taken}, not {start}")
     return state, start
   raise UsageError(f"--resume: no checkpoint in {out / 'ckpt'} can be read (see above)")
 
@@ -483,6 +486,7 @@ def _run(args: argparse.Namespace, data: Optional[data_lib.TokenData]) -> dict:
       log.write({"event": "train", "step": k, "loss": float(m["loss"]),
                  "grad_norm": float(m["grad_norm"]), "lr": float(lrs[k - 1]), "step_s": dt,
                  "tokens_per_s": tokens_per_step / dt, "epoch": sampler.epoch_of(k)}
+                | ({"skipped": True} if m.get("skipped", False) else {})
                 | (mem if k == done else {}))
     pending = []
     if eval_now:

@@ -514,3 +514,22 @@ def test_resume_skips_a_killed_write_and_a_corrupted_newest_checkpoint(tmp_path,
   # The run continues from there exactly as it went the first time.
   again, _ = forge_jax.train_step(restored, batch, loss)
   _assert_unchanged(again, saved[2])
+
+
+def test_resume_counts_skipped_steps(tmp_path):
+  """The CLI names checkpoints by its loop's steps; a step skipped for a non-finite loss leaves
+  state.step behind by one, and --resume accepts that checkpoint."""
+  pytest.importorskip("orbax.checkpoint")
+  import types  # pylint: disable=g-import-not-at-top
+  from experiments import runlog, train  # pylint: disable=g-import-not-at-top
+  opt = forge_jax.sgd(1e-1)
+  model = Net(opt)
+  batch = _batch()
+  loss = functools.partial(_mse, model.apply)
+  init = lambda: _state(model, batch["x"], opt)
+  state, _ = forge_jax.train_step(init(), batch, loss)
+  state, metrics = forge_jax.train_step(state, _poison(batch, ("x", (0, 0)), jnp.nan), loss)
+  assert bool(metrics["skipped"]) and int(state.step) == 1
+  runlog.save_checkpoint(tmp_path, 2, state, keep=2)
+  restored, start = train._restore(types.SimpleNamespace(init_state=init), tmp_path, resume=True)  # pylint: disable=protected-access
+  assert start == 2 and int(restored.step) == 1 and int(restored.skipped_steps) == 1
