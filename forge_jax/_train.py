@@ -286,7 +286,17 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
   Returns:
     ``(new_state, metrics)`` with ``metrics["loss"]``, ``metrics["grad_norm"]``
     (the exact global gradient norm: the FORGE kernels' part is accumulated
-    tile by tile inside the fused kernels) and ``metrics["aux"]`` if any.
+    tile by tile inside the fused kernels), ``metrics["skipped"]`` (the loss was
+    not finite: nothing was updated, ``grad_norm`` is NaN),
+    ``metrics["skipped_steps"]`` (all such steps so far) and ``metrics["aux"]``
+    if any. A finite loss with a non-finite gradient takes the step: elements
+    whose gradient is not finite become non-finite, and ``grad_norm`` says so.
+
+  Raises:
+    ValueError: while tracing, before anything changes, when a FORGE layer's
+      backward pass would run more than once in the step (the message names
+      its module path) or under ``pmap``/``shard_map``/``vmap``, or when the
+      batch is split over devices.
   """
   _check_not_data_parallel(state, batch)
   return _train_step_jit(state, batch, loss_fn, has_aux)
