@@ -14,8 +14,13 @@ kernel *is the new kernel*, and the cotangent of the layer's entry in the
 ``"forge_state"`` collection is its new optimizer state (plus the squared norm
 of the gradient it consumed). No gradient-sized buffer exists at any point;
 :func:`forge_jax.train_step` knows which entries to overwrite instead of
-handing them to optax. A plain ``jax.grad`` of a loss through FORGE layers
-therefore returns *new weights* at the FORGE kernels, not gradients.
+handing them to optax. A plain ``jax.grad`` with respect to FORGE kernels
+would therefore return *new weights*, not gradients: it raises outside
+``train_step``. With respect to the inputs alone (the kernels constants of
+the differentiation) the backward pass is an ordinary Dense's: only ``dX``.
+Each backward pass marks its ``dy`` with its module path
+(:mod:`forge_jax._reuse`), so that ``train_step`` can check in the step's
+jaxpr that every kernel is updated exactly once.
 
 Without a ``"forge_state"`` collection (e.g. ``model.apply({"params": p}, x)``
 for evaluation) the layer is an ordinary ``nn.Dense``.
