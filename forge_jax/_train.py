@@ -251,16 +251,35 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
 _train_step_jit = jax.jit(_train_step, static_argnums=(2, 3), donate_argnums=(0,))
 
 
+def _explicit_split(tracer) -> int:
+  """Over how many devices a traced array is split by explicit mesh axes (1: not split)."""
+  sharding = getattr(jax.typeof(tracer), "sharding", None)
+  spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+  if not spec or mesh is None:
+    return 1
+  sizes = dict(mesh.shape)
+  n = 1
+  for entry in spec:
+    for name in (entry if isinstance(entry, tuple) else (entry,)):
+      n *= sizes.get(name, 1) if name is not None else 1
+  return n
+
+
 def _check_not_data_parallel(state: TrainState, batch):
   if not forge_paths(state.forge_state):
     return
   for leaf in jax.tree.leaves(batch):
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(leaf, jax.core.Tracer) or sharding is None:
-      continue
-    if len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
+    if isinstance(leaf, jax.core.Tracer):
+      # Under a user's jit the sharding is known only with explicit mesh axes (jax.set_mesh
+      # with AxisType.Explicit); otherwise jit computes the whole batch's step.
+      devices = _explicit_split(leaf)
+      sharding = getattr(jax.typeof(leaf), "sharding", None)
+    else:
+      sharding = getattr(leaf, "sharding", None)
+      devices = 0 if sharding is None or sharding.is_fully_replicated else len(sharding.device_set)
+    if devices > 1:
       raise ValueError(
-          f"the batch is split over {len(sharding.device_set)} devices ({sharding}). "
+          f"the batch is split over {devices} devices ({sharding}). "
           "Under data parallelism each FORGE weight would need the all-reduced "
           "gradient of the whole batch before its update, but the fused kernel "
           "consumes each device's partial gradient tile by tile and never forms "

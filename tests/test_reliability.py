@@ -236,8 +236,14 @@ print("UNCHANGED", all(np.array_equal(a, b) for a, b in
                        zip(jax.tree.leaves(_host(state)), jax.tree.leaves(before))))
 sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
 attempt("sharded_batch", lambda: step(state, sharded))
-# Under a user's jit the batch's sharding is not known while tracing; jit's semantics are the
-# global step's, so the result must equal the step on the replicated batch.
+# Under a user's jit with explicit mesh axes the batch's sharding is in its type: refused too.
+explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+with jax.set_mesh(explicit):
+  attempt("jit_explicit_sharded_batch", lambda: jax.jit(step)(
+      jax.device_put(state, NamedSharding(explicit, P())),
+      jax.device_put(batch, NamedSharding(explicit, P("data")))))
+# Otherwise the batch's sharding is not known while tracing; jit's semantics are the global
+# step's, so the result must equal the step on the replicated batch.
 ref, _ = step(_state(model, batch["x"], opt), batch)
 out, _ = jax.jit(step)(jax.device_put(state, NamedSharding(mesh, P())), sharded)
 diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(ref.params)))
@@ -254,7 +260,8 @@ def test_mapped_axes_are_refused_and_jit_with_sharded_batch_is_global():
   log = out.stdout + out.stderr
   for name in ("pmap", "shard_map_check_vma_False", "shard_map_check_vma_True"):
     assert f"{name} REFUSED forge_jax.train_step is traced under the mapped axes" in out.stdout, log
-  assert "sharded_batch REFUSED the batch is split over 8 devices" in out.stdout, log
+  assert "\nsharded_batch REFUSED the batch is split over 8 devices" in out.stdout, log
+  assert "jit_explicit_sharded_batch REFUSED the batch is split over 8 devices" in out.stdout, log
   assert "UNCHANGED True" in out.stdout, log
   assert "JIT_SHARDED_EQUALS_GLOBAL True" in out.stdout, log
 
