@@ -284,6 +284,10 @@ class StackNet(nn.Module):
     return _dense(self.opt, 4, "head")(x)
 
 
+_SKIP_OPT = forge_jax.adamw(1e-2, weight_decay=0.1)
+_SKIP_CASE = (_SKIP_OPT, StackNet(_SKIP_OPT), functools.partial(_mse, StackNet(_SKIP_OPT).apply))
+
+
 def _poison(batch, where, value):
   key, index = where
   return {**batch, key: batch[key].at[index].set(value)}
@@ -293,9 +297,7 @@ def _poison(batch, where, value):
                                           (("y", (5, 1)), jnp.inf)],
                          ids=["nan_in_batch", "inf_in_batch", "inf_loss"])
 def test_non_finite_loss_skips_the_step_bit_for_bit(where, value):
-  opt = forge_jax.adamw(1e-2, weight_decay=0.1)
-  model = StackNet(opt)
-  loss = functools.partial(_mse, model.apply)
+  opt, model, loss = _SKIP_CASE  # one compiled step for every case
   batches = [_batch(key=i) for i in range(2)]
   state = _state(model, batches[0]["x"], opt)
   state, _ = forge_jax.train_step(state, batches[0], loss)  # counts past 0
