@@ -43,6 +43,7 @@ import optax
 from flax import struct
 
 import forge_jax
+from forge_jax import _checkpoint as ckpt_lib
 import models
 from experiments import data as data_lib
 from experiments import runlog
@@ -52,6 +53,8 @@ from experiments.runlog import save_checkpoint, versions, xla_memory
 
 IMPLS = ("forge", "optax")
 OPTIMIZERS = ("adam", "adamw", "nadam", "nadamw", "radam", "lion", "rmsprop", "adagrad", "sgd")
+DEFAULT_WARMUP = 20
+
 # Arguments that change the trajectory: a resumed run must have the same.
 TRAJECTORY_KEYS = ("model", "set", "impl", "optimizer", "steps", "batch", "seq", "lr", "warmup",
                    "schedule", "min_lr_ratio", "weight_decay", "clip", "dtype", "param_dtype", "matmul_precision",
@@ -66,14 +69,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--model", default="tiny-qwen3", help=f"a models preset: {', '.join(models.PRESETS)}")
   a("--set", action="append", default=[], metavar="FIELD=VALUE",
     help="override a ModelConfig field, e.g. --set num_layers=4 (repeatable)")
-  a("--impl", choices=IMPLS, default="forge")
-  a("--optimizer", choices=OPTIMIZERS, default="adamw")
-  a("--steps", type=int, default=200)
-  a("--batch", type=int, default=8)
+  a("--impl", choices=IMPLS, default="forge", help="FORGE layers or flax.linen.Dense + optax")
+  a("--optimizer", choices=OPTIMIZERS, default="adamw", help="the update rule")
+  a("--steps", type=int, default=200, help="training steps")
+  a("--batch", type=int, default=8, help="rows per step")
   a("--seq", type=int, default=128, help="tokens per row (inputs; rows hold seq + 1)")
   a("--lr", type=float, default=3e-3, help="peak learning rate")
-  a("--warmup", type=int, default=20, help="linear warmup steps")
-  a("--schedule", choices=("cosine", "constant"), default="cosine")
+  a("--warmup", type=int, default=None,
+    help=f"linear warmup steps; if not given, {DEFAULT_WARMUP} or --steps - 1 when fewer "
+    "(default: %(default)s)")
+  a("--schedule", choices=("cosine", "constant"), default="cosine", help="after the warmup")
   a("--min-lr-ratio", type=float, default=0.1, help="cosine end value / peak")
   a("--weight-decay", type=float, default=0.1, help="for optimizers that take one")
   a("--clip", type=float, default=0.0, help="global-norm clipping (optax only; 0: off)")
@@ -88,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   a("--param-dtype", default="float32", help="storage dtype of params and optimizer states")
   a("--scan", action=argparse.BooleanOptionalAction, default=True, help="scan over layers")
   a("--remat", default="full", help="activation checkpointing of each block")
-  a("--attention", default="auto", choices=("auto", "xla", "cudnn"))
+  a("--attention", default="auto", choices=("auto", "xla", "cudnn"), help="attention implementation")
   a("--seed", type=int, default=0, help="init seed")
   a("--init-from", default=None, metavar="DIR",
     help="start from the weights of a Hugging Face checkpoint (e.g. another run's --save-hf), "
@@ -97,17 +102,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="move half the elements of every parameter by one float ulp after init: a control "
     "run that shows how far rounding-level differences grow in training")
   a("--data-seed", type=int, default=None, help="data order seed (default: --seed)")
-  a("--tokenizer", choices=data_lib.TOKENIZERS, default="bpe")
+  a("--tokenizer", choices=data_lib.TOKENIZERS, default="bpe", help="byte tokens or a local BPE")
   a("--vocab-size", type=int, default=8192, help="BPE vocabulary")
   a("--corpus-bytes", type=int, default=0, help="use the first files up to this size (0: all)")
   a("--eval-fraction", type=float, default=0.02, help="share of files held out")
   a("--data-cache", default=None, help="tokenizer/token cache (default ~/.cache/forge_jax/data)")
   a("--eval-every", type=int, default=100, help="held-out eval every N steps and at the end (0: end only)")
-  a("--eval-batches", type=int, default=8)
+  a("--eval-batches", type=int, default=8, help="held-out batches per eval")
   a("--ckpt-every", type=int, default=0, help="checkpoint every N steps and at the end (0: never)")
   a("--keep-ckpts", type=int, default=2, help="newest checkpoints kept")
   a("--log-every", type=int, default=10, help="fetch metrics / refresh the bar every N steps")
-  a("--out", default="runs/train")
+  a("--out", default="runs/train", help="run directory (log, checkpoints, summary)")
   a("--save-hf", default=None, metavar="DIR",
     help="at the end, write the weights as a Hugging Face checkpoint (for --init-from)")
   a("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -120,12 +125,26 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.data_seed is None:
     args.data_seed = args.seed
+  if args.warmup is None:
+    args.warmup = max(0, min(DEFAULT_WARMUP, args.steps - 1))
   check_args(args)
   return args
 
 
+class UsageError(ValueError):
+  """Arguments that cannot run, or do not match the run in --out: the CLI prints it as argparse
+  does (one line, exit status 2) instead of a traceback."""
+
+
 def check_args(args: argparse.Namespace) -> None:
-  """Clear errors for combinations that cannot run."""
+  """Clear errors (:class:`UsageError`) for combinations that cannot run."""
+  try:
+    _check_args(args)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+
+
+def _check_args(args: argparse.Namespace) -> None:
   if args.impl == "forge" and args.clip > 0:
     raise ValueError(
         f"--clip {args.clip} (optax.clip_by_global_norm) is not available with --impl forge: "
@@ -332,12 +351,12 @@ def _check_out(args: argparse.Namespace, out: pathlib.Path) -> None:
   if not config_path.exists():
     return
   if not args.resume:
-    raise ValueError(f"{out} already holds a run: pass --resume to continue it, or another --out")
+    raise UsageError(f"{out} already holds a run: pass --resume to continue it, or another --out")
   theirs = json.loads(config_path.read_text())["trajectory"]
   mine = {k: getattr(args, k) for k in TRAJECTORY_KEYS}
   diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
   if diff:
-    raise ValueError(f"--resume with arguments that change the run (saved, given): {diff}")
+    raise UsageError(f"--resume with arguments that change the run (saved, given): {diff}")
 
 
 def _write_config(args: argparse.Namespace, out: pathlib.Path) -> None:
@@ -364,20 +383,39 @@ def _complete_summary(out: pathlib.Path) -> Optional[dict]:
   return summary if summary and summary.get("complete") else None
 
 
+def _checkpoints(out: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+  """The complete checkpoints in ``out``, newest first. orbax writes each into a temporary
+  directory and renames it when complete, so a write killed midway leaves no ``step_N``."""
+  ckpts = sorted((out / "ckpt").glob("step_*"), reverse=True) if (out / "ckpt").exists() else []
+  return [(int(c.name[5:]), c) for c in ckpts if c.name[5:].isdigit()]
+
+
 def _restore(trainer: Trainer, out: pathlib.Path, resume: bool):
-  """(state, first step): the newest checkpoint's with ``resume``, else a fresh state at 0."""
-  found = latest_checkpoint(out) if resume else None
+  """(state, first step): the newest readable checkpoint's with ``resume``, else a fresh state
+  at 0. A checkpoint that cannot be read back is reported and the one before it used."""
+  found = _checkpoints(out) if resume else []
   if not found:
     if resume and (out / "log.jsonl").exists():
       print(f"--resume: {out} has no checkpoint (--ckpt-every 0 and no --time-limit?): "
             "starting again from step 0; its log is rewritten", file=sys.stderr)
     return trainer.init_state(), 0
-  start, path = found
   # Restored into shapes only: a materialized fresh state would double peak memory.
-  state = forge_jax.restore_train_state(path, jax.eval_shape(trainer.init_state))
-  if int(state.step) != start:
-    raise ValueError(f"checkpoint {path} holds step {int(state.step)}, not {start}")
-  return state, start
+  like = jax.eval_shape(trainer.init_state)
+  for start, path in found:
+    try:
+      state = forge_jax.restore_train_state(path, like)
+    except ckpt_lib.CheckpointReadError as e:
+      print(f"--resume: skipping {path}: {e}", file=sys.stderr)
+      continue
+    except ValueError as e:
+      raise UsageError(f"--resume: {e}") from None
+    # A FORGE step skipped for a non-finite loss leaves state.step as it was (and counts in
+    # state.skipped_steps); the checkpoint's name counts the loop's steps.
+    taken = int(state.step) + int(getattr(state, "skipped_steps", None) or 0)
+    if taken != start:
+      raise UsageError(f"checkpoint {path} holds step {taken}, not {start}")
+    return state, start
+  raise UsageError(f"--resume: no checkpoint in {out / 'ckpt'} can be read (see above)")
 
 
 def run(args: argparse.Namespace, data: Optional[data_lib.TokenData] = None) -> dict:
@@ -448,6 +486,7 @@ def _run(args: argparse.Namespace, data: Optional[data_lib.TokenData]) -> dict:
       log.write({"event": "train", "step": k, "loss": float(m["loss"]),
                  "grad_norm": float(m["grad_norm"]), "lr": float(lrs[k - 1]), "step_s": dt,
                  "tokens_per_s": tokens_per_step / dt, "epoch": sampler.epoch_of(k)}
+                | ({"skipped": True} if m.get("skipped", False) else {})
                 | (mem if k == done else {}))
     pending = []
     if eval_now:
@@ -520,8 +559,12 @@ def _summary(args, out, data, trainer, start, step_times, wall_s) -> dict:
 
 
 def main(argv=None) -> int:
-  args = parse_args(argv)
-  s = run(args)
+  try:
+    args = parse_args(argv)
+    s = run(args)
+  except UsageError as e:
+    print(f"{pathlib.Path(sys.argv[0]).name or 'train'}: error: {e}", file=sys.stderr)
+    return 2
   if not s["complete"]:
     print(f"stopped at step {s['step']} of {s['steps']} (checkpointed): continue with --resume")
     return 0

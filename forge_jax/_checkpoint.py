@@ -13,6 +13,10 @@ from typing import Any
 import jax
 
 
+class CheckpointReadError(ValueError):
+  """A checkpoint whose files cannot be read back (corrupted, or cut short by a crash)."""
+
+
 def _ocp():
   try:
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
@@ -52,49 +56,96 @@ def restore_train_state(directory: str | os.PathLike, like: Any) -> Any:
       dtypes and static fields.
 
   Returns:
-    The restored TrainState.
+    The restored TrainState. A checkpoint written before TrainState counted
+    skipped steps restores with ``skipped_steps`` 0.
 
   Raises:
     ValueError: when the checkpoint does not match ``like``'s structure, shapes or
-      dtypes (orbax would cast a stored array to ``like``'s dtype).
+      dtypes (orbax would cast a stored array to ``like``'s dtype), naming the first
+      entries that differ.
+    CheckpointReadError: when its files cannot be read (its metadata, or its arrays once
+      the metadata matched ``like``): a corrupted checkpoint, where an older one may serve.
   """
   ocp = _ocp()
   path = os.path.abspath(os.fspath(directory))
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"no checkpoint at {path}")
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
   with ocp.StandardCheckpointer() as ckptr:
-    _check_dtypes(ckptr, path, abstract)
+    stored = _stored_arrays(ckptr, path)
+    no_skipped = (stored is not None and getattr(abstract, "skipped_steps", None) is not None
+                  and ("skipped_steps",) not in stored)
+    if no_skipped:
+      abstract = abstract.replace(skipped_steps=None)
+    if stored is not None:
+      _check_matches(path, stored, abstract)
     try:
-      return ckptr.restore(path, abstract)
-    except (ValueError, KeyError) as e:
-      raise ValueError(
-          f"the checkpoint at {path} does not match the given state (another model, "
-          f"optimizer or configuration?): {e}"
+      state = ckptr.restore(path, abstract)
+    except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore raise many types)
+      what = ("its metadata cannot be read" if stored is None else
+              "its entries match the given state but their data cannot be read")
+      raise CheckpointReadError(
+          f"the checkpoint at {path} is corrupted or incomplete ({what}): {_first_lines(e)}"
       ) from e
+  if no_skipped:
+    state = state.replace(skipped_steps=jax.numpy.zeros([], jax.numpy.int32))
+  return state
+
+
+def _first_lines(e: BaseException, lines: int = 4, chars: int = 600) -> str:
+  text = "\n".join(str(e).strip().splitlines()[:lines])
+  return text if len(text) <= chars else text[:chars] + " ..."
 
 
 def _path_names(key_path) -> tuple:
   return tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in key_path)
 
 
-def _check_dtypes(ckptr, path: str, abstract) -> None:
-  """Refuses a stored array whose dtype differs from ``abstract``'s at the same path. Where
-  this orbax's metadata cannot be read or its paths do not line up, it checks nothing."""
+def _stored_arrays(ckptr, path: str):
+  """``{path names: (shape, dtype)}`` of the stored arrays, or None where this orbax's
+  metadata cannot be read (then only orbax's own checks run)."""
   try:
     meta = ckptr.metadata(path)
     tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
-    stored = {_path_names(p): jax.numpy.dtype(m.dtype)
-              for p, m in jax.tree_util.tree_flatten_with_path(
-                  tree, is_leaf=lambda x: hasattr(x, "dtype"))[0] if hasattr(m, "dtype")}
+    if tree is None:
+      return None
+    return {_path_names(p): (tuple(getattr(m, "shape", None) or ()), jax.numpy.dtype(m.dtype))
+            for p, m in jax.tree_util.tree_flatten_with_path(
+                tree, is_leaf=lambda x: hasattr(x, "dtype"))[0] if hasattr(m, "dtype")}
   except Exception:  # pylint: disable=broad-except  (an orbax without this metadata API)
-    return
-  wrong = []
-  for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
-    have = stored.get(_path_names(p))
-    if have is not None and have != leaf.dtype:
-      wrong.append(f"{'/'.join(_path_names(p))}: stored {have}, expected {leaf.dtype}")
-  if wrong:
+    return None
+
+
+def _listing(items, n: int = 5) -> str:
+  items = sorted(items)
+  return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def _check_matches(path: str, stored: dict, abstract) -> None:
+  """Refuses a checkpoint whose entries, shapes or dtypes differ from ``abstract``'s, in a few
+  lines (orbax's own message lists every subtree of both sides)."""
+  expected = {_path_names(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+  name = "/".join
+  problems = []
+  missing = [name(p) for p in expected if p not in stored]
+  extra = [name(p) for p in stored if p not in expected]
+  if missing:
+    problems.append(f"expected but not stored: {_listing(missing)}")
+  if extra:
+    problems.append(f"stored but not expected: {_listing(extra)}")
+  shapes = [f"{name(p)}: stored {stored[p][0]}, expected {tuple(leaf.shape)}"
+            for p, leaf in expected.items()
+            if p in stored and stored[p][0] and tuple(stored[p][0]) != tuple(leaf.shape)]
+  if shapes:
+    problems.append("other shapes: " + _listing(shapes))
+  if problems:
+    raise ValueError(
+        f"the checkpoint at {path} does not match the given state (another model, optimizer "
+        "or configuration?): " + "; ".join(problems) + ".")
+  dtypes = [f"{name(p)}: stored {stored[p][1]}, expected {leaf.dtype}"
+            for p, leaf in expected.items() if stored[p][1] != leaf.dtype]
+  if dtypes:
     raise ValueError(
         f"the checkpoint at {path} holds other dtypes than the given state (another "
-        "precision?): " + "; ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
-        + ". Restore into a state of the same dtypes."
+        "precision?): " + _listing(dtypes) + ". Restore into a state of the same dtypes."
     )

@@ -14,8 +14,13 @@ kernel *is the new kernel*, and the cotangent of the layer's entry in the
 ``"forge_state"`` collection is its new optimizer state (plus the squared norm
 of the gradient it consumed). No gradient-sized buffer exists at any point;
 :func:`forge_jax.train_step` knows which entries to overwrite instead of
-handing them to optax. A plain ``jax.grad`` of a loss through FORGE layers
-therefore returns *new weights* at the FORGE kernels, not gradients.
+handing them to optax. A plain ``jax.grad`` with respect to FORGE kernels
+would therefore return *new weights*, not gradients: it raises outside
+``train_step``. With respect to the inputs alone (the kernels constants of
+the differentiation) the backward pass is an ordinary Dense's: only ``dX``.
+Each backward pass marks its ``dy`` with its module path
+(:mod:`forge_jax._reuse`), so that ``train_step`` can check in the step's
+jaxpr that every kernel is updated exactly once.
 
 Without a ``"forge_state"`` collection (e.g. ``model.apply({"params": p}, x)``
 for evaluation) the layer is an ordinary ``nn.Dense``.
@@ -39,9 +44,12 @@ from flax.core import meta as flax_meta
 import jax.numpy as jnp
 import numpy as np
 from flax.linen import dtypes as flax_dtypes
+from jax.custom_derivatives import CustomVJPPrimal as _CustomVJPPrimal
+from jax.custom_derivatives import SymbolicZero as _SymbolicZero
 
 from forge_jax import _fused
 from forge_jax import _optimizers
+from forge_jax import _reuse
 
 FORGE_STATE = "forge_state"
 
@@ -191,17 +199,19 @@ def _check_optimizer(optimizer) -> None:
     )
 
 
-def _check_fused_backward_allowed():
+def _check_fused_backward_allowed(path: str):
   if not _FUSED_BACKWARD.get():
     raise ValueError(
-        "the backward pass of a forge_jax.Dense was traced outside "
-        "forge_jax.train_step. It updates the weight in place and returns the new "
-        "weight where a gradient is expected, so plain jax.grad, gradient "
-        "accumulation over micro-batches or a data-parallel all-reduce of its "
-        "cotangents would be silently wrong. Train with forge_jax.train_step, use "
-        "flax.linen.Dense where you need true gradients, or open "
-        "forge_jax.fused_backward() in a custom step that overwrites each FORGE "
-        "kernel with its cotangent exactly once."
+        f"the backward pass of the forge_jax.Dense {path} was traced outside "
+        "forge_jax.train_step with its kernel differentiated. It updates the weight in place "
+        "and returns the new weight where a gradient is expected, so plain jax.grad, gradient "
+        "accumulation over micro-batches or a data-parallel all-reduce of its cotangents would "
+        "be silently wrong. Train with forge_jax.train_step. For gradients with respect to the "
+        "inputs alone, differentiate only the inputs (jax.grad(lambda x: loss(model.apply("
+        "variables, x)))(x)), or apply the model to {'params': variables['params']} alone, where "
+        "every forge_jax.Dense is a plain Dense; for true weight gradients use "
+        "flax.linen.Dense. A custom step that overwrites each FORGE kernel with its cotangent "
+        "exactly once may open forge_jax.fused_backward()."
     )
 
 
@@ -210,9 +220,13 @@ def _float0_like(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def forge_matmul(optimizer, dtype, precision, backend, decay, config, stream, x, kernel, kstate):
-  """``x @ kernel`` whose VJP updates ``kernel`` and ``kstate`` (see module doc)."""
-  del optimizer, backend, decay, config, stream, kstate
+def forge_matmul(optimizer, dtype, precision, backend, decay, config, path, x, kernel, kstate):
+  """``x @ kernel`` whose VJP updates ``kernel`` and ``kstate`` (see module doc).
+
+  ``path``: the full module path of the kernel's layer (a tuple of names); it names the
+  layer in errors and seeds its stochastic-rounding stream.
+  """
+  del optimizer, backend, decay, config, path, kstate
   return _dot(x, kernel.astype(dtype), precision)
 
 
@@ -220,19 +234,46 @@ def _dot(x, kernel, precision):
   return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
-def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, stream, x, kernel, kstate):
+def _value(primals):
+  """The values of a pytree of ``CustomVJPPrimal`` (one per leaf, with symbolic zeros)."""
+  is_primal = lambda p: isinstance(p, _CustomVJPPrimal)
+  return jax.tree.map(lambda p: p.value if is_primal(p) else p, primals, is_leaf=is_primal)
+
+
+def _perturbed(primal) -> bool:
+  return primal.perturbed if isinstance(primal, _CustomVJPPrimal) else True
+
+
+def _dense_dy(dy):
+  """A symbolic-zero cotangent (the layer's output does not reach the loss) as zeros."""
+  if isinstance(dy, _SymbolicZero):
+    return jnp.zeros(dy.aval.shape, dy.aval.dtype)
+  return dy
+
+
+def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, path, x, kernel, kstate):
+  # With symbolic zeros jax says which inputs are differentiated. A kernel that is not (a
+  # constant of jax.grad with respect to the inputs) gets no update: the backward pass computes
+  # dX alone, as an ordinary Dense.
+  x, kernel, kstate, train = _value(x), _value(kernel), _value(kstate), _perturbed(kernel)
   y = _dot(x, kernel.astype(dtype), precision)
-  return y, (x, kernel, kstate)
+  return y, (x, kernel, kstate if train else None)
 
 
-def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, stream, res, dy):
-  _check_fused_backward_allowed()
-  _check_optimizer(optimizer)
-  _mark_updated(stream)
+def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path, res, dy):
   x, kernel, kstate = res
+  dy = _dense_dy(dy)
   dx = jax.lax.dot_general(
       dy, kernel.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
   )
+  if kstate is None:
+    return dx.astype(x.dtype), None, None
+  name = "/".join(path)
+  _check_fused_backward_allowed(name)
+  _check_optimizer(optimizer)
+  stream = kernel_stream(path)
+  _mark_updated(stream)
+  dy = _reuse.mark_backward(dy, name)
   # The update below overwrites `kernel` in place: every read of the old weight
   # (the dX product) must be ordered before it, or XLA protects the buffer
   # with a defensive copy. `after=dx` makes the update depend on dX.
@@ -249,28 +290,32 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, strea
   return dx.astype(x.dtype), new_kernel, KernelState(new_opt, sq)
 
 
-forge_matmul.defvjp(_forge_matmul_fwd, _forge_matmul_bwd)
+forge_matmul.defvjp(_forge_matmul_fwd, _forge_matmul_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def forge_matmul_stacked(optimizer, dtype, precision, backend, decay, config, stream, x,
+def forge_matmul_stacked(optimizer, dtype, precision, backend, decay, config, path, x,
                          kernels, kstates, layer):
   """``x @ kernels[layer]`` whose VJP updates layer ``layer`` of the stacks in place."""
-  del optimizer, backend, decay, config, stream, kstates
+  del optimizer, backend, decay, config, path, kstates
   return _dot(x, jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False).astype(dtype), precision)
 
 
-def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, stream, x,
+def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, path, x,
                               kernels, kstates, layer):
   w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
   return _dot(x, w.astype(dtype), precision), (x, kernels, kstates, layer)
 
 
-def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, config, stream, res, dy):
-  _check_fused_backward_allowed()
+def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, config, path, res, dy):
+  name = "/".join(path)
+  _check_fused_backward_allowed(name)
   _check_optimizer(optimizer)
+  stream = kernel_stream(path)
   _mark_updated(stream)
   x, kernels, kstates, layer = res
+  # One backward pass per layer of the stack: the loop over the layers is not a reuse.
+  dy = _reuse.mark_backward(dy, name, stacked=True)
   w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
   dx = jax.lax.dot_general(
       dy, w.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
@@ -340,10 +385,10 @@ class Dense(nn.Module):
       kstate = self.variable(
           FORGE_STATE, "kernel", init_kernel_state, self.optimizer, kernel
       ).value
-      # The stochastic-rounding stream of this weight: a hash of its path
+      # The full path names the layer in errors and seeds its stochastic-rounding stream
       # (layers of a ScannedStack share it and differ by layer index).
-      stream = kernel_stream((*_PATH_PREFIX.get(), *self.scope.path))
-      static = (self.optimizer, dtype, self.precision, self.backend, self.decay, self.tile_config, stream)
+      path = (*_PATH_PREFIX.get(), *self.scope.path)
+      static = (self.optimizer, dtype, self.precision, self.backend, self.decay, self.tile_config, path)
       raw_kernel = self.scope.get_variable("params", "kernel")
       raw_state = self.scope.get_variable(FORGE_STATE, "kernel")
       if isinstance(raw_kernel, StackSlice) and isinstance(raw_state, StackSlice):

@@ -6,6 +6,11 @@ pass every FORGE layer has already written its new kernel and optimizer state
 applies the same optimizer's optax form to the parameters FORGE does not
 manage (embeddings, norms, biases, tied heads), and returns the loss and
 metrics. The state is donated, so the whole update happens in place.
+
+Before anything is updated the step checks, from the jaxpr of its backward
+pass, that every FORGE backward pass runs exactly once and not under a mapped
+axis (:mod:`forge_jax._reuse`), and it computes the loss first: a non-finite
+loss skips the whole backward pass and leaves the state as it was.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 from flax import traverse_util
+from jax.extend import core as jex_core
 
 from forge_jax import _dense
 from forge_jax import _lowp
 from forge_jax import _optimizers
+from forge_jax import _reuse
 from forge_jax import _rules
 
 FORGE_STATE = _dense.FORGE_STATE
@@ -70,6 +77,8 @@ class TrainState(struct.PyTreeNode):
       finite one (float32; 0 before the first step): what an optimizer with
       ``clip_prev_norm`` clips the next step by. Advance it with
       :func:`carry_grad_norm`.
+    skipped_steps: the number of steps skipped for a non-finite loss (int32;
+      ``step`` does not count them).
   """
 
   step: jax.Array
@@ -80,6 +89,7 @@ class TrainState(struct.PyTreeNode):
   opt_state: Any = None
   model_state: Any = None
   prev_grad_norm: Any = None
+  skipped_steps: Any = None
 
   @classmethod
   def create(cls, apply_fn: Callable, variables: Any, optimizer) -> "TrainState":
@@ -111,6 +121,7 @@ class TrainState(struct.PyTreeNode):
         opt_state=optimizer.init(rest),
         model_state=model_state,
         prev_grad_norm=jnp.zeros((), jnp.float32),
+        skipped_steps=jnp.zeros([], jnp.int32),
     )
 
   @property
@@ -137,21 +148,17 @@ class NoBackwardPassWarning(UserWarning):
   """FORGE kernels whose backward pass was not seen while train_step was traced."""
 
 
-def _check_all_updated(paths, updated) -> None:
-  """A FORGE kernel is rewritten with its cotangent: one whose backward pass never ran (its
-  output does not reach the loss) comes back as zeros, weight and state. The backward
-  passes are seen as they are traced; one that jax reuses from a cache (a jax.jit'd or
-  jax.checkpoint'ed function inside the loss, traced before) is not, so this warns."""
-  missing = sorted("/".join(p) for p in paths if _dense.kernel_stream(p[:-1]) not in updated)
+def _check_all_updated(paths, counts) -> None:
+  """A FORGE kernel is rewritten with its cotangent: one whose backward pass does not run (its
+  output does not reach the loss) comes back as zeros, weight and state."""
+  missing = sorted("/".join(p) for p in paths if "/".join(p[:-1]) not in counts)
   if missing:
     warnings.warn(
-        f"no backward pass of FORGE kernels {missing} was traced in this step. If their output "
+        f"no backward pass of FORGE kernels {missing} was traced in this step: their output "
         "does not reach the loss (a layer the loss does not use, or one behind "
-        "jax.lax.stop_gradient), train_step overwrites them and their optimizer states with "
-        "zeros: FORGE updates a kernel inside its backward pass and writes the result where the "
-        "gradient goes. Use flax.linen.Dense for layers that are frozen or unused in some steps. "
-        "(A backward pass that jax reused from a cache, e.g. of a jax.jit'd apply inside the "
-        "loss, is not seen here: then the layers were trained and this warning is spurious.)",
+        "jax.lax.stop_gradient), so train_step overwrites them and their optimizer states with "
+        "zeros. FORGE updates a kernel inside its backward pass and writes the result where the "
+        "gradient goes. Use flax.linen.Dense for layers that are frozen or unused in some steps.",
         NoBackwardPassWarning, stacklevel=4)
 
 
@@ -193,9 +200,23 @@ def _clip_scale(rule, forge_state, opt_state, prev_norm) -> jax.Array:
   steps += list(zip(*leaves))
   scales = [jnp.min(rule.grad_scale(*st)) for st in steps]
   return jnp.min(jnp.stack(scales)) if scales else jnp.ones((), jnp.float32)
+def _plain(tree):
+  """``tree`` as nested dicts (a FrozenDict or dict alike), so both branches of the
+  non-finite guard return the same pytree structure."""
+  return traverse_util.unflatten_dict(_dense.flat_variables(tree)) if tree else tree
+
+
+def _backward_jaxpr(vjp_fn, loss, optimizer):
+  """The step's whole backward pass as a jaxpr, checked to run each FORGE backward pass once."""
+  with _dense.fused_backward(optimizer):
+    jaxpr, ct_shape = jax.make_jaxpr(vjp_fn, return_shape=True)(jnp.ones_like(loss))
+  counts = _reuse.count_backward_passes(jaxpr)
+  _reuse.check_single_use(counts)
+  return jaxpr, jax.tree.structure(ct_shape), counts
 
 
 def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
+  _reuse.check_no_mapped_axis()
   paths = forge_paths(state.forge_state)
   rule = state.optimizer.rule
   prev_norm = state.prev_grad_norm
@@ -219,45 +240,63 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
   else:
     loss, vjp_fn = jax.vjp(loss_of, state.params, forge_view)
     aux = None
-  with _dense.fused_backward(state.optimizer) as updated:
-    ct_params, ct_forge = vjp_fn(jnp.ones_like(loss))
-  _check_all_updated(paths, updated)
-  ct_forge = _lowp.from_float_view(ct_forge)
+  # Traced (and checked) before anything is updated; run below only for a finite loss.
+  bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer)
+  _check_all_updated(paths, counts)
 
-  # FORGE kernels: the cotangent is the new kernel (already updated in place).
-  new_managed, grads_rest = _split(ct_params, paths)
-  _, params_rest = _split(state.params, paths)
-  # A callable mask sees the whole params (FORGE kernels included), as with optax; the
-  # parameters optax updates here are that mask's values at their paths.
-  extra = {}
-  if state.optimizer.mask is not None:
-    extra["forge_decay_mask"] = _split(state.optimizer.decay_mask(state.params), paths)[1]
-  updates, opt_state = state.optimizer.update(grads_rest, state.opt_state, params_rest, **extra)
-  params_rest = optax.apply_updates(params_rest, updates)
-  new_params = _merge(params_rest, new_managed)
+  def backward(_):
+    cts = jex_core.jaxpr_as_fun(bwd)(jnp.ones_like(loss))
+    ct_params, ct_forge = jax.tree.unflatten(ct_tree, cts)
+    ct_forge = _lowp.from_float_view(ct_forge)
 
-  flat_ct = _dense.flat_variables(ct_forge)
-  flat_old = _dense.flat_variables(state.forge_state)
-  new_forge, forge_sq = {}, jnp.zeros((), jnp.float32)
-  for p, ct in flat_ct.items():
-    old = flat_old[p]
-    opt = ct.opt._replace(count=_rules.safe_increment(old.opt.count))
-    new_forge[p] = _dense.KernelState(opt, old.grad_sq_norm)
-    forge_sq = forge_sq + jnp.sum(ct.grad_sq_norm)
-  grad_norm = jnp.sqrt(forge_sq + _tree_sq_norm(grads_rest))
-  metrics = {"loss": loss, "grad_norm": grad_norm, "clip_scale": clip_scale}
+    # FORGE kernels: the cotangent is the new kernel (already updated in place).
+    new_managed, grads_rest = _split(ct_params, paths)
+    _, params_rest = _split(state.params, paths)
+    # A callable mask sees the whole params (FORGE kernels included), as with optax; the
+    # parameters optax updates here are that mask's values at their paths.
+    extra = {}
+    if state.optimizer.mask is not None:
+      extra["forge_decay_mask"] = _split(state.optimizer.decay_mask(state.params), paths)[1]
+    updates, opt_state = state.optimizer.update(grads_rest, state.opt_state, params_rest, **extra)
+    params_rest = optax.apply_updates(params_rest, updates)
+    new_params = _merge(params_rest, new_managed)
+
+    flat_ct = _dense.flat_variables(ct_forge)
+    flat_old = _dense.flat_variables(state.forge_state)
+    new_forge, forge_sq = {}, jnp.zeros((), jnp.float32)
+    for p, ct in flat_ct.items():
+      old = flat_old[p]
+      opt = ct.opt._replace(count=_rules.safe_increment(old.opt.count))
+      new_forge[p] = _dense.KernelState(opt, old.grad_sq_norm)
+      forge_sq = forge_sq + jnp.sum(ct.grad_sq_norm)
+    grad_norm = jnp.sqrt(forge_sq + _tree_sq_norm(grads_rest))
+    return (_plain(new_params), _plain(traverse_util.unflatten_dict(new_forge)), opt_state,
+            _rules.safe_increment(state.step), grad_norm)
+
+  def skip(_):
+    # As optax.apply_if_finite: weights, states and counts exactly as they were.
+    return (_plain(state.params), _plain(state.forge_state), state.opt_state, state.step,
+            jnp.full((), jnp.nan, jnp.float32))
+
+  finite = jnp.isfinite(loss)
+  params, forge_state, opt_state, step, grad_norm = jax.lax.cond(finite, backward, skip, None)
+  skipped = jnp.zeros([], jnp.int32) if state.skipped_steps is None else state.skipped_steps
+  skipped = jnp.where(finite, skipped, _rules.safe_increment(skipped))
+  metrics = {"loss": loss, "grad_norm": grad_norm, "clip_scale": clip_scale,
+             "skipped": jnp.logical_not(finite), "skipped_steps": skipped}
   if has_aux:
     metrics["aux"] = aux
-  new_forge = traverse_util.unflatten_dict(new_forge)
-  new_prev_norm = carry_grad_norm(prev_norm, grad_norm)
+  # A skipped step keeps the last finite norm (its own is NaN).
+  new_prev_norm = carry_grad_norm(prev_norm, grad_norm, applied=finite)
   if rule.norm_scope == "global":
-    new_forge, opt_state = _set_prev_norm(new_forge, opt_state, new_prev_norm)
+    forge_state, opt_state = _set_prev_norm(forge_state, opt_state, new_prev_norm)
   new_state = state.replace(
-      step=_rules.safe_increment(state.step),
-      params=new_params,
-      forge_state=new_forge,
+      step=step,
+      params=params,
+      forge_state=forge_state,
       opt_state=opt_state,
       prev_grad_norm=new_prev_norm,
+      skipped_steps=skipped,
   )
   return new_state, metrics
 
@@ -265,16 +304,35 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
 _train_step_jit = jax.jit(_train_step, static_argnums=(2, 3), donate_argnums=(0,))
 
 
+def _explicit_split(tracer) -> int:
+  """Over how many devices a traced array is split by explicit mesh axes (1: not split)."""
+  sharding = getattr(jax.typeof(tracer), "sharding", None)
+  spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+  if not spec or mesh is None:
+    return 1
+  sizes = dict(mesh.shape)
+  n = 1
+  for entry in spec:
+    for name in (entry if isinstance(entry, tuple) else (entry,)):
+      n *= sizes.get(name, 1) if name is not None else 1
+  return n
+
+
 def _check_not_data_parallel(state: TrainState, batch):
   if not forge_paths(state.forge_state):
     return
   for leaf in jax.tree.leaves(batch):
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(leaf, jax.core.Tracer) or sharding is None:
-      continue
-    if len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
+    if isinstance(leaf, jax.core.Tracer):
+      # Under a user's jit the sharding is known only with explicit mesh axes (jax.set_mesh
+      # with AxisType.Explicit); otherwise jit computes the whole batch's step.
+      devices = _explicit_split(leaf)
+      sharding = getattr(jax.typeof(leaf), "sharding", None)
+    else:
+      sharding = getattr(leaf, "sharding", None)
+      devices = 0 if sharding is None or sharding.is_fully_replicated else len(sharding.device_set)
+    if devices > 1:
       raise ValueError(
-          f"the batch is split over {len(sharding.device_set)} devices ({sharding}). "
+          f"the batch is split over {devices} devices ({sharding}). "
           "Under data parallelism each FORGE weight would need the all-reduced "
           "gradient of the whole batch before its update, but the fused kernel "
           "consumes each device's partial gradient tile by tile and never forms "
@@ -303,7 +361,17 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
     tile by tile inside the fused kernels), ``metrics["clip_scale"]`` (the
     factor the optimizer's ``clip_prev_norm`` applied to this step's gradient;
     with ``layer_clip`` the smallest over parameter arrays; 1 without
-    clipping) and ``metrics["aux"]`` if any.
+    clipping), ``metrics["skipped"]`` (the loss was
+    not finite: nothing was updated, ``grad_norm`` is NaN),
+    ``metrics["skipped_steps"]`` (all such steps so far) and ``metrics["aux"]``
+    if any. A finite loss with a non-finite gradient takes the step: elements
+    whose gradient is not finite become non-finite, and ``grad_norm`` says so.
+
+  Raises:
+    ValueError: while tracing, before anything changes, when a FORGE layer's
+      backward pass would run more than once in the step (the message names
+      its module path) or under ``pmap``/``shard_map``/``vmap``, or when the
+      batch is split over devices.
   """
   _check_not_data_parallel(state, batch)
   return _train_step_jit(state, batch, loss_fn, has_aux)

@@ -381,12 +381,25 @@ def _open_tensors(path: pathlib.Path) -> Iterator[_LazyTensors]:
     raise FileNotFoundError(f"No {WEIGHTS_NAME} or {INDEX_NAME} in {path}")
   with contextlib.ExitStack() as stack:
     if weight_map is None:
-      handle = stack.enter_context(safe_open(path / WEIGHTS_NAME, framework="np"))
+      handle = stack.enter_context(_safe_open(path / WEIGHTS_NAME))
       yield _LazyTensors(dict.fromkeys(handle.keys(), handle))
       return
-    handles = {name: stack.enter_context(safe_open(path / name, framework="np"))
+    handles = {name: stack.enter_context(_safe_open(path / name))
                for name in sorted(set(weight_map.values()))}
     yield _LazyTensors({t: handles[f] for t, f in weight_map.items()})
+
+
+def _safe_open(file: pathlib.Path):
+  """``safe_open`` whose errors name the file (safetensors' own say only what is wrong)."""
+  if not file.is_file():
+    raise FileNotFoundError(f"{file} is missing (listed in {INDEX_NAME}?)")
+  try:
+    return safe_open(file, framework="np")
+  except Exception as e:  # pylint: disable=broad-except  (safetensors raises its own types)
+    raise ValueError(
+        f"cannot read {file} ({file.stat().st_size:,} bytes): {e}. The file is truncated or "
+        "not a safetensors file: copy or download it again."
+    ) from e
 
 
 # ----------------------------------------------------------------------------- helpers

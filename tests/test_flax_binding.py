@@ -287,8 +287,7 @@ def _mse_kw(apply_fn, kw, variables, batch):
 @pytest.mark.parametrize("kw", [dict(use_b=False), dict(stop_b=True)], ids=["unused", "stop_gradient"])
 def test_kernel_without_backward_pass_warns(kw):
   """A FORGE kernel is rewritten with its cotangent: without a backward pass it comes back as
-  zeros (weight and state), so train_step warns, naming the layer. (A warning, not an error:
-  a backward pass jax reuses from a cache is not seen, see test_cached_backward_pass_...)"""
+  zeros (weight and state), so train_step warns, naming the layer."""
   opt = forge_jax.adamw(1e-2)
   model = _TwoHeads(opt)
   batch = _batches((4, 8), (4, 4))[0]
@@ -301,9 +300,9 @@ def test_kernel_without_backward_pass_warns(kw):
   assert float(jnp.abs(new_state.params["b"]["kernel"]).sum()) > 0
 
 
-def test_cached_backward_pass_trains_and_at_most_warns():
+def test_cached_backward_pass_trains_without_a_warning():
   """A backward pass jax reuses from a cache (here a jax.jit'd apply, traced by the first
-  step) is not seen by the check: the layer is still trained, and train_step only warns."""
+  step) is seen all the same: train_step reads the backward passes from the step's jaxpr."""
   opt = forge_jax.adamw(1e-2)
   model = MLP(opt)
   batch = _batches((16, 8), (16, 4))[0]
@@ -316,7 +315,7 @@ def test_cached_backward_pass_trains_and_at_most_warns():
   before = np.asarray(state.params["l0"]["kernel"])  # the state is donated
   for scale in (1.0, 2.0):  # the second trace of train_step reuses fwd's cached backward pass
     with warnings.catch_warnings():
-      warnings.simplefilter("ignore", forge_jax.NoBackwardPassWarning)
+      warnings.simplefilter("error", forge_jax.NoBackwardPassWarning)
       state, metrics = forge_jax.train_step(state, batch, functools.partial(loss, scale))
     assert np.isfinite(float(metrics["loss"]))
   assert float(jnp.abs(state.params["l0"]["kernel"]).sum()) > 0

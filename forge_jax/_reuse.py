@@ -1,0 +1,156 @@
+"""How many times each FORGE backward pass runs in a step, read from the step's jaxpr.
+
+A FORGE layer's backward pass overwrites its weight and returns the new weight
+where autodiff expects a gradient. If it runs twice in one step (a parent
+module called twice, a loss that applies the model twice, ``nn.scan`` or
+``nn.vmap`` over a FORGE module), autodiff *adds* the two new weights; under a
+mapped axis (``pmap``, ``shard_map``) each replica applies its own partial
+update. Either way the weights come out silently wrong.
+
+Every FORGE backward pass binds :data:`backward_p`, an identity on its ``dy``
+that carries the module path. :func:`count_backward_passes` walks the jaxpr of
+a whole backward pass and counts those equations, multiplied by the trip count
+of every loop around them. Reading the jaxpr, not Python side effects while
+tracing, keeps the count right when jax reuses a cached trace (a ``jax.jit``'d
+apply inside the loss). ``forge_jax.ScannedStack`` runs each layer's backward
+pass once in a loop over its layers: those passes bind the marker with
+``stacked=True`` and the innermost loop around them is not counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Iterable
+
+import jax
+from jax.extend import core as jex_core
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
+
+backward_p = jex_core.Primitive("forge_jax_backward")
+backward_p.def_impl(lambda dy, **_: dy)
+# The input's own aval: its sharding and varying-manual-axes annotations pass through.
+backward_p.def_abstract_eval(lambda dy, **_: dy)
+mlir.register_lowering(backward_p, lambda ctx, dy, **_: [dy])
+ad.deflinear2(backward_p, lambda ct, dy, **params: [ct])
+
+
+def _refuse_batching(args, dims, *, path, stacked):
+  del args, dims, stacked
+  raise ValueError(
+      f"the backward pass of the FORGE kernel {path} is being vmapped (jax.vmap or nn.vmap "
+      "over a FORGE module, or over a train step): each mapped instance would apply its own "
+      "update to the one weight. FORGE layers cannot run under vmap; use flax.linen.Dense "
+      "for that layer, or forge_jax.ScannedStack for a stack of identical blocks."
+  )
+
+
+batching.primitive_batchers[backward_p] = _refuse_batching
+
+
+def mark_backward(dy, path: str, stacked: bool = False):
+  """``dy``, marked as the cotangent of one backward pass of the FORGE kernel ``path``."""
+  return backward_p.bind(dy, path=path, stacked=stacked)
+
+
+# Primitives whose body runs once per device or shard, each on its part of the data.
+_MAPPED = ("shard_map", "xla_pmap", "pmap")
+
+
+class ReuseError(ValueError):
+  """A FORGE backward pass that would run more than once, or per shard, in one step."""
+
+
+def _merge_max(counts: Iterable[collections.Counter]) -> collections.Counter:
+  out = collections.Counter()
+  for c in counts:
+    for k, v in c.items():
+      out[k] = max(out[k], v)
+  return out
+
+
+def _count(jaxpr, mult: float, outer: float) -> collections.Counter:
+  """Uses per path in ``jaxpr`` (a core.Jaxpr) run ``mult`` times; ``outer``: the runs
+  outside the innermost loop (a stacked layer's marker is counted that many times)."""
+  counts = collections.Counter()
+  for eqn in jaxpr.eqns:
+    prim = eqn.primitive
+    if prim is backward_p:
+      counts[eqn.params["path"]] += outer if eqn.params["stacked"] else mult
+      continue
+    subs = list(jex_core.jaxprs_in_params(eqn.params))
+    if not subs:
+      continue
+    if prim.name in _MAPPED:
+      inner = _count_all(subs, 1, 1)
+      if inner:
+        raise ReuseError(
+            f"the backward pass of the FORGE kernels {sorted(inner)} runs inside "
+            f"{prim.name}: each device would update the weight from its own part of the batch "
+            "and the replicas would drift apart. FORGE layers cannot run under a mapped axis "
+            "(pmap, shard_map); call forge_jax.train_step outside it with the batch replicated, "
+            "or use flax.linen.Dense + optax for data parallelism."
+        )
+      continue
+    if prim.name == "cond":
+      counts.update(_merge_max(_count(s, mult, outer) for s in subs))
+    elif prim.name == "scan":
+      length = eqn.params["length"]
+      counts.update(_count_all(subs, mult * length, mult))
+    elif prim.name == "while":
+      counts.update(_count_all(subs, math.inf, mult))
+    else:
+      counts.update(_count_all(subs, mult, outer))
+  return counts
+
+
+def _count_all(subs, mult, outer) -> collections.Counter:
+  total = collections.Counter()
+  for s in subs:
+    total.update(_count(s, mult, outer))
+  return total
+
+
+def count_backward_passes(jaxpr) -> collections.Counter:
+  """``{module path: runs}`` of the FORGE backward passes in ``jaxpr`` (a (Closed)Jaxpr).
+
+  Raises:
+    ReuseError: if one runs inside ``shard_map`` or ``pmap``.
+  """
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  return _count(jaxpr, 1, 1)
+
+
+def check_single_use(counts: collections.Counter) -> None:
+  """Raises :class:`ReuseError` naming every FORGE kernel whose backward pass runs twice."""
+  reused = {p: n for p, n in counts.items() if n != 1}
+  if not reused:
+    return
+  what = ", ".join(f"{p} ({'an unbounded loop' if n == math.inf else f'{int(n)} times'})"
+                   for p, n in sorted(reused.items()))
+  raise ReuseError(
+      f"the backward pass of FORGE kernels runs more than once in one step: {what}. A FORGE "
+      "layer overwrites its weight inside its backward pass and returns the new weight where "
+      "the gradient goes, so a second run would add up two new weights. This happens when a "
+      "module holding a forge_jax.Dense is applied twice (a parent module called twice, a loss "
+      "that calls apply_fn twice, nn.scan or a loop over a FORGE module, gradient "
+      "accumulation). Use flax.linen.Dense for a shared layer (optax updates it), give each use "
+      "its own weights, concatenate the inputs into one apply, or use forge_jax.ScannedStack "
+      "for a scanned stack of identical blocks."
+  )
+
+
+def check_no_mapped_axis() -> None:
+  """Raises :class:`ReuseError` if the caller is being traced under pmap or shard_map."""
+  names = [n for n in jex_core.unsafe_get_axis_names_DO_NOT_USE()]
+  if names:
+    raise ReuseError(
+        f"forge_jax.train_step is traced under the mapped axes {names} (jax.pmap or "
+        "jax.shard_map): each device would update the FORGE weights from its own part of the "
+        "batch, and the replicas would drift apart (the fused kernel consumes each device's "
+        "partial gradient tile by tile and never forms the all-reduced one). Call train_step "
+        "outside pmap/shard_map with the batch replicated, or train with flax.linen.Dense + "
+        "optax for data parallelism."
+    )

@@ -1,0 +1,544 @@
+"""Nothing silently wrong: every unsupported reuse of a FORGE layer is refused before anything
+changes, a non-finite loss skips the step, and what a non-finite gradient does is pinned."""
+
+import functools
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import forge_jax
+
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _dense(opt, features, name, backend="xla"):
+  return forge_jax.Dense(features, optimizer=opt, backend=backend, name=name)
+
+
+class Block(nn.Module):
+  opt: object
+
+  @nn.compact
+  def __call__(self, x):
+    return x + jnp.tanh(_dense(self.opt, 8, "l")(x))
+
+
+class Twice(nn.Module):
+  """A parent holding one Block, called twice: its Dense runs two backward passes."""
+
+  opt: object
+
+  @nn.compact
+  def __call__(self, x):
+    b = Block(self.opt, name="b")
+    return _dense(self.opt, 4, "head")(b(b(x)))
+
+
+class Net(nn.Module):
+  opt: object
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(Block) if self.remat else Block
+    x = block(self.opt, name="b0")(x)
+    x = block(self.opt, name="b1")(x)
+    return _dense(self.opt, 4, "head")(x)
+
+
+class Scanned(nn.Module):
+  """nn.scan over a FORGE block (weights shared by broadcast, or stacked per layer)."""
+
+  opt: object
+  shared: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    body = lambda mdl, c, _: (mdl(c), None)
+    axes = dict(variable_broadcast=("params", "forge_state"), split_rngs={"params": False}) if self.shared else dict(
+        variable_axes={"params": 0, "forge_state": 0}, split_rngs={"params": True})
+    x, _ = nn.scan(body, length=3, **axes)(Block(self.opt, name="b"), x, None)
+    return x
+
+
+class Vmapped(nn.Module):
+  opt: object
+
+  @nn.compact
+  def __call__(self, x_GxBxD):
+    vblock = nn.vmap(Block, variable_axes={"params": None, "forge_state": None},
+                     split_rngs={"params": False}, in_axes=0)
+    return vblock(self.opt, name="b")(x_GxBxD)
+
+
+def _mse(apply_fn, variables, batch):
+  return jnp.mean((apply_fn(variables, batch["x"]) - batch["y"]) ** 2)
+
+
+def _batch(shape_x=(6, 8), shape_y=(6, 4), key=0):
+  kx, ky = jax.random.split(jax.random.PRNGKey(key))
+  return {"x": jax.random.normal(kx, shape_x), "y": jax.random.normal(ky, shape_y)}
+
+
+def _state(model, x, opt):
+  return forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), x), opt)
+
+
+def _host(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+def _assert_unchanged(state, before):
+  for a, b in zip(jax.tree.leaves(_host(state)), jax.tree.leaves(before), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def _refused(state, batch, loss, match):
+  before = _host(state)
+  with pytest.raises(ValueError, match=match):
+    forge_jax.train_step(state, batch, loss)
+  _assert_unchanged(state, before)  # refused while tracing: nothing donated, nothing written
+
+
+def test_parent_module_called_twice_is_refused():
+  opt = forge_jax.sgd(1e-1)
+  model = Twice(opt)
+  batch = _batch()
+  _refused(_state(model, batch["x"], opt), batch, functools.partial(_mse, model.apply),
+           r"more than once in one step: b/l \(2 times\)")
+
+
+def _two_half_batches(apply_fn, variables, batch):
+  half = batch["x"].shape[0] // 2
+  a = apply_fn(variables, batch["x"][:half])
+  b = apply_fn(variables, batch["x"][half:])
+  return jnp.mean((jnp.concatenate([a, b]) - batch["y"]) ** 2)
+
+
+def test_loss_calling_apply_twice_is_refused():
+  opt = forge_jax.adamw(1e-2)
+  model = Net(opt)
+  batch = _batch()
+  _refused(_state(model, batch["x"], opt), batch, functools.partial(_two_half_batches, model.apply),
+           r"b0/l \(2 times\), b1/l \(2 times\), head \(2 times\)")
+
+
+def test_loss_calling_a_cached_jitted_apply_twice_is_refused():
+  """The count is read from the step's jaxpr: a jax.jit'd apply whose backward pass jax has
+  cached (from a first, legitimate step) is counted all the same."""
+  opt = forge_jax.sgd(1e-1)
+  model = Net(opt)
+  batch = _batch()
+  fwd = jax.jit(model.apply)
+  state = _state(model, batch["x"], opt)
+  state, _ = forge_jax.train_step(state, batch, functools.partial(_mse, fwd))
+  _refused(state, batch, functools.partial(_two_half_batches, fwd), r"head \(2 times\)")
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["broadcast", "stacked"])
+def test_nn_scan_over_a_forge_module_is_refused(shared):
+  opt = forge_jax.sgd(1e-1)
+  model = Scanned(opt, shared=shared)
+  batch = _batch(shape_y=(6, 8))
+  _refused(_state(model, batch["x"], opt), batch, functools.partial(_mse, model.apply),
+           r"b/l \(3 times\)")
+
+
+def test_nn_vmap_over_a_forge_module_is_refused():
+  opt = forge_jax.sgd(1e-1)
+  model = Vmapped(opt)
+  batch = _batch((2, 3, 8), (2, 3, 8))
+  _refused(_state(model, batch["x"], opt), batch, functools.partial(_mse, model.apply),
+           r"FORGE kernel b/l is being vmapped")
+
+
+def test_remat_recomputation_counts_once():
+  """jax.checkpoint recomputes the forward pass inside the backward pass; the FORGE backward
+  pass still runs once, and the step equals the one without remat bit for bit."""
+  opt = forge_jax.adamw(1e-2)
+  batch = _batch()
+  out = []
+  for remat in (False, True):
+    model = Net(opt, remat=remat)
+    state, metrics = forge_jax.train_step(_state(model, batch["x"], opt), batch,
+                                          functools.partial(_mse, model.apply))
+    out.append(_host((state.params, state.forge_state, metrics["loss"])))
+  for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_scanned_stack_is_accepted_and_nested_reuse_of_it_is_not():
+  opt = forge_jax.sgd(1e-1)
+
+  class Stack(nn.Module):
+    twice: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+      stack = forge_jax.ScannedStack(functools.partial(Block, opt), 3, name="stack")
+      return stack(stack(x)) if self.twice else stack(x)
+
+  batch = _batch(shape_y=(6, 8))
+  model = Stack()
+  state, metrics = forge_jax.train_step(_state(model, batch["x"], opt), batch,
+                                        functools.partial(_mse, model.apply))
+  assert not bool(metrics["skipped"]) and int(state.step) == 1
+  model = Stack(twice=True)
+  _refused(_state(model, batch["x"], opt), batch, functools.partial(_mse, model.apply),
+           r"stack/layers/block/l \(2 times\)")
+
+
+def test_vmap_over_train_step_is_refused():
+  opt = forge_jax.sgd(1e-1)
+  model = Net(opt)
+  batch = _batch((2, 6, 8), (2, 6, 4))
+  state = _state(model, batch["x"][0], opt)
+  with pytest.raises(ValueError, match="is being vmapped"):
+    jax.vmap(lambda b: forge_jax.train_step(state, b, functools.partial(_mse, model.apply))[1])(batch)
+
+
+MAPPED_SCRIPT = r"""
+import functools, jax, jax.numpy as jnp, numpy as np
+import forge_jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tests.test_reliability import Net, _mse, _batch, _state, _host
+opt = forge_jax.sgd(1e-1)
+model = Net(opt)
+batch = _batch((16, 8), (16, 4))
+loss = functools.partial(_mse, model.apply)
+mesh = Mesh(np.array(jax.devices()), ("data",))
+step = lambda s, b: forge_jax.train_step(s, b, loss)
+
+def attempt(name, fn):
+  try:
+    fn()
+    print(name, "RAN")
+  except ValueError as e:
+    print(name, "REFUSED", str(e)[:120])
+
+state = _state(model, batch["x"], opt)
+before = _host(state)
+split = jax.tree.map(lambda a: a.reshape(8, 2, *a.shape[1:]), batch)
+replicas = jax.tree.map(lambda a: jnp.broadcast_to(a, (8, *a.shape)), state)
+attempt("pmap", lambda: jax.pmap(step)(replicas, split))
+for vma in (False, True):
+  smap = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=vma)
+  attempt(f"shard_map_check_vma_{vma}", lambda: smap(state, batch))
+print("UNCHANGED", all(np.array_equal(a, b) for a, b in
+                       zip(jax.tree.leaves(_host(state)), jax.tree.leaves(before))))
+sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+attempt("sharded_batch", lambda: step(state, sharded))
+# Under a user's jit with explicit mesh axes the batch's sharding is in its type: refused too.
+explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+with jax.set_mesh(explicit):
+  attempt("jit_explicit_sharded_batch", lambda: jax.jit(step)(
+      jax.device_put(state, NamedSharding(explicit, P())),
+      jax.device_put(batch, NamedSharding(explicit, P("data")))))
+# Otherwise the batch's sharding is not known while tracing; jit's semantics are the global
+# step's, so the result must equal the step on the replicated batch.
+ref, _ = step(_state(model, batch["x"], opt), batch)
+out, _ = jax.jit(step)(jax.device_put(state, NamedSharding(mesh, P())), sharded)
+diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(ref.params)))
+print("JIT_SHARDED_EQUALS_GLOBAL", diff < 1e-6, diff)
+"""
+
+
+def test_mapped_axes_are_refused_and_jit_with_sharded_batch_is_global():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+             "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  out = subprocess.run([sys.executable, "-c", MAPPED_SCRIPT], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=300)
+  log = out.stdout + out.stderr
+  for name in ("pmap", "shard_map_check_vma_False", "shard_map_check_vma_True"):
+    assert f"{name} REFUSED forge_jax.train_step is traced under the mapped axes" in out.stdout, log
+  assert "\nsharded_batch REFUSED the batch is split over 8 devices" in out.stdout, log
+  assert "jit_explicit_sharded_batch REFUSED the batch is split over 8 devices" in out.stdout, log
+  assert "UNCHANGED True" in out.stdout, log
+  assert "JIT_SHARDED_EQUALS_GLOBAL True" in out.stdout, log
+
+
+# ----------------------------------------------------------------------------------------------
+# The non-finite guard.
+# ----------------------------------------------------------------------------------------------
+
+
+class StackNet(nn.Module):
+  """Unrolled FORGE layers, a ScannedStack and optax-managed parameters (biases, embed)."""
+
+  opt: object
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8, name="embed")(x)
+    x = forge_jax.ScannedStack(functools.partial(Block, self.opt), 2, name="stack")(x)
+    x = jnp.tanh(_dense(self.opt, 8, "l1")(x))
+    return _dense(self.opt, 4, "head")(x)
+
+
+_SKIP_OPT = forge_jax.adamw(1e-2, weight_decay=0.1)
+_SKIP_CASE = (_SKIP_OPT, StackNet(_SKIP_OPT), functools.partial(_mse, StackNet(_SKIP_OPT).apply))
+
+
+def _poison(batch, where, value):
+  key, index = where
+  return {**batch, key: batch[key].at[index].set(value)}
+
+
+@pytest.mark.parametrize("where, value", [(("x", (2, 3)), jnp.nan), (("x", (0, 0)), jnp.inf),
+                                          (("y", (5, 1)), jnp.inf)],
+                         ids=["nan_in_batch", "inf_in_batch", "inf_loss"])
+def test_non_finite_loss_skips_the_step_bit_for_bit(where, value):
+  opt, model, loss = _SKIP_CASE  # one compiled step for every case
+  batches = [_batch(key=i) for i in range(2)]
+  state = _state(model, batches[0]["x"], opt)
+  state, _ = forge_jax.train_step(state, batches[0], loss)  # counts past 0
+  before = _host(state)
+  state, metrics = forge_jax.train_step(state, _poison(batches[1], where, value), loss)
+  assert not np.isfinite(float(metrics["loss"]))
+  assert bool(metrics["skipped"]) and int(metrics["skipped_steps"]) == 1
+  assert int(state.skipped_steps) == 1
+  before = before.replace(skipped_steps=np.int32(1))
+  _assert_unchanged(state, before)  # weights, FORGE states, optax states, step, counts
+  # The run goes on as if the bad batch had never come.
+  state, metrics = forge_jax.train_step(state, batches[1], loss)
+  ref = _state(model, batches[0]["x"], opt)
+  for b in batches:
+    ref, ref_metrics = forge_jax.train_step(ref, b, loss)
+  assert not bool(metrics["skipped"]) and int(state.step) == 2
+  np.testing.assert_array_equal(metrics["loss"], ref_metrics["loss"])
+  for a, b in zip(jax.tree.leaves(_host((state.params, state.forge_state, state.opt_state))),
+                  jax.tree.leaves(_host((ref.params, ref.forge_state, ref.opt_state))), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+@jax.custom_vjp
+def _nan_in_cotangent(x):
+  return x
+
+
+def _nan_fwd(x):
+  return x, None
+
+
+def _nan_bwd(_, ct):
+  return (ct.at[1, 2].set(jnp.nan),)
+
+
+_nan_in_cotangent.defvjp(_nan_fwd, _nan_bwd)
+
+
+class Poisoned(nn.Module):
+  """A finite forward pass whose backward pass turns one element of l0's dy into NaN."""
+
+  opt: object
+  poison: bool = True
+  backend: str = "xla"
+  width: int = 8
+
+  @nn.compact
+  def __call__(self, x):
+    h = _dense(self.opt, self.width, "l0", self.backend)(x)
+    if self.poison:
+      h = _nan_in_cotangent(h)
+    h = jnp.tanh(_dense(self.opt, self.width, "l1", self.backend)(jnp.tanh(h)))
+    return _dense(self.opt, 4, "head", self.backend)(h)
+
+
+def test_non_finite_gradient_with_finite_loss_is_reported_and_confined():
+  """The documented semantics: a finite loss takes the step. The FORGE layers have written their
+  updates when a NaN first shows inside the backward pass, so every element whose gradient is
+  finite is updated exactly as without the NaN, those whose gradient is not become NaN, and
+  metrics["grad_norm"] is NaN (the cue to restore a checkpoint)."""
+  _check_nan_confined("xla", _batch(), width=8)
+
+
+def _check_nan_confined(backend, batch, width):
+  opt = forge_jax.adamw(1e-2)
+  out = {}
+  for poison in (False, True):
+    model = Poisoned(opt, poison, backend, width)
+    state = _state(model, batch["x"], opt)
+    state, metrics = forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
+    out[poison] = (_host(state), metrics)
+  (clean, m_clean), (bad, m_bad) = out[False], out[True]
+  assert np.isfinite(float(m_bad["loss"])) and not bool(m_bad["skipped"])
+  assert np.isnan(float(m_bad["grad_norm"])) and np.isfinite(float(m_clean["grad_norm"]))
+  assert int(bad.step) == 1
+  for name in ("l1", "head"):  # above the NaN: untouched by it
+    for a, b in zip(jax.tree.leaves(bad.params[name]), jax.tree.leaves(clean.params[name])):
+      np.testing.assert_array_equal(a, b)
+  for got, want in [(bad.params["l0"]["kernel"], clean.params["l0"]["kernel"]),
+                    (bad.forge_state["l0"]["kernel"].opt.mu, clean.forge_state["l0"]["kernel"].opt.mu)]:
+    # dy[1, 2] is NaN: column 2 of dW (and of the weight, and of its moments) is NaN.
+    assert np.isnan(got[:, 2]).all()
+    np.testing.assert_array_equal(np.delete(got, 2, axis=1), np.delete(want, 2, axis=1))
+  assert np.isnan(bad.params["l0"]["bias"][2])
+
+
+def _skip_bit_for_bit(backend, batch, width):
+  opt = forge_jax.adamw(1e-2)
+  model = Poisoned(opt, False, backend, width)
+  state = _state(model, batch["x"], opt)
+  loss = functools.partial(_mse, model.apply)
+  state, _ = forge_jax.train_step(state, batch, loss)
+  before = _host(state)
+  state, metrics = forge_jax.train_step(state, _poison(batch, ("x", (0, 0)), jnp.nan), loss)
+  assert bool(metrics["skipped"])
+  _assert_unchanged(state, before.replace(skipped_steps=np.int32(1)))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton and Mosaic GPU kernels")
+@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
+def test_kernels_keep_the_non_finite_semantics(backend):
+  """On the GPU, with the fused kernels (shapes on the Mosaic kernel's tiling, bf16 inputs)."""
+  key = jax.random.PRNGKey(3)
+  batch = {"x": jax.random.normal(key, (128, 256)).astype(jnp.bfloat16),
+           "y": jax.random.normal(jax.random.fold_in(key, 1), (128, 4))}
+  _skip_bit_for_bit(backend, batch, 256)
+  _check_nan_confined(backend, batch, 256)
+
+
+# ----------------------------------------------------------------------------------------------
+# Small things a user hits.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_grad_with_respect_to_inputs_alone_works_through_forge_layers():
+  opt = forge_jax.adamw(1e-2)
+  model = Net(opt)
+  batch = _batch()
+  variables = model.init(jax.random.PRNGKey(0), batch["x"])
+  loss = lambda v, x: jnp.sum(model.apply(v, x) ** 2)
+  got = jax.grad(lambda x: loss(variables, x))(batch["x"])
+  want = jax.grad(lambda x: loss({"params": variables["params"]}, x))(batch["x"])  # plain Dense
+  np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match=r"forge_jax.Dense head was traced outside .*inputs alone"):
+    jax.grad(lambda p: loss({**variables, "params": p}, batch["x"]))(variables["params"])
+
+
+def test_checkpoint_mismatch_is_short_and_old_checkpoints_restore(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  opt = forge_jax.sgd(1e-1)
+  batch = _batch()
+  state = _state(Net(opt), batch["x"], opt)
+  path = forge_jax.save_train_state(tmp_path / "ckpt", state)
+  other = _state(Block(opt), batch["x"], opt)
+  with pytest.raises(ValueError) as e:
+    forge_jax.restore_train_state(path, other)
+  msg = str(e.value)
+  assert "expected but not stored: forge_state/l/kernel" in msg and len(msg.splitlines()) == 1, msg
+  # A checkpoint written before TrainState counted skipped steps.
+  old = forge_jax.save_train_state(tmp_path / "old", state.replace(skipped_steps=None))
+  restored = forge_jax.restore_train_state(old, state)
+  assert int(restored.skipped_steps) == 0
+  _assert_unchanged(restored.replace(skipped_steps=None), _host(state.replace(skipped_steps=None)))
+
+
+def test_truncated_safetensors_file_is_named(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  cfg = models.get_config("tiny-llama")
+  (tmp_path / "config.json").write_text(json.dumps(models.config_to_hf(cfg)))
+  weights = tmp_path / "model.safetensors"
+  save_file({"a": np.ones((64, 64), np.float32)}, weights)
+  weights.write_bytes(weights.read_bytes()[:1000])
+  with pytest.raises(ValueError, match=r"cannot read .*model.safetensors \(1,000 bytes\).*truncated"):
+    models.load_checkpoint(tmp_path)
+
+
+def test_train_cli_warmup_help_and_usage_errors(tmp_path, capsys):
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  assert train.parse_args(["--steps", "6"]).warmup == 5  # the default fits a short run
+  assert train.parse_args([]).warmup == 20
+  with pytest.raises(SystemExit):
+    train.parse_args(["--help"])
+  help_text = " ".join(capsys.readouterr().out.split())
+  for default in ("--steps STEPS training steps (default: 200)", "(default: adamw)",
+                  "(default: bpe)", "(default: runs/train)"):
+    assert default in help_text, default
+  # A mismatch is one argparse-style line and exit status 2, not a traceback.
+  assert train.main(["--steps", "6", "--warmup", "9"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.endswith("error: --warmup 9 must be below --steps 6 for the cosine schedule "
+                      "(or use --schedule constant)") and len(err.splitlines()) == 1, err
+  out = tmp_path / "run"
+  out.mkdir()
+  (out / "config.json").write_text(
+      '{"trajectory": ' + __import__("json").dumps(
+          {k: getattr(train.parse_args(["--out", str(out)]), k) for k in train.TRAJECTORY_KEYS})
+      + "}")
+  assert train.main(["--out", str(out), "--resume", "--lr", "1"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "error: --resume with arguments that change the run (saved, given): {'lr': (0.003, 1.0)}" in err
+  assert len(err.splitlines()) == 1, err
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_resume_skips_a_killed_write_and_a_corrupted_newest_checkpoint(tmp_path, capsys):
+  """A write killed midway leaves only orbax's temporary directory (renamed to step_N when
+  complete), which --resume ignores; a corrupted newest checkpoint is reported and the one
+  before it restored, bit for bit."""
+  pytest.importorskip("orbax.checkpoint")
+  import types  # pylint: disable=g-import-not-at-top
+  from experiments import runlog, train  # pylint: disable=g-import-not-at-top
+  opt = forge_jax.adamw(1e-2)
+  model = Net(opt)
+  batch = _batch()
+  loss = functools.partial(_mse, model.apply)
+  init = lambda: _state(model, batch["x"], opt)
+  state, saved = init(), {}
+  for step in (1, 2):
+    state, _ = forge_jax.train_step(state, batch, loss)
+    runlog.save_checkpoint(tmp_path, step, state, keep=3)
+    saved[step] = _host(state)
+  killed = tmp_path / "ckpt" / "step_00000003.orbax-checkpoint-tmp-1733100000"
+  killed.mkdir()
+  (killed / "_CHECKPOINT_METADATA").write_text("{")
+  trainer = types.SimpleNamespace(init_state=init)
+  restored, start = train._restore(trainer, tmp_path, resume=True)  # pylint: disable=protected-access
+  assert start == 2
+  _assert_unchanged(restored, saved[2])
+  newest = tmp_path / "ckpt" / "step_00000002"
+  for f in newest.rglob("*"):
+    if f.is_file() and f.parent.name == "d":
+      f.write_bytes(b"\0" * f.stat().st_size)
+  restored, start = train._restore(trainer, tmp_path, resume=True)  # pylint: disable=protected-access
+  assert start == 1
+  _assert_unchanged(restored, saved[1])
+  assert f"skipping {newest}: the checkpoint at {newest} is corrupted" in capsys.readouterr().err
+  # The run continues from there exactly as it went the first time.
+  again, _ = forge_jax.train_step(restored, batch, loss)
+  _assert_unchanged(again, saved[2])
+
+
+def test_resume_counts_skipped_steps(tmp_path):
+  """The CLI names checkpoints by its loop's steps; a step skipped for a non-finite loss leaves
+  state.step behind by one, and --resume accepts that checkpoint."""
+  pytest.importorskip("orbax.checkpoint")
+  import types  # pylint: disable=g-import-not-at-top
+  from experiments import runlog, train  # pylint: disable=g-import-not-at-top
+  opt = forge_jax.sgd(1e-1)
+  model = Net(opt)
+  batch = _batch()
+  loss = functools.partial(_mse, model.apply)
+  init = lambda: _state(model, batch["x"], opt)
+  state, _ = forge_jax.train_step(init(), batch, loss)
+  state, metrics = forge_jax.train_step(state, _poison(batch, ("x", (0, 0)), jnp.nan), loss)
+  assert bool(metrics["skipped"]) and int(state.step) == 1
+  runlog.save_checkpoint(tmp_path, 2, state, keep=2)
+  restored, start = train._restore(types.SimpleNamespace(init_state=init), tmp_path, resume=True)  # pylint: disable=protected-access
+  assert start == 2 and int(restored.step) == 1 and int(restored.skipped_steps) == 1
