@@ -515,3 +515,24 @@ def test_scanned_stack_clips_by_the_global_norm_and_keeps_per_layer_norms():
       np.testing.assert_allclose(up.prev_norm, layer_norms[1], rtol=1e-4)
       np.testing.assert_allclose(up.norm_ema, layer_norms[0], rtol=1e-4)
       assert abs(layer_norms[1][0] - layer_norms[1][1]) > 1e-3 * layer_norms[1][0]
+
+
+def test_a_step_skipped_for_a_non_finite_loss_keeps_the_previous_norm():
+  """The non-finite guard leaves the carried norm and every ``prev_norm`` field as they were, so
+  the next step clips by the last finite norm."""
+  opt = forge_jax.adamw(1e-2, clip_prev_norm=0.5)
+  model = _MLP(opt)
+  batch = {"x": jnp.ones((4, 8)), "y": jnp.zeros((4, 4))}
+  loss = functools.partial(_mse, model.apply)
+  state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), opt)
+  state, metrics = forge_jax.train_step(state, batch, loss)
+  norm = float(metrics["grad_norm"])
+  assert norm > 0.5  # so the next step clips
+  before = jax.device_get((state.prev_grad_norm, state.forge_state, state.opt_state))
+  state, metrics = forge_jax.train_step(state, {**batch, "x": batch["x"].at[0, 0].set(jnp.nan)}, loss)
+  assert bool(metrics["skipped"])
+  after = jax.device_get((state.prev_grad_norm, state.forge_state, state.opt_state))
+  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+    np.testing.assert_array_equal(a, b)
+  state, metrics = forge_jax.train_step(state, batch, loss)
+  np.testing.assert_allclose(float(metrics["clip_scale"]), 0.5 / norm, rtol=1e-6)
