@@ -14,7 +14,8 @@ subprocesses, each with a time limit, so a hang costs that step, not the call:
 * ``models``: the headline table, Llama-3.1-8B at 1x1024 in bf16: optax.adamw, optax +
   ``clip_by_global_norm(1.0)``, FORGE (nearest and stochastic rounding) and FORGE with int8
   states (stochastically rounded bf16 weights), each scanned (remat full) and unrolled (remat
-  none and full); and the fidelity baseline, optax with float32 weights and states and bf16
+  none); optax, FORGE and FORGE int8 scanned without remat; optax, optax + clip and FORGE
+  unrolled with full remat; and the fidelity baseline, optax with float32 weights and states and bf16
   compute, unrolled, remat none, under a 95% allocator limit. One ``experiments.bench_models``
   run: every step compiled first in parallel (``--precompile``) into a persistent compilation
   cache, then each row timed alone.
@@ -59,10 +60,10 @@ MODEL = "llama-3.1-8b"
 # The headline rows, in table order: implementation[_unrolled][:row options] (bench_models).
 HEADLINE_ROWS = (
     "optax", "optax_clip", "forge", "forge_sr", "forge_int8_sr",
+    "optax:remat=none", "forge:remat=none", "forge_int8_sr:remat=none",
     "optax_unrolled:remat=none", "optax_clip_unrolled:remat=none", "forge_unrolled:remat=none",
     "forge_sr_unrolled:remat=none", "forge_int8_sr_unrolled:remat=none",
-    "optax_unrolled", "optax_clip_unrolled", "forge_unrolled", "forge_sr_unrolled",
-    "forge_int8_sr_unrolled",
+    "optax_unrolled", "optax_clip_unrolled", "forge_unrolled",
     "optax_unrolled:remat=none:master=float32:mem=0.95",
 )
 # Seconds on the H200 (16 CPU cores), from earlier runs: compiling a Llama-3.1-8B step at 1x1024
@@ -70,7 +71,7 @@ HEADLINE_ROWS = (
 # init, 3 warm-up and 3 x 5 timed steps).
 COMPILE_S = {"unrolled": 180.0, "scanned": 40.0}  # unrolled: the slowest, with 8 compiling at once
 ROW_S = 40.0
-PRECOMPILE = 8  # compile processes at once: each takes one core most of its time
+PRECOMPILE = 10  # compile processes at once: each takes one core most of its time (16 on the H200 machine)
 
 # (implementation, batch that fits, batch that does not, seconds for both) at 1024 tokens, from
 # the capacity search of 2026-12-01 (results/h200/capacity_per_impl). A fitting row compiles
