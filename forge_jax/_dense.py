@@ -113,6 +113,9 @@ _FUSED_BACKWARD = contextvars.ContextVar("forge_fused_backward", default=False)
 # kernel_stream(full module path) of the forge_jax.Dense (inside a ScannedStack
 # too: see _PATH_PREFIX).
 _UPDATED: contextvars.ContextVar = contextvars.ContextVar("forge_updated", default=None)
+# Within fused_backward(apply=...): a traced bool; where it is False every FORGE update is
+# skipped and the weight and state come back bit for bit (train_step's non-finite guard).
+_APPLY: contextvars.ContextVar = contextvars.ContextVar("forge_apply", default=None)
 
 
 # The module path of the block a ScannedStack is applying (its layers have
@@ -146,7 +149,7 @@ _EXPECTED_OPTIMIZER: contextvars.ContextVar = contextvars.ContextVar("forge_opti
 
 
 @contextlib.contextmanager
-def fused_backward(optimizer=None):
+def fused_backward(optimizer=None, apply=None):
   """Allows the backward pass of FORGE layers to be traced in this scope.
 
   :func:`forge_jax.train_step` opens it around its VJP. A FORGE layer's
@@ -159,10 +162,13 @@ def fused_backward(optimizer=None):
 
   With ``optimizer`` (the one that updates the other parameters and advances
   the FORGE counts), a FORGE layer built with a different rule or precision
-  raises. Yields the set of the layers whose backward pass ran, as
+  raises. With ``apply`` (a boolean scalar, traced or not), each FORGE update
+  runs only where it is true; otherwise the layer returns its weight and state
+  unchanged. Yields the set of the layers whose backward pass ran, as
   :func:`kernel_stream` of their module paths.
   """
   token = _FUSED_BACKWARD.set(True)
+  token_apply = _APPLY.set(apply)
   updated = set()
   token_updated = _UPDATED.set(updated)
   token_opt = _EXPECTED_OPTIMIZER.set(optimizer)
@@ -171,6 +177,7 @@ def fused_backward(optimizer=None):
   finally:
     _EXPECTED_OPTIMIZER.reset(token_opt)
     _UPDATED.reset(token_updated)
+    _APPLY.reset(token_apply)
     _FUSED_BACKWARD.reset(token)
 
 
@@ -260,6 +267,24 @@ def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, path,
   return y, (x, kernel, kstate if train else None)
 
 
+def _when_applied(update: Callable, weight, opt_state):
+  """``update()`` (the fused update: ``(new weight, new optimizer state, grad sq norm)``), or,
+  where fused_backward's ``apply`` is false, the weight and state as they are (norm 0).
+
+  The skip is a ``lax.cond`` around this one layer's update, not around the whole backward
+  pass (see forge_jax._train: one cond around the backward pass measured 4.8 GiB more for an
+  unrolled Llama-3.1-8B step at 1x1024 on the H200).
+  """
+  apply = _APPLY.get()
+  if apply is None:
+    return update()
+  shapes = jax.eval_shape(update)
+  def keep():
+    sq = jnp.zeros(shapes[2].shape, shapes[2].dtype)
+    return weight, opt_state, sq
+  return jax.lax.cond(apply, update, keep)
+
+
 def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path, res, dy):
   x, kernel, kstate = res
   dy = _dense_dy(dy)
@@ -277,10 +302,11 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path,
   # The update below overwrites `kernel` in place: every read of the old weight
   # (the dX product) must be ordered before it, or XLA protects the buffer
   # with a defensive copy. `after=dx` makes the update depend on dX.
-  new_kernel, new_opt, sq = _fused.fused_linear_update(
-      x, dy, kernel, kstate.opt, optimizer, backend, after=dx, decay=decay,
-      config=config, return_grad_sq_norm=True, stream=stream,
-  )
+  new_kernel, new_opt, sq = _when_applied(
+      lambda: _fused.fused_linear_update(
+          x, dy, kernel, kstate.opt, optimizer, backend, after=dx, decay=decay,
+          config=config, return_grad_sq_norm=True, stream=stream),
+      kernel, kstate.opt)
   # And the other way round: whatever consumes dX (the layers below) waits for the update, so
   # that `dy` dies here. Left free, XLA may schedule the update last: at 120 x 1024 tokens of
   # Llama-3.1-8B with int8 states it kept the LM head's dY (29.4 GiB of dlogits) live across the
@@ -320,6 +346,8 @@ def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, confi
   dx = jax.lax.dot_general(
       dy, w.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
   )
+  # No per-layer skip here (train_step guards a stack's step as a whole): a cond around the
+  # in-place update of a stack makes XLA copy the stack.
   new_kernels, new_opt, sq = _fused.fused_linear_update(
       x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
       decay=decay, config=config, return_grad_sq_norm=True, stream=stream,

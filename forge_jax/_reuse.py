@@ -154,3 +154,31 @@ def check_no_mapped_axis() -> None:
         "outside pmap/shard_map with the batch replicated, or train with flax.linen.Dense + "
         "optax for data parallelism."
     )
+
+
+# Where a FORGE backward pass may read a value traced outside it (train_step's non-finite
+# flag): the step's own jaxpr and the bodies of loops and conds, which close over outer
+# values. A call primitive (a jax.jit'd function inside the loss, whose transpose jax traces
+# on its own) cannot take such a value as a constant.
+_CLOSURE_OK = ("scan", "while", "cond")
+
+
+def per_layer_guard_ok(jaxpr) -> bool:
+  """Whether every FORGE backward pass in ``jaxpr`` can skip its own update: it is not a
+  stacked layer's (a cond around an in-place update of a stack makes XLA copy the stack) and
+  does not run inside a call (e.g. a ``jax.jit``'d apply inside the loss)."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is backward_p:
+      if eqn.params["stacked"]:
+        return False
+      continue
+    subs = list(jex_core.jaxprs_in_params(eqn.params))
+    if not subs:
+      continue
+    if eqn.primitive.name in _CLOSURE_OK:
+      if not all(per_layer_guard_ok(s) for s in subs):
+        return False
+    elif any(_count(getattr(s, "jaxpr", s), 1, 1) for s in subs):
+      return False
+  return True
