@@ -272,7 +272,7 @@ def _when_applied(update: Callable, weight, opt_state):
   where fused_backward's ``apply`` is false, the weight and state as they are (norm 0).
 
   The skip is a ``lax.cond`` around this one layer's update, not around the whole backward
-  pass (see forge_jax._train: one cond around the backward pass measured 4.8 GiB more for an
+  pass (see forge_jax._train: one cond around the backward pass measured 4.9 GiB more for an
   unrolled Llama-3.1-8B step at 1x1024 on the H200).
   """
   apply = _APPLY.get()

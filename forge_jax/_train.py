@@ -277,8 +277,8 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
 
   # A non-finite loss skips the step, as optax.apply_if_finite does. Each FORGE layer's update
   # sits in a lax.cond of its own, so the forward residuals still die as the backward pass goes
-  # (one cond around the whole backward pass keeps them all live to its end: +4.8 GiB for an
-  # unrolled Llama-3.1-8B step at 1x1024 on the H200, measured with it), and the rest is
+  # (one cond around the whole backward pass keeps them all live to its end: +4.9 GiB for an
+  # unrolled Llama-3.1-8B step at 1x1024 on the H200, results/h200/models), and the rest is
   # selected. Where a layer cannot skip its own update the whole backward pass goes in one cond:
   # a ScannedStack's layers (a cond around the in-place update of a stack makes XLA copy the
   # stack) and a FORGE backward pass inside a call (a jax.jit'd apply in the loss, whose backward
