@@ -7,6 +7,19 @@ import os
 import pytest
 
 
+def pytest_addoption(parser, pluginmanager):
+  """pyproject's addopts pass ``-n 2``: accept (and ignore) it when pytest-xdist is disabled
+  (``-p no:xdist``) or not installed, so that the suite still runs in one process."""
+  if not pluginmanager.has_plugin("xdist"):
+    # The name of xdist's own group and option; a plugin-style private call, because pytest
+    # reserves lowercase short options for plugins.
+    parser.getgroup("xdist")._addoption(  # pylint: disable=protected-access
+        "-n", "--numprocesses", dest="numprocesses", default=None,
+        help="ignored: pytest-xdist is disabled or not installed")
+    parser.getgroup("xdist")._addoption(  # pylint: disable=protected-access
+        "--dist", dest="dist", default=None, help="ignored: pytest-xdist is disabled or not installed")
+
+
 @pytest.fixture(scope="module")
 def fast_cpu_compiles():
   """XLA compiles without LLVM's optimizations while the module runs.

@@ -327,7 +327,7 @@ def test_rounding_and_state_implementations():
 
 def test_remat_and_master_dtype_reach_the_model_config():
   """A row's remat and master dtype build that model: float32 weights and optax states with bf16
-  compute; the config refuses what it cannot run (scanned FORGE without full remat)."""
+  compute; a row's remat the config refuses is its ValueError, before anything compiles."""
   import jax
   import jax.numpy as jnp
   row, step, (state, _) = bench_models.build_step("tiny-qwen3", "optax_unrolled:remat=none", 1, 16,
@@ -338,8 +338,9 @@ def test_remat_and_master_dtype_reach_the_model_config():
   assert jnp.dtype("float32") in {x.dtype for x in jax.tree.leaves(opt_state)}
   assert jnp.dtype("bfloat16") not in {x.dtype for x in jax.tree.leaves(opt_state)}
   assert "compile_s" in row and row["compile_s"] > 0 and not row["step_from_cache"]
-  with pytest.raises(ValueError, match="remat='none'"):
-    bench_models.build_step("tiny-qwen3", "forge:remat=none", 1, 16, "bfloat16", "auto", compile_only=True)
+  with pytest.raises(ValueError, match="remat='save_only_these_names' needs remat_names"):
+    bench_models.build_step("tiny-qwen3", "forge:remat=save_only_these_names", 1, 16, "bfloat16", "auto",
+                            compile_only=True)
 
 
 def test_row_options_reach_the_workers_and_the_table(monkeypatch, tmp_path):

@@ -202,6 +202,7 @@ def test_live_buffers_counts_a_shared_slot_once():
   assert [(b["buffer"], b["aliases"]) for b in result["live"]] == [("b{}", ["a{}"]), ("p{}", []), ("c{}", [])]
 
 
+@pytest.mark.usefixtures("fast_subprocess_compiles")  # the compile runs in a subprocess
 def test_live_buffers_compiles_a_step_and_keeps_its_hlo(tmp_path):
   from experiments import live_buffers  # pylint: disable=g-import-not-at-top
   rows = live_buffers.main(["--model", "tiny-llama", "--tokens", "16", "--impls", "forge", "--top", "50",
