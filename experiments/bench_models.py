@@ -38,7 +38,7 @@ of ``models`` with random weights on random tokens:
   as ``--mem-fraction``), e.g. ``optax_unrolled:remat=none:master=float32:mem=0.95``.
   The row's ``impl`` is the whole name; its ``remat``, ``param_dtype`` and
   ``mem_fraction`` are recorded. The model config validates the combination
-  (scanned FORGE needs ``remat=full``): a refused one is an error row.
+  (e.g. a name policy without names): a refused one is an error row.
 
 * a row that runs out of memory is recorded as ``OOM``, not dropped; a worker
   that runs past ``--timeout`` seconds is killed and recorded as a timeout.
