@@ -135,7 +135,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
   Options (``ROW_OPTIONS``) override the run's ``--remat``, ``--master-dtype`` and
   ``--mem-fraction`` for that row. Values are passed through to the model config, which
-  validates them (a scanned FORGE row with ``remat=none`` becomes an error row); ``mem`` is
+  validates them (a combination it refuses becomes an error row); ``mem`` is
   checked here, since it sets the worker's environment.
   """
   name, *parts = spec.split(":")
