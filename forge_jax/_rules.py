@@ -262,23 +262,30 @@ class AdamRule(ElementwiseRule):
     mu = param_dtype if self.mu_dtype is None else jnp.dtype(self.mu_dtype)
     return (mu, param_dtype)
 
-  def scalars(self, count):
+  def moment_scalars(self, count) -> dict:
+    """The learning rate, weight decay, betas and bias corrections of step ``count``, as
+    optax computes them (Python floats where the hyperparameters are)."""
     count_inc = safe_increment(count)
     b1, b2 = self.b1, self.b2
     wd = 0.0 if self.weight_decay is None else _schedule_value(self.weight_decay, count)
-    return _f32_tuple(
-        AdamScalars,
+    return dict(
         neg_lr=-1 * _schedule_value(self.learning_rate, count),
         weight_decay=wd,
         b1=b1,
         one_minus_b1=1 - b1,
         b2=b2,
         one_minus_b2=1 - b2,
-        eps=self.eps,
-        eps_root=self.eps_root,
         bc1=1 - b1**count_inc,
         bc2=1 - b2**count_inc,
-        bc1_next=1 - b1 ** safe_increment(count_inc),
+    )
+
+  def scalars(self, count):
+    return _f32_tuple(
+        AdamScalars,
+        **self.moment_scalars(count),
+        eps=self.eps,
+        eps_root=self.eps_root,
+        bc1_next=1 - self.b1 ** safe_increment(safe_increment(count)),
     )
 
   def update(self, g, w, slots, s, *, decay=True):
@@ -668,31 +675,12 @@ class AdamAtan2Rule(ElementwiseRule):
             "a=1.27, b=1)."
         )
 
-  @property
-  def uses_weight(self) -> bool:
-    return self.weight_decay is not None
-
-  def slot_dtypes(self, param_dtype):
-    mu = param_dtype if self.mu_dtype is None else jnp.dtype(self.mu_dtype)
-    return (mu, param_dtype)
+  uses_weight = AdamRule.uses_weight
+  slot_dtypes = AdamRule.slot_dtypes
+  moment_scalars = AdamRule.moment_scalars
 
   def scalars(self, count):
-    count_inc = safe_increment(count)
-    b1, b2 = self.b1, self.b2
-    wd = 0.0 if self.weight_decay is None else _schedule_value(self.weight_decay, count)
-    return _f32_tuple(
-        AdamAtan2Scalars,
-        neg_lr=-1 * _schedule_value(self.learning_rate, count),
-        weight_decay=wd,
-        b1=b1,
-        one_minus_b1=1 - b1,
-        b2=b2,
-        one_minus_b2=1 - b2,
-        bc1=1 - b1**count_inc,
-        bc2=1 - b2**count_inc,
-        a=self.a,
-        b=self.b,
-    )
+    return _f32_tuple(AdamAtan2Scalars, **self.moment_scalars(count), a=self.a, b=self.b)
 
   def update(self, g, w, slots, s, *, decay=True):
     mu, nu = slots
