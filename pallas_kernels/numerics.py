@@ -24,10 +24,18 @@ element of the same step always gets the same bits, whatever the tile shape,
 the backend or the order in which tiles run, so runs are reproducible and the
 kernel equals its reference bit for bit. The mixer is Wellons' ``lowbias32``
 (xor-shift-multiply, a bijection of uint32, avalanche bias ~0.17%), applied
-twice per element; for a fixed key the map from index to bits is a
-permutation, so no two elements of one weight share bits in one step.
-Indices wrap modulo 2**32 (only weights of more than 4G elements would repeat
-bits).
+once per element to ``index ^ key`` (the key itself is mixed three times);
+for a fixed key the map from index to bits is a permutation, so no two
+elements of one weight share bits in one step. Indices wrap modulo 2**32
+(only weights of more than 4G elements would repeat bits).
+
+Every consumer of random bits reads the top 16 of the 32 it is given (16 bits
+resolve a rounding probability to 2**-16, as bfloat16 stochastic rounding
+always did), so one hash serves two stored values: the weight takes the high
+half and the second optimizer slot the low half (:func:`value_bits`); the
+first and fourth slots share one more mix. The common int8 case (Adam's
+second moment rounded stochastically, with or without a stochastically
+rounded bfloat16 weight) costs one mix per element in the kernel epilogue.
 
 **Block quantization (8 bits).** A state ``[..., N]`` is stored as int8 codes
 of the same shape plus one float32 scale (the block's absolute maximum) per
@@ -123,15 +131,24 @@ def stream_seed(seed, stream) -> Array:
 
 def element_bits(key: Array, index: Array) -> Array:
   """32 uniform bits per element from the key and the element's uint32 index."""
-  h = mix32(_u32(index) ^ key)
-  return mix32(h + key)
+  return mix32(_u32(index) ^ key)
 
 
 def value_bits(bits: Array, i: int) -> Array:
-  """Independent bits for the ``i``-th stored value of an element (0: the weight)."""
-  if i == 0:
-    return bits
-  return mix32(bits + np.uint32((0x9E3779B9 * i) % 2**32))
+  """The bits of the ``i``-th stored value of an element (0: the weight, ``j + 1``: slot ``j``),
+  independent across ``i``, in the top 16 bits (what every consumer reads).
+
+  Values ``0`` and ``2`` are the two halves of ``bits`` itself; ``1`` and ``3`` the halves of
+  one more mix, ``4`` and ``6`` of another, and so on. The pairing puts the weight and Adam's
+  second moment (the slot that int8 stores with stochastic rounding by default) in one hash.
+  lowbias32 ends with ``x ^ (x >> 16)``, so its low half is the xor of two halves of a uniform
+  word and independent of its high half.
+  """
+  if i < 0:
+    raise ValueError(f"value_bits: i={i} must be >= 0 (0 is the weight, j + 1 slot j)")
+  pair = (i & 1) | ((i >> 2) << 1)
+  h = bits if pair == 0 else mix32(bits + np.uint32((0x9E3779B9 * pair) % 2**32))
+  return h << np.uint32(16) if (i >> 1) & 1 else h
 
 
 def element_index(rows: Array, cols: Array, n: int) -> Array:
@@ -201,8 +218,9 @@ class QuantMap:
     mantissa_bits: for ``"float"``: bits of mantissa (relative error
       <= 2**-(mantissa_bits+1)); the rest of the 8 bits are exponent.
     rounding: ``"nearest"`` or ``"stochastic"`` (unbiased: rounds up with
-      probability proportional to the distance to the lower code, with the
-      element's random bits; error < one code step instead of half).
+      probability proportional to the distance to the lower code, resolved to
+      2**-16 by the top 16 of the element's random bits; error < one code
+      step instead of half).
   """
 
   kind: str = "linear"
@@ -252,8 +270,8 @@ class QuantMap:
       raise ValueError("QuantMap(rounding='stochastic') needs the element bits (bits=None given).")
     mag = jnp.abs(x_rel) if self.signed else jnp.maximum(x_rel, 0.0)
     if self.kind == "linear":
-      # Nearest: + 1/2 then floor. Stochastic: + a uniform [0, 1) then floor.
-      offset = (bits >> np.uint32(8)).astype(_F32) * 2.0**-24 if stochastic else 0.5
+      # Nearest: + 1/2 then floor. Stochastic: + a uniform [0, 1) (the top 16 bits) then floor.
+      offset = (bits >> np.uint32(16)).astype(_F32) * 2.0**-16 if stochastic else 0.5
       # The conversion truncates, which is floor here (the operand is >= 0), and
       # lowers where floor does not (Mosaic GPU, warpgroup semantics).
       q = (mag * float(self.max_code) + offset).astype(_I32)
@@ -262,9 +280,10 @@ class QuantMap:
       m = self.mantissa_bits
       mbits = lax.bitcast_convert_type(mag, _I32)
       # Add half a code step (nearest) or a uniform fraction of one
-      # (stochastic) to the float32 bits, then drop the bits below the code.
+      # (stochastic: the top 16 bits, at the top of the dropped bits) to the
+      # float32 bits, then drop the bits below the code.
       if stochastic:
-        offset = lax.bitcast_convert_type(bits >> np.uint32(9 + m), _I32)
+        offset = lax.bitcast_convert_type((bits >> np.uint32(16)) << np.uint32(7 - m), _I32)
       else:
         offset = 1 << (22 - m)
       q = ((mbits + offset) >> (23 - m)) - self._base()
