@@ -51,6 +51,7 @@ projections on the H200, against a checkout of an older commit in /tmp/old::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -95,8 +96,10 @@ def _optimizer(precision):
   return forge_jax.adamw(LR, weight_decay=WD, precision=precision)
 
 
-def mosaic_problem(x, dy, w0, config: str, interpret: bool) -> Optional[str]:
-  """Why the Mosaic kernel cannot run this configuration (its own checks), or None."""
+def mosaic_problem(x, dy, w0, config: str, interpret: bool,
+                   fields: Optional[dict] = None) -> tuple[Optional[str], Any]:
+  """``(why, None)`` if the Mosaic kernel cannot run this configuration (its own checks), else
+  ``(None, tiling)``: the default tiling, or ``fields`` over it (``--mosaic-variants``)."""
   from forge_jax import _fused  # pylint: disable=g-import-not-at-top
 
   w_dtype, precision = CONFIGS[config]
@@ -104,8 +107,13 @@ def mosaic_problem(x, dy, w0, config: str, interpret: bool) -> Optional[str]:
   w = jax.ShapeDtypeStruct(w0.shape, w_dtype)
   state = jax.eval_shape(opt.init, w)
   slots = tuple(getattr(state, name) for name in opt.rule.slot_names)
+  tiling = None
+  if fields:
+    from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
+    tiling = dataclasses.replace(mosaic.default_config(x, dy, w, slots), **fields)
   rounding = {"weight_codec": _lowp.weight_codec(precision, w_dtype)}  # as fused_linear_update passes it
-  return _fused._mosaic_problem(x, dy, w, slots, None, False, rounding, interpret=interpret)[0]
+  why = _fused._mosaic_problem(x, dy, w, slots, tiling, False, rounding, interpret=interpret)[0]
+  return why, tiling
 
 
 def fused_runner(x, dy, w0, config: str, backend: str, *, view: bool = False, tile=None):
@@ -182,7 +190,10 @@ def measure(name: str, runner, shape, flops: float, timing: dict, reference=None
   return row
 
 
-def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=None) -> list[dict]:
+def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=None,
+                variants: Optional[dict[str, dict]] = None) -> list[dict]:
+  """Rows of one T x K x N; ``variants``: name -> MosaicTileConfig fields over the Mosaic
+  kernel's default tiling, each timed as impl ``mosaic_<name>``."""
   x, dy, w0 = bench_fused_dw.make_inputs(t, k, n)
   shape, flops = f"{t}x{k}x{n}", 2.0 * t * k * n
   kernel = "interpret" if interpret else "pallas"
@@ -209,14 +220,17 @@ def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=
       todo.append(("pallas", fused_runner(x, dy, w0, config, kernel, tile=tile)))
     if "pallas_view" in impls and precision.state_dtype == "int8":
       todo.append(("pallas_view", fused_runner(x, dy, w0, config, kernel, view=True, tile=tile)))
-    if "mosaic" in impls:
-      why = mosaic_problem(x, dy, w0, config, interpret)
+    mosaic_impls = [("mosaic", None)] if "mosaic" in impls else []
+    mosaic_impls += [(f"mosaic_{name}", fields) for name, fields in (variants or {}).items()]
+    for impl, fields in mosaic_impls:
+      why, tiling = mosaic_problem(x, dy, w0, config, interpret, fields)
       if why is None:
-        todo.append(("mosaic", fused_runner(x, dy, w0, config, "mosaic_interpret" if interpret else "mosaic")))
+        backend = "mosaic_interpret" if interpret else "mosaic"
+        todo.append((impl, fused_runner(x, dy, w0, config, backend, tile=tiling)))
       else:
-        rows.append({"impl": "mosaic", "config": config, "shape": shape, "status": "unsupported",
+        rows.append({"impl": impl, "config": config, "shape": shape, "status": "unsupported",
                      "bytes_per_param": bpp, "error": why})
-        _timing.log(f"  {shape:>18} {config:<18} {'mosaic':<11} unsupported: {why}")
+        _timing.log(f"  {shape:>18} {config:<18} {impl:<11} unsupported: {why}")
     for impl, runner in todo:
       row = ref_row if impl == "xla" else measure(impl, runner, shape, flops, timing, reference, w0)
       row.pop("_result", None)
@@ -296,7 +310,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="another checkout whose kernels to time side by side (module docstring)")
   parser.add_argument("--baseline-configs", nargs="+", default=None, choices=list(CONFIGS),
                       help="the configurations the baseline runs (default: --configs)")
+  parser.add_argument("--mosaic-variants", nargs="+", default=[], metavar="NAME=JSON",
+                      help="Mosaic tilings to time beside the default: MosaicTileConfig fields over "
+                           "it, e.g. n64='{\"tile_n\": 64}' (impl mosaic_n64; not in the baseline)")
   args = parser.parse_args(argv)
+  variants = {}
+  for spec in args.mosaic_variants:
+    name, _, fields = spec.partition("=")
+    try:
+      variants[name] = json.loads(fields)
+    except json.JSONDecodeError as e:
+      parser.error(f"--mosaic-variants {spec!r}: expected NAME=JSON fields ({e})")
+    if not name.isidentifier() or not isinstance(variants[name], dict):
+      parser.error(f"--mosaic-variants {spec!r}: expected NAME=JSON with a name and a JSON object")
   if args.baseline_configs and args.baseline_tree is None:
     parser.error("--baseline-configs needs --baseline-tree")
 
@@ -314,10 +340,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   rows = _timing.run_shapes(
       folder / "bench_lowp.json", info, tokens, shapes,
       lambda t, k, n: bench_shape(t, k, n, args.configs, args.impls, interpret=interpret,
-                                  timing=timing, tile=args.tile),
+                                  timing=timing, tile=args.tile, variants=variants),
       {"impl": "-", "config": "-", "bytes_per_param": float("nan")},
   )
   impls = [i for i in ("xla", "pallas", "pallas_view", "mosaic") if i in args.impls]
+  impls += [f"mosaic_{name}" for name in variants]
   if any(b in args.impls for b in BASELINES):
     impls = impls or ["pallas"]
   _timing.write_table(folder / "bench_lowp.md", markdown(info, rows, impls), folder / "bench_lowp.json")
@@ -336,7 +363,8 @@ def run_baseline(tree: pathlib.Path, argv: Sequence[str], configs: Optional[Sequ
   if not (tree / "pallas_kernels").is_dir():
     raise ValueError(f"--baseline-tree {tree} has no pallas_kernels/: pass a checkout of this "
                      "repository (e.g. git archive COMMIT | tar -x -C DIR)")
-  dropped = {"--baseline-tree", "--out", "--baseline-configs"} | ({"--configs"} if configs else set())
+  dropped = {"--baseline-tree", "--out", "--baseline-configs", "--mosaic-variants"}
+  dropped |= {"--configs"} if configs else set()
   rest, skipping = [], False
   for a in argv:  # the same run without the baseline's own options (and their values)
     if a.startswith("--"):
