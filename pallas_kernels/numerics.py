@@ -260,21 +260,38 @@ class QuantMap:
   def _base(self) -> int:
     return (127 << self.mantissa_bits) - self.max_code
 
+  # A block's values reach the map as ``x * encode_factor(1 / absmax)``, and its codes leave it
+  # as ``decode_scaled(codes, decode_factor(absmax))``: one multiply per block folds the linear
+  # map's code step into the block's scale, so an element costs one multiply each way.
+
+  def encode_factor(self, inv_absmax: Array) -> Array:
+    """What a block's values are multiplied by before :meth:`encode_scaled`, from ``1 / absmax``
+    (per block): the linear maps count in code steps, the float maps in fractions of absmax."""
+    return inv_absmax * float(self.max_code) if self.kind == "linear" else inv_absmax
+
+  def decode_factor(self, scale: Array) -> Array:
+    """What :meth:`decode_scaled` multiplies a block's codes by, from its scale (per block)."""
+    return scale * (1.0 / self.max_code) if self.kind == "linear" else scale
+
   def encode(self, x_rel: Array, bits: Optional[Array] = None) -> Array:
     """int32 codes in [-127, 127] of ``x_rel = x / absmax`` (|x_rel| <= ~1).
 
     ``bits`` (uint32 per element) are needed by stochastic rounding.
     """
+    return self.encode_scaled(x_rel * self.encode_factor(1.0), bits)
+
+  def encode_scaled(self, y: Array, bits: Optional[Array] = None) -> Array:
+    """int32 codes of ``y = x * encode_factor(1 / absmax)``."""
     stochastic = self.rounding == "stochastic"
     if stochastic and bits is None:
       raise ValueError("QuantMap(rounding='stochastic') needs the element bits (bits=None given).")
-    mag = jnp.abs(x_rel) if self.signed else jnp.maximum(x_rel, 0.0)
+    mag = jnp.abs(y) if self.signed else jnp.maximum(y, 0.0)
     if self.kind == "linear":
       # Nearest: + 1/2 then floor. Stochastic: + a uniform [0, 1) (the top 16 bits) then floor.
       offset = (bits >> np.uint32(16)).astype(_F32) * 2.0**-16 if stochastic else 0.5
       # The conversion truncates, which is floor here (the operand is >= 0), and
       # lowers where floor does not (Mosaic GPU, warpgroup semantics).
-      q = (mag * float(self.max_code) + offset).astype(_I32)
+      q = (mag + offset).astype(_I32)
       q = jnp.minimum(q, self.max_code)
     else:
       m = self.mantissa_bits
@@ -290,22 +307,25 @@ class QuantMap:
       low = 0 if self.signed else 1  # never round a positive second moment to 0
       q = jnp.where(mag > 0.0, jnp.clip(q, low, self.max_code), 0)
     if self.signed:
-      return jnp.where(x_rel < 0.0, -q, q)
+      return jnp.where(y < 0.0, -q, q)
     return q - 127
 
   def decode(self, codes: Array) -> Array:
     """float32 values relative to the block maximum of int codes."""
+    return self.decode_scaled(codes, self.decode_factor(1.0))
+
+  def decode_scaled(self, codes: Array, factor: Array) -> Array:
+    """float32 values of int codes whose block's :meth:`decode_factor` is ``factor``."""
     c = codes.astype(_I32)
+    if self.kind == "linear":  # a signed code carries its sign: no abs, no select
+      return (c if self.signed else c + 127).astype(_F32) * factor
     mag = jnp.abs(c) if self.signed else c + 127
-    if self.kind == "linear":
-      x = mag.astype(_F32) * (1.0 / self.max_code)
-    else:
-      m = self.mantissa_bits
-      x = lax.bitcast_convert_type((mag + self._base()) << (23 - m), _F32)
-      x = jnp.where(mag == 0, 0.0, x)
+    m = self.mantissa_bits
+    x = lax.bitcast_convert_type((mag + self._base()) << (23 - m), _F32)
+    x = jnp.where(mag == 0, 0.0, x)
     if self.signed:
-      return jnp.where(c < 0, -x, x)
-    return x
+      x = jnp.where(c < 0, -x, x)
+    return x * factor
 
 
 # ----------------------------------------------------------------------------
@@ -424,14 +444,14 @@ class BlockQuantized(Codec):
 
   def _codes(self, x: Array, absmax: Array, spread, bits: Optional[Array]) -> Array:
     """int32 codes of ``x`` relative to its blocks' ``absmax``; ``spread`` maps a
-    per-block array onto ``x``'s shape."""
+    per-block array onto ``x``'s shape (after the per-block arithmetic)."""
     inv = jnp.where(absmax > 0.0, 1.0 / absmax, 0.0)
-    return self.qmap.encode(x * spread(inv), bits)
+    return self.qmap.encode_scaled(x * spread(self.qmap.encode_factor(inv)), bits)
 
   def decode(self, parts):
     codes, scale = parts
-    n = codes.shape[-1]
-    return self.qmap.decode(codes) * self._expand(scale.astype(_F32), n)
+    factor = self.qmap.decode_factor(scale.astype(_F32))
+    return self.qmap.decode_scaled(codes, self._expand(factor, codes.shape[-1]))
 
   def encode(self, x, dtypes=None, bits=None):
     del dtypes
@@ -450,7 +470,8 @@ class BlockQuantized(Codec):
 
   def decode_block_rows(self, codes: Array, scale: Array) -> Array:
     """float32 values of ``codes`` [..., block] with one ``scale`` per row [...]."""
-    return self.qmap.decode(codes.astype(_I32)) * self._rows(scale.astype(_F32), codes.shape)
+    factor = self.qmap.decode_factor(scale.astype(_F32))
+    return self.qmap.decode_scaled(codes, self._rows(factor, codes.shape))
 
   def encode_block_rows(self, x: Array, bits: Optional[Array] = None) -> tuple[Array, Array]:
     """``(int32 codes, float32 per-row absmax)`` of ``x`` [..., block]: ``encode`` with one
