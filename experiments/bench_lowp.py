@@ -33,13 +33,31 @@ the weight update and of the decoded slots). Reported per row: ms (device
 time, experiments/_timing.py), TFLOP/s at 2 T K N, bytes per parameter of
 weight + state (from the real arrays), and the speed relative to the fp32
 kernel. Writes ``bench_lowp.json`` (after every shape) and ``bench_lowp.md``.
+
+``--baseline-tree DIR`` times another checkout's kernels side by side: this
+script first runs in a subprocess with ``DIR`` first on ``PYTHONPATH`` (its
+``pallas_kernels`` and ``forge_jax``, this harness) for ``--baseline-configs``
+(default: all of ``--configs``), then on this tree, and writes
+``bench_lowp_compare.md`` (ms per shape, configuration and implementation, and
+the ratio). The Mosaic kernel's storage configurations for the Llama-3.1-8B
+projections on the H200, against a checkout of an older commit in /tmp/old::
+
+    PYTHONPATH=$PWD python -m experiments.bench_lowp --out $OUT --tokens 1024 4096 \
+      --shapes 4096x4096 4096x1024 4096x14336 14336x4096 --impls mosaic \
+      --configs fp32_bf16 fp32_int8 bf16_rtn_bf16 bf16_sr_bf16 bf16_rtn_int8 bf16_sr_int8 \
+      --baseline-tree /tmp/old --baseline-configs fp32_int8 bf16_sr_bf16 bf16_sr_int8
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
+import json
+import os
+import pathlib
+import subprocess
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -59,10 +77,12 @@ LR, WD = 1e-3, 0.1
 # name -> (weight dtype, Precision).
 CONFIGS: dict[str, tuple[Any, forge_jax.Precision]] = {
     "fp32": (F32, P()),
+    "fp32_bf16": (F32, P(state_dtype="bfloat16")),
     "bf16_rtn_bf16": (BF16, P()),
     "bf16_sr_bf16": (BF16, P("stochastic")),
     "bf16_sr_fp32": (BF16, P("stochastic", state_dtype="float32")),
     "fp32_int8": (F32, P(state_dtype="int8")),
+    "bf16_rtn_int8": (BF16, P(state_dtype="int8")),
     "bf16_sr_int8": (BF16, P("stochastic", state_dtype="int8")),
     "bf16_sr_int8_b256": (BF16, P("stochastic", state_dtype="int8", block_size=256)),
 }
@@ -76,8 +96,10 @@ def _optimizer(precision):
   return forge_jax.adamw(LR, weight_decay=WD, precision=precision)
 
 
-def mosaic_problem(x, dy, w0, config: str, interpret: bool) -> Optional[str]:
-  """Why the Mosaic kernel cannot run this configuration (its own checks), or None."""
+def mosaic_problem(x, dy, w0, config: str, interpret: bool,
+                   fields: Optional[dict] = None) -> tuple[Optional[str], Any]:
+  """``(why, None)`` if the Mosaic kernel cannot run this configuration (its own checks), else
+  ``(None, tiling)``: the default tiling, or ``fields`` over it (``--mosaic-variants``)."""
   from forge_jax import _fused  # pylint: disable=g-import-not-at-top
 
   w_dtype, precision = CONFIGS[config]
@@ -85,8 +107,13 @@ def mosaic_problem(x, dy, w0, config: str, interpret: bool) -> Optional[str]:
   w = jax.ShapeDtypeStruct(w0.shape, w_dtype)
   state = jax.eval_shape(opt.init, w)
   slots = tuple(getattr(state, name) for name in opt.rule.slot_names)
+  tiling = None
+  if fields:
+    from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
+    tiling = dataclasses.replace(mosaic.default_config(x, dy, w, slots), **fields)
   rounding = {"weight_codec": _lowp.weight_codec(precision, w_dtype)}  # as fused_linear_update passes it
-  return _fused._mosaic_problem(x, dy, w, slots, None, False, rounding, interpret=interpret)[0]
+  why = _fused._mosaic_problem(x, dy, w, slots, tiling, False, rounding, interpret=interpret)[0]
+  return why, tiling
 
 
 def fused_runner(x, dy, w0, config: str, backend: str, *, view: bool = False, tile=None):
@@ -163,7 +190,10 @@ def measure(name: str, runner, shape, flops: float, timing: dict, reference=None
   return row
 
 
-def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=None) -> list[dict]:
+def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=None,
+                variants: Optional[dict[str, dict]] = None) -> list[dict]:
+  """Rows of one T x K x N; ``variants``: name -> MosaicTileConfig fields over the Mosaic
+  kernel's default tiling, each timed as impl ``mosaic_<name>``."""
   x, dy, w0 = bench_fused_dw.make_inputs(t, k, n)
   shape, flops = f"{t}x{k}x{n}", 2.0 * t * k * n
   kernel = "interpret" if interpret else "pallas"
@@ -190,14 +220,17 @@ def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=
       todo.append(("pallas", fused_runner(x, dy, w0, config, kernel, tile=tile)))
     if "pallas_view" in impls and precision.state_dtype == "int8":
       todo.append(("pallas_view", fused_runner(x, dy, w0, config, kernel, view=True, tile=tile)))
-    if "mosaic" in impls:
-      why = mosaic_problem(x, dy, w0, config, interpret)
+    mosaic_impls = [("mosaic", None)] if "mosaic" in impls else []
+    mosaic_impls += [(f"mosaic_{name}", fields) for name, fields in (variants or {}).items()]
+    for impl, fields in mosaic_impls:
+      why, tiling = mosaic_problem(x, dy, w0, config, interpret, fields)
       if why is None:
-        todo.append(("mosaic", fused_runner(x, dy, w0, config, "mosaic_interpret" if interpret else "mosaic")))
+        backend = "mosaic_interpret" if interpret else "mosaic"
+        todo.append((impl, fused_runner(x, dy, w0, config, backend, tile=tiling)))
       else:
-        rows.append({"impl": "mosaic", "config": config, "shape": shape, "status": "unsupported",
+        rows.append({"impl": impl, "config": config, "shape": shape, "status": "unsupported",
                      "bytes_per_param": bpp, "error": why})
-        _timing.log(f"  {shape:>18} {config:<18} {'mosaic':<11} unsupported: {why}")
+        _timing.log(f"  {shape:>18} {config:<18} {impl:<11} unsupported: {why}")
     for impl, runner in todo:
       row = ref_row if impl == "xla" else measure(impl, runner, shape, flops, timing, reference, w0)
       row.pop("_result", None)
@@ -273,11 +306,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="pallas tile 'block_k,block_n,block_t,num_warps,num_stages' (default: tuned table)")
   parser.add_argument("--iters", type=int, default=30)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--baseline-tree", default=None, type=pathlib.Path, metavar="DIR",
+                      help="another checkout whose kernels to time side by side (module docstring)")
+  parser.add_argument("--baseline-configs", nargs="+", default=None, choices=list(CONFIGS),
+                      help="the configurations the baseline runs (default: --configs)")
+  parser.add_argument("--mosaic-variants", nargs="+", default=[], metavar="NAME=JSON",
+                      help="Mosaic tilings to time beside the default: MosaicTileConfig fields over "
+                           "it, e.g. n64='{\"tile_n\": 64}' (impl mosaic_n64; not in the baseline)")
   args = parser.parse_args(argv)
+  variants = {}
+  for spec in args.mosaic_variants:
+    name, _, fields = spec.partition("=")
+    try:
+      variants[name] = json.loads(fields)
+    except json.JSONDecodeError as e:
+      parser.error(f"--mosaic-variants {spec!r}: expected NAME=JSON fields ({e})")
+    if not name.isidentifier() or not isinstance(variants[name], dict):
+      parser.error(f"--mosaic-variants {spec!r}: expected NAME=JSON with a name and a JSON object")
+  if args.baseline_configs and args.baseline_tree is None:
+    parser.error("--baseline-configs needs --baseline-tree")
 
   # Smoke N = 256: int8 states need whole quantization blocks along N.
   interpret, tokens, shapes, timing = bench_fused_dw.run_plan(args, smoke_shape=(40, 256))
   folder = _timing.out_dir(args.out)
+  baseline = None
+  if args.baseline_tree is not None:
+    baseline = run_baseline(args.baseline_tree, argv, args.baseline_configs, folder / "baseline")
   info = _timing.run_info("experiments.bench_lowp", argv)
   info.update(interpret=interpret, timing=timing, lr=LR, weight_decay=WD,
               configs={k: {"w_dtype": jnp.dtype(d).name, "precision": repr(p)} for k, (d, p) in CONFIGS.items()},
@@ -286,14 +340,65 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   rows = _timing.run_shapes(
       folder / "bench_lowp.json", info, tokens, shapes,
       lambda t, k, n: bench_shape(t, k, n, args.configs, args.impls, interpret=interpret,
-                                  timing=timing, tile=args.tile),
+                                  timing=timing, tile=args.tile, variants=variants),
       {"impl": "-", "config": "-", "bytes_per_param": float("nan")},
   )
   impls = [i for i in ("xla", "pallas", "pallas_view", "mosaic") if i in args.impls]
+  impls += [f"mosaic_{name}" for name in variants]
   if any(b in args.impls for b in BASELINES):
     impls = impls or ["pallas"]
   _timing.write_table(folder / "bench_lowp.md", markdown(info, rows, impls), folder / "bench_lowp.json")
+  if baseline is not None:
+    _timing.write_table(folder / "bench_lowp_compare.md",
+                        compare_markdown(info, baseline, rows, args.baseline_tree),
+                        folder / "bench_lowp.json")
   return 0
+
+
+def run_baseline(tree: pathlib.Path, argv: Sequence[str], configs: Optional[Sequence[str]],
+                 out: pathlib.Path) -> dict:
+  """This script's run on another checkout: a subprocess with ``tree`` first on PYTHONPATH (its
+  ``pallas_kernels`` and ``forge_jax``; this file is the harness for both), for ``configs``."""
+  tree, out = tree.resolve(), out.resolve()
+  if not (tree / "pallas_kernels").is_dir():
+    raise ValueError(f"--baseline-tree {tree} has no pallas_kernels/: pass a checkout of this "
+                     "repository (e.g. git archive COMMIT | tar -x -C DIR)")
+  dropped = {"--baseline-tree", "--out", "--baseline-configs", "--mosaic-variants"}
+  dropped |= {"--configs"} if configs else set()
+  rest, skipping = [], False
+  for a in argv:  # the same run without the baseline's own options (and their values)
+    if a.startswith("--"):
+      skipping = a.split("=")[0] in dropped
+    if not skipping:
+      rest.append(a)
+  if configs:
+    rest += ["--configs", *configs]
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
+  cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *rest, "--out", str(out)]
+  _timing.log(f"baseline: {' '.join(cmd)} (PYTHONPATH={tree})")
+  proc = subprocess.run(cmd, env=env, cwd=tree, check=False)
+  if proc.returncode != 0:
+    raise RuntimeError(f"the baseline run on {tree} ended with {proc.returncode}")
+  return json.loads((out / "bench_lowp.json").read_text())
+
+
+def compare_markdown(info: dict, baseline: dict, rows: list[dict], tree: pathlib.Path) -> str:
+  """Baseline vs this tree per (shape, configuration, implementation): ms and the ratio; rows
+  the baseline did not run show this tree's time alone."""
+  key = lambda r: (r["shape"], r["config"], r["impl"])
+  old = {key(r): r for r in baseline["rows"]}
+  out = ["# Low-precision FORGE: baseline tree vs this tree", "",
+         f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}. Baseline: "
+         f"`{tree}` (its kernels, this harness), run first. Median ms per call (see "
+         "bench_lowp.md).", "",
+         "| T x K x N | config | impl | baseline ms | this tree ms | this / baseline |",
+         "|---|---|---|---|---|---|"]
+  cell = lambda row: f"{row['ms']:.4f}" if "ms" in row else row.get("status", "-")
+  for r in rows:
+    o = old.get(key(r), {})
+    ratio = f"{r['ms'] / o['ms']:.3f}" if "ms" in r and "ms" in o else "-"
+    out.append(f"| {r['shape']} | {r['config']} | {r['impl']} | {cell(o)} | {cell(r)} | {ratio} |")
+  return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

@@ -258,12 +258,12 @@ def cases(quick: bool, smoke: bool) -> list[tuple]:
 
 def smoke_tiling(slot_dtype: str):
   """The tiling of --smoke runs under the interpreter: one block of small tiles (132 simulated
-  blocks take minutes); int8 sub-tiles are one 64-value block wide and keep the barriers."""
+  blocks take minutes); int8 sub-tiles are one 64-value block wide."""
   from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
 
   int8 = slot_dtype.startswith("int8")
   return mosaic.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2,
-                                 epi_n=64 if int8 else 16, no_auto_barriers=not int8, num_sms=1)
+                                 epi_n=64 if int8 else 16, num_sms=1)
 
 
 def check_case(label, name, shape, w_dt, s_dt, layers, *, smoke: bool) -> dict[str, Any]:

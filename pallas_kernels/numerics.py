@@ -24,10 +24,18 @@ element of the same step always gets the same bits, whatever the tile shape,
 the backend or the order in which tiles run, so runs are reproducible and the
 kernel equals its reference bit for bit. The mixer is Wellons' ``lowbias32``
 (xor-shift-multiply, a bijection of uint32, avalanche bias ~0.17%), applied
-twice per element; for a fixed key the map from index to bits is a
-permutation, so no two elements of one weight share bits in one step.
-Indices wrap modulo 2**32 (only weights of more than 4G elements would repeat
-bits).
+once per element to ``index ^ key`` (the key itself is mixed three times);
+for a fixed key the map from index to bits is a permutation, so no two
+elements of one weight share bits in one step. Indices wrap modulo 2**32
+(only weights of more than 4G elements would repeat bits).
+
+Every consumer of random bits reads the top 16 of the 32 it is given (16 bits
+resolve a rounding probability to 2**-16, as bfloat16 stochastic rounding
+always did), so one hash serves two stored values: the weight takes the high
+half and the second optimizer slot the low half (:func:`value_bits`); the
+first and fourth slots share one more mix. The common int8 case (Adam's
+second moment rounded stochastically, with or without a stochastically
+rounded bfloat16 weight) costs one mix per element in the kernel epilogue.
 
 **Block quantization (8 bits).** A state ``[..., N]`` is stored as int8 codes
 of the same shape plus one float32 scale (the block's absolute maximum) per
@@ -123,15 +131,24 @@ def stream_seed(seed, stream) -> Array:
 
 def element_bits(key: Array, index: Array) -> Array:
   """32 uniform bits per element from the key and the element's uint32 index."""
-  h = mix32(_u32(index) ^ key)
-  return mix32(h + key)
+  return mix32(_u32(index) ^ key)
 
 
 def value_bits(bits: Array, i: int) -> Array:
-  """Independent bits for the ``i``-th stored value of an element (0: the weight)."""
-  if i == 0:
-    return bits
-  return mix32(bits + np.uint32((0x9E3779B9 * i) % 2**32))
+  """The bits of the ``i``-th stored value of an element (0: the weight, ``j + 1``: slot ``j``),
+  independent across ``i``, in the top 16 bits (what every consumer reads).
+
+  Values ``0`` and ``2`` are the two halves of ``bits`` itself; ``1`` and ``3`` the halves of
+  one more mix, ``4`` and ``6`` of another, and so on. The pairing puts the weight and Adam's
+  second moment (the slot that int8 stores with stochastic rounding by default) in one hash.
+  lowbias32 ends with ``x ^ (x >> 16)``, so its low half is the xor of two halves of a uniform
+  word and independent of its high half.
+  """
+  if i < 0:
+    raise ValueError(f"value_bits: i={i} must be >= 0 (0 is the weight, j + 1 slot j)")
+  pair = (i & 1) | ((i >> 2) << 1)
+  h = bits if pair == 0 else mix32(bits + np.uint32((0x9E3779B9 * pair) % 2**32))
+  return h << np.uint32(16) if (i >> 1) & 1 else h
 
 
 def element_index(rows: Array, cols: Array, n: int) -> Array:
@@ -201,8 +218,9 @@ class QuantMap:
     mantissa_bits: for ``"float"``: bits of mantissa (relative error
       <= 2**-(mantissa_bits+1)); the rest of the 8 bits are exponent.
     rounding: ``"nearest"`` or ``"stochastic"`` (unbiased: rounds up with
-      probability proportional to the distance to the lower code, with the
-      element's random bits; error < one code step instead of half).
+      probability proportional to the distance to the lower code, resolved to
+      2**-16 by the top 16 of the element's random bits; error < one code
+      step instead of half).
   """
 
   kind: str = "linear"
@@ -242,51 +260,72 @@ class QuantMap:
   def _base(self) -> int:
     return (127 << self.mantissa_bits) - self.max_code
 
+  # A block's values reach the map as ``x * encode_factor(1 / absmax)``, and its codes leave it
+  # as ``decode_scaled(codes, decode_factor(absmax))``: one multiply per block folds the linear
+  # map's code step into the block's scale, so an element costs one multiply each way.
+
+  def encode_factor(self, inv_absmax: Array) -> Array:
+    """What a block's values are multiplied by before :meth:`encode_scaled`, from ``1 / absmax``
+    (per block): the linear maps count in code steps, the float maps in fractions of absmax."""
+    return inv_absmax * float(self.max_code) if self.kind == "linear" else inv_absmax
+
+  def decode_factor(self, scale: Array) -> Array:
+    """What :meth:`decode_scaled` multiplies a block's codes by, from its scale (per block)."""
+    return scale * (1.0 / self.max_code) if self.kind == "linear" else scale
+
   def encode(self, x_rel: Array, bits: Optional[Array] = None) -> Array:
     """int32 codes in [-127, 127] of ``x_rel = x / absmax`` (|x_rel| <= ~1).
 
     ``bits`` (uint32 per element) are needed by stochastic rounding.
     """
+    return self.encode_scaled(x_rel * self.encode_factor(1.0), bits)
+
+  def encode_scaled(self, y: Array, bits: Optional[Array] = None) -> Array:
+    """int32 codes of ``y = x * encode_factor(1 / absmax)``."""
     stochastic = self.rounding == "stochastic"
     if stochastic and bits is None:
       raise ValueError("QuantMap(rounding='stochastic') needs the element bits (bits=None given).")
-    mag = jnp.abs(x_rel) if self.signed else jnp.maximum(x_rel, 0.0)
+    mag = jnp.abs(y) if self.signed else jnp.maximum(y, 0.0)
     if self.kind == "linear":
-      # Nearest: + 1/2 then floor. Stochastic: + a uniform [0, 1) then floor.
-      offset = (bits >> np.uint32(8)).astype(_F32) * 2.0**-24 if stochastic else 0.5
+      # Nearest: + 1/2 then floor. Stochastic: + a uniform [0, 1) (the top 16 bits) then floor.
+      offset = (bits >> np.uint32(16)).astype(_F32) * 2.0**-16 if stochastic else 0.5
       # The conversion truncates, which is floor here (the operand is >= 0), and
       # lowers where floor does not (Mosaic GPU, warpgroup semantics).
-      q = (mag * float(self.max_code) + offset).astype(_I32)
+      q = (mag + offset).astype(_I32)
       q = jnp.minimum(q, self.max_code)
     else:
       m = self.mantissa_bits
       mbits = lax.bitcast_convert_type(mag, _I32)
       # Add half a code step (nearest) or a uniform fraction of one
-      # (stochastic) to the float32 bits, then drop the bits below the code.
+      # (stochastic: the top 16 bits, at the top of the dropped bits) to the
+      # float32 bits, then drop the bits below the code.
       if stochastic:
-        offset = lax.bitcast_convert_type(bits >> np.uint32(9 + m), _I32)
+        offset = lax.bitcast_convert_type((bits >> np.uint32(16)) << np.uint32(7 - m), _I32)
       else:
         offset = 1 << (22 - m)
       q = ((mbits + offset) >> (23 - m)) - self._base()
       low = 0 if self.signed else 1  # never round a positive second moment to 0
       q = jnp.where(mag > 0.0, jnp.clip(q, low, self.max_code), 0)
     if self.signed:
-      return jnp.where(x_rel < 0.0, -q, q)
+      return jnp.where(y < 0.0, -q, q)
     return q - 127
 
   def decode(self, codes: Array) -> Array:
     """float32 values relative to the block maximum of int codes."""
+    return self.decode_scaled(codes, self.decode_factor(1.0))
+
+  def decode_scaled(self, codes: Array, factor: Array) -> Array:
+    """float32 values of int codes whose block's :meth:`decode_factor` is ``factor``."""
     c = codes.astype(_I32)
+    if self.kind == "linear":  # a signed code carries its sign: no abs, no select
+      return (c if self.signed else c + 127).astype(_F32) * factor
     mag = jnp.abs(c) if self.signed else c + 127
-    if self.kind == "linear":
-      x = mag.astype(_F32) * (1.0 / self.max_code)
-    else:
-      m = self.mantissa_bits
-      x = lax.bitcast_convert_type((mag + self._base()) << (23 - m), _F32)
-      x = jnp.where(mag == 0, 0.0, x)
+    m = self.mantissa_bits
+    x = lax.bitcast_convert_type((mag + self._base()) << (23 - m), _F32)
+    x = jnp.where(mag == 0, 0.0, x)
     if self.signed:
-      return jnp.where(c < 0, -x, x)
-    return x
+      x = jnp.where(c < 0, -x, x)
+    return x * factor
 
 
 # ----------------------------------------------------------------------------
@@ -405,14 +444,14 @@ class BlockQuantized(Codec):
 
   def _codes(self, x: Array, absmax: Array, spread, bits: Optional[Array]) -> Array:
     """int32 codes of ``x`` relative to its blocks' ``absmax``; ``spread`` maps a
-    per-block array onto ``x``'s shape."""
+    per-block array onto ``x``'s shape (after the per-block arithmetic)."""
     inv = jnp.where(absmax > 0.0, 1.0 / absmax, 0.0)
-    return self.qmap.encode(x * spread(inv), bits)
+    return self.qmap.encode_scaled(x * spread(self.qmap.encode_factor(inv)), bits)
 
   def decode(self, parts):
     codes, scale = parts
-    n = codes.shape[-1]
-    return self.qmap.decode(codes) * self._expand(scale.astype(_F32), n)
+    factor = self.qmap.decode_factor(scale.astype(_F32))
+    return self.qmap.decode_scaled(codes, self._expand(factor, codes.shape[-1]))
 
   def encode(self, x, dtypes=None, bits=None):
     del dtypes
@@ -431,7 +470,8 @@ class BlockQuantized(Codec):
 
   def decode_block_rows(self, codes: Array, scale: Array) -> Array:
     """float32 values of ``codes`` [..., block] with one ``scale`` per row [...]."""
-    return self.qmap.decode(codes.astype(_I32)) * self._rows(scale.astype(_F32), codes.shape)
+    factor = self.qmap.decode_factor(scale.astype(_F32))
+    return self.qmap.decode_scaled(codes, self._rows(factor, codes.shape))
 
   def encode_block_rows(self, x: Array, bits: Optional[Array] = None) -> tuple[Array, Array]:
     """``(int32 codes, float32 per-row absmax)`` of ``x`` [..., block]: ``encode`` with one

@@ -54,8 +54,10 @@ class MosaicTileConfig:
       steps.
     no_auto_barriers: lower without Pallas's warpgroup barriers around every register ->
       shared-memory store. Each thread reads and rewrites only its own elements of a ring
-      slot, and ``commit_smem`` (kept) orders them before the TMA store and the refill. Float
-      states only: the four threads of a quad share an int8 row scale.
+      slot, and ``commit_smem`` (kept) orders them before the TMA store and the refill. An
+      int8 row scale is read and rewritten by the four threads of a quad, all with the same
+      value: each thread's write follows the lane shuffles of the row's new maximum, which
+      take every other thread's values, decoded from the old scale after it read it.
     grid_tile_width: the persistent loop walks bands of this many tiles along ``N`` (L2
       locality of the ``x``/``dy`` blocks).
     num_sms: persistent grid size; ``None`` means the device's SM count.
@@ -95,7 +97,7 @@ _SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the mai
 #   flight (mosaic_tuned/: main loop at T=16384 1.024 -> 0.883 ms) and no store barriers
 #   (mosaic_barriers/: 0.160 -> 0.155 ms at T=1024) for all of them.
 # - int8 states: one quantization block per sub-tile row (epi_n is replaced by the block);
-#   Pallas's barriers stay (shared row scales).
+#   no store barriers, as for float states (see MosaicTileConfig.no_auto_barriers).
 _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
     (frozenset(when.split()), cfg) for when, cfg in (
         ("float small_grid", _Cfg(tile_m=64, max_concurrent_steps=6)),
@@ -114,10 +116,10 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         ("float", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=16, **_PLAIN)),
         ("float", _Cfg(tile_m=64, epi_n=16, **_PLAIN)),  # K a multiple of 64 only
         ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16, **_PLAIN)),
-        ("int8", _Cfg(epi_n=64, no_auto_barriers=False)),
-        ("int8", _Cfg(max_concurrent_steps=3, epi_n=64, no_auto_barriers=False)),
-        ("int8", _Cfg(max_concurrent_steps=2, epi_n=64, no_auto_barriers=False)),
-        ("int8", _Cfg(tile_m=64, max_concurrent_steps=3, epi_n=64, no_auto_barriers=False)),
+        ("int8", _Cfg(epi_n=64)),
+        ("int8", _Cfg(max_concurrent_steps=3, epi_n=64)),
+        ("int8", _Cfg(max_concurrent_steps=2, epi_n=64)),
+        ("int8", _Cfg(tile_m=64, max_concurrent_steps=3, epi_n=64)),
     ))
 _SMALL_GRID_WAVES = 1.5
 
@@ -251,10 +253,6 @@ def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> tuple[bool, str]:
     if cfg.epi_n != s.codec.block:
       return False, (f"slot {i} is int8 in blocks of {s.codec.block} columns: epi_n={cfg.epi_n} "
                      "must equal the block (one block per sub-tile row)")
-    if cfg.no_auto_barriers:
-      return False, (f"slot {i} is int8: no_auto_barriers=True needs float states (the four "
-                     "threads of a quad read a row's scale and rewrite it, a race without the "
-                     "barriers)")
   for name, dt in [("w", w.dtype)] + [(f"slot {i}", stored_dtype(s)) for i, s in enumerate(slots)]:
     if not _swizzle_ok(cfg.epi_n, dt):
       return False, f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"

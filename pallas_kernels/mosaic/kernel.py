@@ -205,12 +205,15 @@ class _Epilogue:
     shape = (plan.cfg.epi_m, plan.cfg.epi_n)
     layout = None if plan.interpreting else plgpu.Layout.WGMMA  # no layout casts there
     local_row0 = row0 - self.layer_gmem[0] * plan.k
-    rows = local_row0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
-    cols = col0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+    # (row0 + i) * N + (col0 + j) as one scalar plus the sub-tile's own i * N + j, which is the
+    # same for every sub-tile: per element one add (uint32 arithmetic wraps as the index does).
+    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+    base = numerics.element_index(local_row0.astype(jnp.uint32), col0.astype(jnp.uint32), plan.n)
     # Not a scalar bitcast_convert_type: warpgroup semantics lowers that to a vector
     # ("Scalars must be represented by non-vector types", jax 0.10.2-0.11.2).
     key = self.layer_gmem[1].astype(jnp.uint32)
-    return numerics.element_bits(key, numerics.element_index(rows, cols, plan.n))
+    return numerics.element_bits(key, base + numerics.element_index(rows, cols, plan.n))
 
   @staticmethod
   def _decode_slot(raw, codec):
