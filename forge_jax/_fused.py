@@ -17,7 +17,7 @@ optimizer's elementwise rule to each tile as soon as it is complete:
   tests; falls back to ``"xla"``);
 * ``"xla"``: the reference: one float32 dot plus the same rule, fused by XLA
   as it sees fit (the default on CPU, and the baseline in benchmarks);
-* ``"auto"``: on a GPU, the faster of the Mosaic kernel and ``"xla"`` for the
+* ``"auto"``: on a Hopper GPU, the faster of the Mosaic kernel and ``"xla"`` for the
   layer's tokens, shape, weight dtype, state format and rounding, from the
   measured table ``forge_jax/auto_table.json`` (:mod:`forge_jax._auto`). Off
   the table: the Mosaic kernel for float states, ``"xla"`` for int8 states and
@@ -89,7 +89,8 @@ def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_wei
     # says), else the Triton kernel (Llama-3.1-8B pure bf16, 1x1024 tokens:
     # 144.8 ms a step against 169.0 with the Triton kernel, bench_models_mosaic.md).
     without_table = "xla" if quantized_slots or stochastic_weights else _AUTO_MOSAIC
-    if case is not None:
+    # The table compares the Mosaic kernel with XLA: it says nothing where the kernel cannot run.
+    if case is not None and _mosaic_device_problem() is None:
       choice = _auto.table().choose(*case, sr=stochastic_weights)
       if choice == "xla":
         return "xla"
@@ -106,6 +107,15 @@ def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_wei
         "interpreter) here."
     )
   return backend
+
+
+def _mosaic_device_problem() -> Optional[str]:
+  """Why this device cannot run the Mosaic kernel (not a Hopper GPU, no Mosaic GPU), or None."""
+  try:
+    from pallas_kernels.mosaic import config as mosaic_config  # pylint: disable=g-import-not-at-top
+  except Exception as e:  # pylint: disable=broad-except  (a jax without Mosaic GPU)
+    return f"Mosaic GPU is not available in this jax ({type(e).__name__}: {e})"
+  return mosaic_config.device_problem()
 
 
 def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None, interpret=False):

@@ -187,3 +187,15 @@ def test_auto_table_plan_fits_one_gpu_call():
   plan = bench_fused_dw.auto_plan(classes, bench_fused_dw.AUTO_TOKENS, list(bench_fused_dw.AUTO_CONFIGS))
   assert len(plan) == len(classes) * 4 * 6
   assert bench_fused_dw.auto_estimate_s(plan, "mosaic", workers=8) + 30 <= 9 * 60
+
+
+def test_the_table_speaks_for_hopper_gpus_only(monkeypatch):
+  """On a GPU the Mosaic kernel cannot run on, "auto" keeps the rule whatever the table says."""
+  from pallas_kernels.mosaic import config as mosaic_config
+
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  _use(monkeypatch, _table((1024, 4096, 4096, "bfloat16", "bfloat16", False, "xla")))
+  case = (1024, 4096, 4096, "bfloat16", "bfloat16")
+  assert _fused._resolve_backend("auto", case=case) == "xla"
+  monkeypatch.setattr(mosaic_config, "device_problem", lambda: "needs a Hopper GPU (sm_90, wgmma); A100 is sm_8.0")
+  assert _fused._resolve_backend("auto", case=case) == _fused._AUTO_MOSAIC
