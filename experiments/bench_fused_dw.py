@@ -993,6 +993,7 @@ def _run_workers(args, folder: pathlib.Path, workers: int, deadline: Optional[fl
     except subprocess.TimeoutExpired:
       p.kill()
       p.wait()
+  (folder / "gpu.lock").unlink(missing_ok=True)
   rows: dict[int, dict] = {}
   for path in folder.glob("auto_rows_*.jsonl"):
     for line in path.read_text().splitlines():
