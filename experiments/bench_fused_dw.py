@@ -35,6 +35,24 @@ projections on the H200::
       --shapes 4096x4096 4096x1024 4096x14336 14336x4096 --optimizers adamw \
       --impls xla_gemm xla_gemm_optax mosaic --state-dtype bfloat16 --baseline-tree /tmp/old
 
+``--auto-table`` measures the table ``backend="auto"`` reads (``forge_jax/auto_table.json``,
+:mod:`forge_jax._auto`): for each shape class of the presets' block projections (Qwen3
+0.6B-32B, Llama-3.1-8B: 27 distinct (K, N), grouped by the nearest whole octave of K*N and of
+N/K into 20 classes, one representative each), T in {512, 1024, 4096, 16384} and the storage
+configurations of :data:`AUTO_CONFIGS` (float32 / bfloat16 weights, their float states or int8
+states, bfloat16 weights stochastically rounded), AdamW, it times ``fused_linear_update`` with
+``backend="mosaic"`` and ``backend="xla"`` (device time, several calls per dispatch for small
+shapes) and records the faster. 480 cases in one GPU call: ``--workers`` processes compile the
+Mosaic kernels side by side and take turns on the GPU; ``--estimate-only`` prints the plan and
+its estimate; ``--time-limit`` starts no case that would end past it (the Llama-3.1-8B classes
+come first, then the class farthest from those measured); ``--dry-run`` runs it on CPU with the
+interpreted Triton kernel in seconds. On the H200::
+
+    PYTHONPATH=$PWD python -m experiments.bench_fused_dw --auto-table --time-limit 500 --out $OUT
+
+writes ``auto_table.json`` (copy it to ``forge_jax/``), ``auto_table.md`` and every row with its
+errors in ``auto_table_rows.json``.
+
 Every implementation that updates weights is checked against
 ``fused_dw_update_reference`` after one step from the common initial state,
 before it is timed. Timing: warm-up, 30 back-to-back calls blocked once,
@@ -50,10 +68,12 @@ is the same). Writes ``bench_fused_dw.json`` and ``bench_fused_dw.md`` to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -513,7 +533,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="dtype of the weight and of every optimizer state (both sides)")
   parser.add_argument("--baseline-tree", default=None, type=pathlib.Path, metavar="DIR",
                       help="another checkout to time side by side (see the module docstring)")
+  auto = parser.add_argument_group("the \"auto\" backend's table (see the module docstring)")
+  auto.add_argument("--auto-table", action="store_true",
+                    help="measure the Mosaic kernel against XLA per shape class; write auto_table.json")
+  auto.add_argument("--dry-run", action="store_true",
+                    help="--auto-table on tiny shapes with the interpreted kernel (CPU, seconds)")
+  auto.add_argument("--configs", nargs="+", default=None, choices=list(AUTO_CONFIGS),
+                    help="storage configurations (default: all)")
+  auto.add_argument("--time-limit", type=float, default=None,
+                    help="seconds: no case starts that would end past it; the table keeps what was measured")
+  auto.add_argument("--estimate-only", action="store_true", help="print the plan and its estimate, measure nothing")
+  auto.add_argument("--workers", type=int, default=None,
+                    help="processes that compile side by side, taking turns on the device (default: 8 "
+                    "on a GPU, 1 interpreted)")
+  auto.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+  auto.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+  auto.add_argument("--commit", default=None, help="the tree's commit for the provenance (default: git rev-parse HEAD)")
+  auto.add_argument("--rule-table", type=pathlib.Path, default=None, metavar="PATH",
+                    help="write the unmeasured table of the rule without one to PATH and exit")
   args = parser.parse_args(argv)
+  args.argv = argv
+  if args.rule_table is not None:
+    _write_text(args.rule_table, rule_table().dumps())
+    return 0
+  if args.auto_table or args.dry_run:
+    args.dry_run = args.dry_run or args.smoke
+    return auto_table_run(args)
 
   interpret, tokens, shapes, timing = run_plan(args, smoke_shape=(40, 72))
   if args.impls is None:
@@ -586,6 +631,479 @@ def compare_markdown(info: dict, baseline: dict, rows: list[dict], tree: pathlib
     ratio = f"{r['ms'] / o['ms']:.3f}" if "ms" in r and "ms" in o else "-"
     out.append(f"| {r['shape']} | {r['optimizer']} | {r['impl']} | {cell(o)} | {cell(r)} | {ratio} |")
   return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------
+# The "auto" backend's table (--auto-table): the Mosaic kernel against XLA per shape class.
+# ----------------------------------------------------------------------------
+
+AUTO_TOKENS = (512, 1024, 4096, 16384)
+# name -> (weight dtype, forge_jax.Precision fields): the storage configurations "auto" tells apart.
+AUTO_CONFIGS: dict[str, tuple[Any, dict]] = {
+    "fp32": (F32, {}),
+    "fp32_int8": (F32, {"state_dtype": "int8"}),
+    "bf16": (BF16, {}),
+    "bf16_int8": (BF16, {"state_dtype": "int8"}),
+    "bf16_sr": (BF16, {"weight_rounding": "stochastic"}),
+    "bf16_sr_int8": (BF16, {"weight_rounding": "stochastic", "state_dtype": "int8"}),
+}
+# Seconds to trace, compile and run one step (the H200's first_call_s in
+# results/h200/lowp_mosaic/bench_lowp.json, AdamW, 4096x4096 and 4096x14336, rounded up; bf16_int8,
+# not measured there, as the other int8 rows; XLA: its bf16 and int8 rows, the dot's autotuning
+# shared by a (shape, T) group): the plan's estimate, and what --time-limit keeps in hand.
+FIRST_CALL_S = {"mosaic": {"fp32": 3.3, "bf16": 4.3, "bf16_sr": 5.9, "fp32_int8": 8.0,
+                           "bf16_int8": 7.5, "bf16_sr_int8": 7.0},
+                "xla": 0.4}
+# Device work per dispatch below this: several calls per dispatch (see _dispatched).
+AUTO_DISPATCH_MS = 0.5
+AUTO_MAX_CALLS = 32
+AUTO_SMOKE_SHAPES = ((64, 128), (128, 64))
+
+
+def preset_shapes() -> list[tuple[int, int]]:
+  """Distinct (K, N) of the seven block projections over the model presets (the tiny ones aside)."""
+  import models  # pylint: disable=g-import-not-at-top
+
+  shapes = {}
+  for name, cfg in models.PRESETS.items():
+    if name.startswith("tiny"):
+      continue
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for kn in ((d, q), (d, kv), (q, d), (d, f), (f, d)):  # q, k/v, o, gate/up, down
+      shapes.setdefault(kn, name)
+  return list(shapes)
+
+
+def _class_key(k: int, n: int) -> tuple[int, int]:
+  """The nearest whole octave of size K*N (GEMM work per token, state stream) and of aspect N/K
+  (the tiling): the presets' 27 projections fall into 20 classes, each member within 0.61
+  octaves of its representative."""
+  return round(math.log2(k * n)), round(math.log2(n / k))
+
+
+def _distance(a: tuple[int, int], b: tuple[int, int]) -> float:
+  return math.hypot(math.log2(a[0] * a[1] / (b[0] * b[1])), math.log2(a[1] / a[0] * b[0] / b[1]))
+
+
+def shape_classes(shapes: Sequence[tuple[int, int]], first: Sequence[tuple[int, int]] = ()
+                  ) -> list[tuple[tuple[int, int], list[tuple[int, int]]]]:
+  """``[(representative, members)]`` in measuring order.
+
+  The representative is the member closest to the others (a medoid). The classes of
+  ``first`` come first; then, greedily, the class farthest from every representative so far,
+  so that a run cut short by its time limit has spread its measurements over the shapes.
+  """
+  groups: dict[tuple, list] = {}
+  for kn in shapes:
+    groups.setdefault(_class_key(*kn), []).append(tuple(kn))
+  classes = [(min(m, key=lambda a: (sum(_distance(a, b) for b in m), a)), sorted(m))
+             for m in groups.values()]
+  order = [c for c in classes if any(kn in c[1] for kn in first)]
+  rest = [c for c in classes if c not in order]
+  while rest:
+    far = max(rest, key=lambda c: (min((_distance(c[0], o[0]) for o in order), default=0.0), c[0]))
+    order.append(far)
+    rest.remove(far)
+  return order
+
+
+def _auto_optimizer(config: str):
+  return forge_jax.adamw(1e-3, weight_decay=0.1, precision=forge_jax.Precision(**AUTO_CONFIGS[config][1]))
+
+
+def auto_case_key(config: str, w_dtype, t: int, k: int, n: int) -> dict:
+  """The table entry's lookup fields for one measured case (as fused_linear_update forms them)."""
+  from forge_jax import _auto  # pylint: disable=g-import-not-at-top
+
+  opt = _auto_optimizer(config)
+  state = jax.eval_shape(opt.init, jax.ShapeDtypeStruct((k, n), w_dtype))
+  slots = opt.rule.slots_of(state)
+  from forge_jax import _lowp  # pylint: disable=g-import-not-at-top
+
+  sr = _lowp.weight_codec(opt.precision, w_dtype).needs_bits  # as fused_linear_update decides it
+  return {"t": t, "k": k, "n": n, "weight": jnp.dtype(w_dtype).name,
+          "states": _auto.state_format(slots), "sr": bool(sr)}
+
+
+def auto_calls(t: int, k: int, n: int, w_dtype) -> int:
+  """Calls per dispatch for a case whose roofline floor is under AUTO_DISPATCH_MS (small shapes)."""
+  state_bytes = k * n * (jnp.dtype(w_dtype).itemsize + 2 * 4)
+  floor_ms = max(2.0 * t * k * n / PEAK_FLOPS, (2 * t * (k + n) + 2 * state_bytes) / PEAK_BYTES) * 1e3
+  return int(min(AUTO_MAX_CALLS, max(1, math.ceil(AUTO_DISPATCH_MS / floor_ms))))
+
+
+def auto_runner(t: int, k: int, n: int, config: str, backend: str, calls: int):
+  """``(compile, init, step, result)``: ``calls`` fused_linear_update steps per dispatch.
+
+  ``compile()`` lowers and compiles from shapes alone (no device work: workers compile side by
+  side, see :func:`auto_table_run`); ``init(x, dy, w0)`` makes the inputs' copies and a fresh
+  (w, state), which ``step`` donates.
+  """
+  w_dtype = AUTO_CONFIGS[config][0]
+  opt = _auto_optimizer(config)
+  # One jitted update: the unrolled calls share its trace and lowering.
+  update = jax.jit(lambda carry, x, dy: forge_jax.fused_linear_update(x, dy, *carry, opt, backend))
+  run = _dispatched(update)
+  shape = lambda rows, cols, dtype: jax.ShapeDtypeStruct((rows, cols), dtype)
+  compiled = []
+  inputs = {}
+
+  def compile_():
+    w = shape(k, n, w_dtype)
+    carry = (w, jax.eval_shape(opt.init, w))
+    compiled.append(run.lower(carry, (shape(t, k, BF16),) * calls, (shape(t, n, BF16),) * calls).compile())
+
+  def warm():
+    """One call on zeros: whatever the runtime compiles at a first launch (a Mosaic GPU
+    kernel's module) is compiled here, not in the timed turn."""
+    w = jnp.zeros((k, n), w_dtype)
+    zx, zdy = jnp.zeros((t, k), BF16), jnp.zeros((t, n), BF16)
+    jax.block_until_ready(compiled[0]((w, opt.init(w)), (zx,) * calls, (zdy,) * calls))
+
+  def init(x, dy, w0):
+    if not inputs:
+      inputs["xs"] = tuple(jnp.copy(x) for _ in range(calls)) if calls > 1 else (x,)
+      inputs["dys"] = tuple(jnp.copy(dy) for _ in range(calls)) if calls > 1 else (dy,)
+    w = jnp.array(w0, w_dtype)  # a copy: the step donates it
+    return w, opt.init(w)
+
+  def result(carry):
+    from forge_jax import _lowp  # pylint: disable=g-import-not-at-top
+
+    w, state = carry
+    return w, tuple(_lowp.decode_slot(s, F32) for s in opt.rule.slots_of(state))
+
+  return compile_, warm, init, lambda c: compiled[0](c, inputs["xs"], inputs["dys"]), result
+
+
+def _auto_measure(runner, inputs, timing: dict, calls: int, gpu_lock, reference=None,
+                  compile_on_gpu: bool = False) -> dict:
+  """Compile (timed) and a first call on zeros, outside ``gpu_lock`` unless ``compile_on_gpu``
+  (XLA's GEMM autotuner runs candidate kernels on the device: then no call on zeros either);
+  then under it one checked dispatch and device time per call. Never raises."""
+  compile_, warm, init, step, result = runner
+  row: dict[str, Any] = {"status": "ok", "calls_per_dispatch": calls}
+  carry = None
+  try:
+    with gpu_lock() if compile_on_gpu else contextlib.nullcontext():
+      start = time.perf_counter()
+      compile_()
+      row["compile_s"] = round(time.perf_counter() - start, 3)
+      if not compile_on_gpu:
+        start = time.perf_counter()
+        warm()
+        row["warm_s"] = round(time.perf_counter() - start, 3)
+    with gpu_lock():
+      x, dy, w0 = inputs()
+      carry = init(x, dy, w0)
+      start = time.perf_counter()
+      carry = step(carry)
+      jax.block_until_ready(carry)
+      row["first_call_s"] = round(time.perf_counter() - start, 3)
+      first = jax.tree.map(jnp.copy, result(carry))
+      if reference is not None:
+        (w, slots), (w_ref, slots_ref) = first, reference
+        w0f = w0.astype(F32)
+        row["err_update"] = float(_rel_err(w.astype(F32) - w0f, w_ref.astype(F32) - w0f))
+        row["err_slots"] = max((float(_rel_err(s, r)) for s, r in zip(slots, slots_ref)), default=0.0)
+        if not (row["err_update"] <= UPDATE_TOL_16 and row["err_slots"] <= AUTO_SLOT_TOL):
+          row["status"] = "check_failed"
+      t, carry = _timing.time_steps(step, carry, **timing)
+    row.update(ms=t.median_ms / calls, min_ms=t.min_ms / calls, iters=t.iters)
+    row["_result"] = first
+  except Exception as e:  # one failure must not end the run
+    row.update(status="error", error=_timing.short_error(e))
+  finally:
+    del carry
+  return row
+
+
+# The decoded int8 slots after ``calls`` steps from the same state: rare one-code flips where the
+# kernel's float32 tile and XLA's dot round differently (bench_lowp's tolerance).
+AUTO_SLOT_TOL = 2e-2
+
+
+def _auto_choice(kernel: dict, xla: dict) -> Optional[str]:
+  """The faster (the kernel on a tie: it never writes the float32 gradient); None if unmeasured."""
+  if "ms" not in xla:
+    return None
+  if "ms" not in kernel or kernel["status"] != "ok":
+    return "xla" if kernel.get("status") in ("check_failed", "error") else None
+  return "mosaic" if kernel["ms"] <= xla["ms"] else "xla"
+
+
+def auto_plan(classes, tokens, configs) -> list[tuple]:
+  """Every case in measuring order: ``(representative, members, t, config)``."""
+  return [(rep, members, t, config) for rep, members in classes for t in tokens for config in configs]
+
+
+def _case_s(config: str, kernel: str) -> float:
+  return (FIRST_CALL_S["mosaic"][config] if kernel == "mosaic" else 1.0) + FIRST_CALL_S["xla"] + 0.3
+
+
+def auto_estimate_s(plan, kernel: str, workers: int = 1) -> float:
+  """Seconds the plan takes by FIRST_CALL_S: the kernel's compiles split over the workers, or the
+  GPU's turns (XLA's compiles, first calls, timing) one after another, whichever is longer; plus
+  the workers' start."""
+  kernels = sum(FIRST_CALL_S["mosaic"][c] if kernel == "mosaic" else 1.0 for *_, c in plan)
+  turns = sum(FIRST_CALL_S["xla"] + 0.3 for _ in plan)
+  return max(kernels / workers, turns) if workers > 1 else kernels + turns
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+  """One worker at a time on the GPU (inputs, first call, timing); compiles run beside it."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+
+  with open(path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def measure_cases(plan, indices, *, kernel: str, interpret: bool, timing: dict, deadline: Optional[float],
+                  gpu_lock, sink) -> None:
+  """Measures ``plan[i]`` for ``i`` in ``indices`` (in order); ``sink(i, row)`` gets each row.
+
+  A case that would end past ``deadline`` (``time.time()``) and every later one is recorded as
+  skipped."""
+  made: dict = {}
+
+  def inputs_of(t, k, n):
+    def get():
+      if (t, k, n) not in made:
+        made.clear()
+        gc.collect()
+        made[(t, k, n)] = make_inputs(t, k, n)
+      return made[(t, k, n)]
+    return get
+
+  stopped = False
+  for i in indices:
+    rep, members, t, config = plan[i]
+    k, n = rep
+    w_dtype = AUTO_CONFIGS[config][0]
+    key = auto_case_key(config, w_dtype, t, k, n)
+    row = dict(key, config=config, members=[list(m) for m in members], kernel=kernel)
+    stopped = stopped or (deadline is not None and time.time() + _case_s(config, kernel) > deadline)
+    if stopped:
+      sink(i, dict(row, status="skipped: time limit"))
+      continue
+    calls = 1 if interpret else auto_calls(t, k, n, w_dtype)
+    inputs = inputs_of(t, k, n)
+    xla = _auto_measure(auto_runner(t, k, n, config, "xla", calls), inputs, timing, calls, gpu_lock,
+                        compile_on_gpu=True)
+    reference = xla.pop("_result", None)
+    why = None if interpret else _auto_mosaic_problem(k, n, t, config)
+    if why is None:
+      mine = _auto_measure(auto_runner(t, k, n, config, kernel, calls), inputs, timing, calls,
+                           gpu_lock, reference)
+      mine.pop("_result", None)
+    else:
+      mine = {"status": "unsupported", "error": why}
+    row.update(kernel_row=mine, xla_row=xla, choice=_auto_choice(mine, xla))
+    _timing.log(f"  {t:>6}x{k}x{n:<6} {config:<13} {kernel} {_ms(mine)}  xla {_ms(xla)}  -> {row['choice']}")
+    sink(i, row)
+
+
+def auto_table_run(args) -> int:
+  """Measures the table, writes ``auto_table.json`` (the package's format) and ``auto_table.md``.
+
+  On a GPU, ``--workers`` processes split the cases ((shape class, T) groups round robin, in
+  measuring order): each compiles its next Mosaic kernel while another holds the GPU (a file
+  lock around XLA's compiles, inputs, the first call and the timing), so the kernel's compiles,
+  which dominate, run side by side on the host's cores.
+  """
+  # Before the backend starts: this process and its workers share one GPU, none may take 75% of it.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  interpret = args.dry_run or jax.default_backend() == "cpu"
+  kernel = "interpret" if interpret else "mosaic"
+  configs = args.configs or list(AUTO_CONFIGS)
+  if args.dry_run:
+    tokens, shapes, first = args.tokens or (32,), args.shapes or list(AUTO_SMOKE_SHAPES), ()
+    timing = dict(warmup=1, iters=2, repeats=1)
+  else:
+    tokens, shapes = args.tokens or AUTO_TOKENS, args.shapes or preset_shapes()
+    first = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]  # Llama-3.1-8B
+    timing = dict(warmup=2, iters=None, repeats=3, target_repeat_ms=10.0)
+  workers = args.workers or (1 if interpret else 8)
+  if workers < 1:
+    raise ValueError(f"--workers={workers} must be >= 1")
+  classes = shape_classes(shapes, first)
+  plan = auto_plan(classes, tokens, configs)
+  folder = _timing.out_dir(args.out)
+  if args.worker is not None:  # one of the processes below
+    index, deadline = args.worker, args.deadline
+    rows_path = folder / f"auto_rows_{index}.jsonl"
+    with open(rows_path, "a") as out:
+      def sink(i, row):
+        out.write(json.dumps({"index": i, **row}, default=str) + "\n")
+        out.flush()
+      # Whole (class, T) groups per worker: their configurations share the inputs and XLA's
+      # autotuning of the dot.
+      mine = [i for i in range(len(plan)) if (i // len(configs)) % workers == index]
+      measure_cases(plan, mine, kernel=kernel, interpret=interpret,
+                    timing=timing, deadline=deadline, gpu_lock=lambda: _file_lock(folder / "gpu.lock"),
+                    sink=sink)
+    return 0
+
+  info = _timing.run_info("experiments.bench_fused_dw", args.argv)
+  info.update(commit=args.commit or _git_commit(), kernel=kernel, interpret=interpret, timing=timing,
+              time_limit_s=args.time_limit, workers=workers, cases=len(plan),
+              estimate_s=round(auto_estimate_s(plan, "mosaic" if not args.dry_run else kernel, workers)),
+              classes=[{"representative": list(r), "members": [list(m) for m in ms]} for r, ms in classes])
+  _timing.log(f"auto table on {info['device']} (jax {info['jax']}): {len(classes)} shape classes x "
+              f"{len(tokens)} T x {len(configs)} configs = {len(plan)} cases, {workers} workers, estimated "
+              f"{info['estimate_s']} s; time limit {args.time_limit} s")
+  if args.estimate_only:
+    return 0
+  start = time.time()
+  # The last seconds go to merging and writing.
+  deadline = None if args.time_limit is None else start + args.time_limit - 15.0
+  rows: dict[int, dict] = {}
+  if workers == 1:
+    measure_cases(plan, range(len(plan)), kernel=kernel, interpret=interpret, timing=timing,
+                  deadline=deadline, gpu_lock=contextlib.nullcontext, sink=rows.__setitem__)
+  else:
+    rows = _run_workers(args, folder, workers, deadline)
+  all_rows = [rows.get(i) or dict(auto_case_key(c, AUTO_CONFIGS[c][0], t, *r), config=c,
+                                  status="skipped: worker ended")
+              for i, (r, _, t, c) in enumerate(plan)]
+  info["elapsed_s"] = round(time.time() - start, 1)
+  table = _auto_table(info, all_rows, interpret, len(plan))
+  _write_text(folder / "auto_table.json", table.dumps())
+  _timing.write_json(folder / "auto_table_rows.json", {"info": info, "rows": all_rows})
+  _timing.write_table(folder / "auto_table.md", auto_markdown(info, all_rows), folder / "auto_table.json")
+  return 0
+
+
+def _run_workers(args, folder: pathlib.Path, workers: int, deadline: Optional[float]) -> dict[int, dict]:
+  """Runs the worker processes (killed at ``deadline`` plus a grace period); their rows by case."""
+  for old in folder.glob("auto_rows_*.jsonl"):
+    old.unlink()
+  rest, skip = [], False
+  for a in args.argv:  # the same run, as worker i
+    if skip or a in ("--out", "--workers"):
+      skip = not skip
+      continue
+    rest.append(a)
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  procs = []
+  for i in range(workers):
+    cmd = [sys.executable, "-m", "experiments.bench_fused_dw", *rest, "--out", str(folder),
+           "--workers", str(workers), "--worker", str(i)]
+    if deadline is not None:
+      cmd += ["--deadline", repr(deadline)]
+    procs.append(subprocess.Popen(cmd, env=env))
+  for p in procs:
+    try:
+      p.wait(timeout=None if deadline is None else max(1.0, deadline + 10.0 - time.time()))
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
+  (folder / "gpu.lock").unlink(missing_ok=True)
+  rows: dict[int, dict] = {}
+  for path in folder.glob("auto_rows_*.jsonl"):
+    for line in path.read_text().splitlines():
+      if line.strip():
+        row = json.loads(line)
+        rows[row.pop("index")] = row
+  return rows
+
+
+def _auto_table(info: dict, rows: list[dict], interpret: bool, planned: int):
+  from forge_jax import _auto  # pylint: disable=g-import-not-at-top
+
+  fields = ("t", "k", "n", "weight", "states", "sr")
+  entries = [dict({f: r[f] for f in fields}, choice=r["choice"], kernel_ms=r["kernel_row"].get("ms"),
+                  xla_ms=r["xla_row"].get("ms"))
+             for r in rows if r.get("choice") is not None]
+  provenance = {k: info[k] for k in ("device", "date", "jax", "jaxlib", "commit", "command")}
+  provenance.update(measured=not interpret, elapsed_s=info["elapsed_s"], cases_measured=len(entries),
+                    cases_planned=planned)
+  return _auto.Table.from_json({"provenance": provenance, "entries": entries})
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(text)
+  tmp.replace(path)
+
+
+def _ms(row: dict) -> str:
+  return f"{row['ms']:.4f} ms" if "ms" in row else row["status"]
+
+
+def _auto_mosaic_problem(k: int, n: int, t: int, config: str) -> Optional[str]:
+  """Why the Mosaic kernel cannot take this configuration (its own checks), or None."""
+  from forge_jax import _fused, _lowp  # pylint: disable=g-import-not-at-top
+
+  w_dtype = AUTO_CONFIGS[config][0]
+  opt = _auto_optimizer(config)
+  x, dy = jax.ShapeDtypeStruct((t, k), BF16), jax.ShapeDtypeStruct((t, n), BF16)
+  w = jax.ShapeDtypeStruct((k, n), w_dtype)
+  slots = opt.rule.slots_of(jax.eval_shape(opt.init, w))
+  rounding = {"weight_codec": _lowp.weight_codec(opt.precision, w_dtype)}
+  return _fused._mosaic_problem(x, dy, w, slots, None, False, rounding)[0]
+
+
+def _git_commit() -> str:
+  try:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).resolve().parent)
+    return out.stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown (pass --commit)"
+
+
+def auto_markdown(info: dict, rows: list[dict]) -> str:
+  out = ["# backend=\"auto\": the Mosaic kernel against XLA's dot + fused update", "",
+         f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}, jaxlib "
+         f"{info['jaxlib']}; commit {info['commit']}; {info['elapsed_s']} s. AdamW, bf16 x/dy; ms per "
+         "call, device time (experiments/_timing.py; small shapes several calls per dispatch). "
+         "Each shape stands for its class (members listed).", "",
+         "| T | K x N (class members) | config | kernel ms | xla ms | kernel / xla | auto |",
+         "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if "kernel_row" not in r:
+      continue
+    kr, xr = r["kernel_row"], r["xla_row"]
+    ratio = f"{kr['ms'] / xr['ms']:.2f}" if "ms" in kr and "ms" in xr else "-"
+    members = ", ".join(f"{a}x{b}" for a, b in r["members"])
+    out.append(f"| {r['t']} | {r['k']}x{r['n']} ({members}) | {r['config']} | {_ms(kr)} | {_ms(xr)} | "
+               f"{ratio} | {r['choice'] or '-'} |")
+  skipped = sum(1 for r in rows if "kernel_row" not in r)
+  if skipped:
+    out += ["", f"{skipped} cases not measured (time limit): \"auto\" takes the nearest measured one."]
+  return "\n".join(out) + "\n"
+
+
+def rule_table(tokens=AUTO_TOKENS, shapes=None, configs=None):
+  """The table that reproduces the rule without one (int8 states and stochastic rounding: XLA;
+  otherwise the kernel) over the planned cases, unmeasured: what ships until a GPU run replaces it."""
+  from forge_jax import _auto  # pylint: disable=g-import-not-at-top
+
+  classes = shape_classes(shapes or preset_shapes())
+  entries = []
+  for rep, _ in classes:
+    for t in tokens:
+      for config in configs or AUTO_CONFIGS:
+        key = auto_case_key(config, AUTO_CONFIGS[config][0], t, *rep)
+        choice = "xla" if key["states"] == "int8" or key["sr"] else "mosaic"
+        entries.append(dict(key, choice=choice, kernel_ms=None, xla_ms=None))
+  provenance = {"measured": False, "source": "the rule without a table (forge_jax._fused._resolve_backend), "
+                "over the cases experiments.bench_fused_dw --auto-table measures",
+                "device": None, "date": None, "jax": None, "commit": None}
+  return _auto.Table.from_json({"provenance": provenance, "entries": entries})
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(text)
+  tmp.replace(path)
 
 
 if __name__ == "__main__":

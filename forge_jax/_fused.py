@@ -12,17 +12,19 @@ optimizer's elementwise rule to each tile as soon as it is complete:
   (shapes off its tiling, float32 ``x``, a non-Hopper GPU) run on
   ``"pallas"`` instead, with one :class:`BackendFallbackWarning` per distinct
   reason. It takes int8 optimizer states and stochastically rounded weights
-  too (``"auto"`` does not send them there: slower than ``"xla"`` on the
-  H200, see :func:`_resolve_backend`);
+  too;
 * ``"mosaic_interpret"``: that kernel under the Mosaic GPU interpreter (CPU
   tests; falls back to ``"xla"``);
 * ``"xla"``: the reference: one float32 dot plus the same rule, fused by XLA
   as it sees fit (the default on CPU, and the baseline in benchmarks);
-* ``"auto"``: on a Hopper GPU the Mosaic kernel, and the Triton kernel for
-  what it cannot take (silently: nobody asked for Mosaic); the Triton kernel
-  on other GPUs; ``"xla"`` for int8 optimizer states and stochastically
-  rounded weights on any GPU (measured faster there) and for everything off
-  GPUs (see :func:`_resolve_backend`).
+* ``"auto"``: on a Hopper GPU, the faster of the Mosaic kernel and ``"xla"`` for the
+  layer's tokens, shape, weight dtype, state format and rounding, from the
+  measured table ``forge_jax/auto_table.json`` (:mod:`forge_jax._auto`). Off
+  the table: the Mosaic kernel for float states, ``"xla"`` for int8 states and
+  stochastically rounded weights. Where the Mosaic kernel cannot run (not a
+  Hopper GPU, shapes or dtypes off its tiling), the Triton kernel for float
+  states and ``"xla"`` otherwise, silently (nobody asked for Mosaic);
+  ``"xla"`` off GPUs (see :func:`_resolve_backend`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from forge_jax import _auto
 from forge_jax import _lowp
 from forge_jax import _optimizers
 from forge_jax import _rules
@@ -44,7 +47,11 @@ BACKENDS = ("auto", "xla", "pallas", "interpret", "mosaic", "mosaic_interpret")
 # "auto" on a GPU with float states: the Mosaic kernel, "pallas" (no warning) where it
 # cannot run (not a Hopper GPU, shapes or dtypes off its tiling).
 _AUTO_MOSAIC = "auto:mosaic"
-_MOSAIC_BACKENDS = ("mosaic", "mosaic_interpret", _AUTO_MOSAIC)
+# "auto" where its table picked the Mosaic kernel for int8 states or stochastically rounded
+# weights: "xla" (no warning) where the kernel cannot run (the Triton kernel is slower there).
+_AUTO_MOSAIC_OR_XLA = "auto:mosaic_or_xla"
+_AUTO = (_AUTO_MOSAIC, _AUTO_MOSAIC_OR_XLA)
+_MOSAIC_BACKENDS = ("mosaic", "mosaic_interpret", *_AUTO)
 
 
 class BackendFallbackWarning(UserWarning):
@@ -59,31 +66,39 @@ def _platform() -> str:
   return jax.default_backend()
 
 
-def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_weights: bool = False) -> str:
+def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_weights: bool = False,
+                     *, case: Optional[tuple] = None) -> str:
+  """The backend to run: ``backend`` itself, or what ``"auto"`` picks.
+
+  ``case``: ``(t, k, n, weight dtype name, state format)`` of the call (see
+  :mod:`forge_jax._auto`), for ``"auto"`` to look up in the measured table.
+  """
   if backend not in BACKENDS:
     raise ValueError(f"backend={backend!r} is not one of {BACKENDS}.")
   platform = _platform()
   if backend == "auto":
-    # "auto" takes a kernel where it measured faster than XLA's dot + fused
-    # update on the H200, per layer (AdamW, bf16 x/dy, T=1024 and 4096,
-    # K x N = 4096x4096 and 4096x14336; experiments/results/h200/lowp_mosaic/):
-    # - int8 slots: XLA 0.20/0.60 ms at T=1024 against 0.44-0.47/1.50-1.61 ms
-    #   for the Mosaic kernel and 0.79-2.80 ms for the Triton one. Whole
-    #   Llama-3.1-8B step: 211 ms with "xla" (bench_models_int8_fixed.md), 271 ms
-    #   with "mosaic" (bench_models_epila0.md), 429 ms with "pallas".
-    # - stochastically rounded bfloat16 weights: XLA 0.128/0.399 ms at T=1024
-    #   against 0.206/0.655 (Mosaic) and 0.179/0.556 (Triton); at T=4096 XLA
-    #   0.256/0.889, Mosaic 0.281/0.899. The price is XLA's transient float32
-    #   gradient (about 2.7 GiB more peak at 8B: forge_xla rows, bench_models_large.md).
-    if platform != "gpu" or quantized_slots or stochastic_weights:
+    if platform != "gpu":
       return "xla"
-    # Otherwise the Mosaic kernel wherever it can run (a Hopper GPU, its
-    # shapes and dtypes; _mosaic_problem says), else the Triton kernel. Whole
-    # Llama-3.1-8B step, pure bf16, 1x1024 tokens, on the H200: 144.8 ms against
-    # 169.0 ms with the Triton kernel side by side (bench_models_mosaic.md), and
-    # 141.5 against 149.0 / 153.5 ms for optax / optax clip+adamw in a later run
-    # (bench_models_nb_defaults.md; both under experiments/results/h200/).
-    return _AUTO_MOSAIC
+    # The rule for a call outside the table. int8 slots and stochastically
+    # rounded bfloat16 weights: XLA's dot + fused update, measured faster than
+    # both kernels on the H200 (AdamW, T=1024, 4096x4096 / 4096x14336: int8 XLA
+    # 0.20/0.60 ms, Mosaic 0.44-0.47/1.50-1.61, Triton 0.79-2.80; SR XLA
+    # 0.128/0.399, Mosaic 0.206/0.655, Triton 0.179/0.556;
+    # experiments/results/h200/lowp_mosaic/). Float states: the Mosaic kernel
+    # wherever it can run (a Hopper GPU, its shapes and dtypes; _mosaic_problem
+    # says), else the Triton kernel (Llama-3.1-8B pure bf16, 1x1024 tokens:
+    # 144.8 ms a step against 169.0 with the Triton kernel, bench_models_mosaic.md).
+    without_table = "xla" if quantized_slots or stochastic_weights else _AUTO_MOSAIC
+    # The table compares the Mosaic kernel with XLA: it says nothing where the kernel cannot run.
+    if case is not None and _mosaic_device_problem() is None:
+      choice = _auto.table().choose(*case, sr=stochastic_weights)
+      if choice == "xla":
+        return "xla"
+      if choice == "mosaic":
+        # Where the Mosaic kernel cannot run after all, the rule's fallback: the
+        # Triton kernel for float states, XLA for what it is slower at.
+        return _AUTO_MOSAIC if without_table == _AUTO_MOSAIC else _AUTO_MOSAIC_OR_XLA
+    return without_table
   if backend in ("pallas", "mosaic") and platform != "gpu":
     raise ValueError(
         f"backend={backend!r} needs a GPU, but jax's default backend is {platform!r}: "
@@ -92,6 +107,15 @@ def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_wei
         "interpreter) here."
     )
   return backend
+
+
+def _mosaic_device_problem() -> Optional[str]:
+  """Why this device cannot run the Mosaic kernel (not a Hopper GPU, no Mosaic GPU), or None."""
+  try:
+    from pallas_kernels.mosaic import config as mosaic_config  # pylint: disable=g-import-not-at-top
+  except Exception as e:  # pylint: disable=broad-except  (a jax without Mosaic GPU)
+    return f"Mosaic GPU is not available in this jax ({type(e).__name__}: {e})"
+  return mosaic_config.device_problem()
 
 
 def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None, interpret=False):
@@ -133,7 +157,7 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
   ``"auto"`` (``_AUTO_MOSAIC``) promised no kernel, so it falls back silently,
   and a Triton ``TileConfig`` given with it means the Triton kernel.
   """
-  auto = backend == _AUTO_MOSAIC
+  auto = backend in _AUTO
   if auto and isinstance(config, pallas_kernels.TileConfig):
     reason, cfg = "a Triton TileConfig was given", None
   else:
@@ -151,7 +175,7 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
     )
   # The Triton kernel takes float32 and bfloat16 inputs only (float16 goes to XLA).
   triton_dtypes = all(a.dtype in (jnp.float32, jnp.bfloat16) for a in (x, dy))
-  fallback = "xla" if backend == "mosaic_interpret" or not triton_dtypes else "pallas"
+  fallback = "xla" if backend in ("mosaic_interpret", _AUTO_MOSAIC_OR_XLA) or not triton_dtypes else "pallas"
   if not auto and (backend, reason) not in _FALLBACK_WARNED:
     _FALLBACK_WARNED.add((backend, reason))
     warnings.warn(
@@ -291,10 +315,9 @@ def fused_linear_update(
     optimizer: a forge_jax optimizer (``forge_jax.adamw(...)``, ...).
     backend: ``"auto"``, ``"xla"``, ``"pallas"``, ``"interpret"``,
       ``"mosaic"`` or ``"mosaic_interpret"`` (see the module docstring;
-      ``"auto"`` picks the Mosaic kernel on Hopper GPUs, the Triton kernel
-      on other GPUs and for what the Mosaic kernel cannot take, and
-      ``"xla"`` for int8 states and stochastically rounded weights, where
-      XLA's dot + fused update measured faster than both kernels, and off GPUs).
+      ``"auto"`` picks the faster of the Mosaic kernel and ``"xla"`` on a GPU
+      from the measured table ``forge_jax/auto_table.json``, and ``"xla"``
+      off GPUs).
     layer: int32 scalar index into stacked ``w`` and slots. The returned
       ``count`` is then left unchanged: advance it once per step, after the
       last layer. A concrete index outside ``[0, L)`` is an error; a traced
@@ -349,8 +372,9 @@ def fused_linear_update(
   for name, q in zip(rule.slot_names, slots):
     if isinstance(q, numerics.QuantizedArray):
       pallas_kernels.check_quantized(q, f"state.{name}")
+  case = (x2.shape[0], *w.shape[-2:], jnp.dtype(w.dtype).name, _auto.state_format(slots))
   resolved = _resolve_backend(backend, any(isinstance(q, numerics.QuantizedArray) for q in slots),
-                              stochastic_weights=weight_codec.needs_bits)
+                              stochastic_weights=weight_codec.needs_bits, case=case)
   if x2.shape[0] == 0:
     resolved = "xla"  # no tokens: dW = 0, the decay-only step (the kernels need a tile of tokens)
   new_w, new_slots, sq = _run_backend(

@@ -1,0 +1,137 @@
+"""What an unrolled training step hands the compiler: op counts per implementation, no device run.
+
+From the repository root (CPU is enough: nothing runs, the step is traced, lowered and, with
+``--compile``, compiled for the local backend):
+
+    PYTHONPATH=$PWD python -m experiments.compile_cost --model qwen3-0.6b --layers 4 \\
+        --impls forge_unrolled,forge_int8_unrolled --compile --out $OUT
+
+For each ``bench_models`` implementation name (same model config: bf16, remat none, the
+``"auto"`` FORGE backend, which off a GPU and for int8 states on one is the ``"xla"`` route),
+it records the seconds to trace, lower and compile the step, the jaxpr's equations (nested
+jaxprs included) and its most frequent primitives, the StableHLO ops, and after compiling the
+optimized module's fusions and how many of them are distinct (bodies compared without names and
+metadata: XLA emits a kernel once per distinct fusion). Writes ``compile_cost.json`` and
+``compile_cost.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import re
+import sys
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from experiments import _timing
+from experiments import bench_models
+
+
+def count_eqns(jaxpr, counts: collections.Counter) -> collections.Counter:
+  """Equations per primitive, nested jaxprs (jit, custom_vjp, cond branches) included."""
+  for eqn in jaxpr.eqns:
+    counts[eqn.primitive.name] += 1
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+          count_eqns(sub.jaxpr, counts)
+        elif hasattr(sub, "eqns"):
+          count_eqns(sub, counts)
+  return counts
+
+
+def fusion_stats(hlo_text: str) -> dict:
+  """Fused computations of an optimized HLO module, and how many are distinct."""
+  bodies = collections.Counter()
+  for block in re.split(r"\n(?=\S)", hlo_text):
+    head, _, body = block.partition("\n")
+    if not head.lstrip("%").startswith("fused_") or head.startswith("ENTRY"):
+      continue
+    body = re.sub(r"metadata=\{[^}]*\}", "", body)
+    bodies[re.sub(r"%[\w.\-]+", "%v", body)] += 1
+  return {"fusions": sum(bodies.values()), "distinct_fusions": len(bodies)}
+
+
+def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool) -> dict:
+  import forge_jax  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  from forge_jax import _train  # pylint: disable=g-import-not-at-top
+
+  base, scan = bench_models.parse_impl(impl)
+  base, backend = bench_models.forge_backend(base)
+  cfg = models.get_config(model, linear="forge", remat="none", scan_layers=scan, forge_backend=backend,
+                          param_dtype="bfloat16", dtype="bfloat16", attention="xla", num_layers=layers)
+  opt = bench_models._forge_optimizer(base)  # pylint: disable=protected-access
+  if opt is None:
+    raise ValueError(f"impl={impl!r} is not a FORGE implementation (forge, forge_int8, ... _unrolled)")
+  model_ = models.CausalLM(cfg, optimizer=opt)
+  data = jax.ShapeDtypeStruct((1, tokens + 1), jnp.int32)
+  loss_fn = functools.partial(bench_models._loss, model_.apply, kind="lean")  # pylint: disable=protected-access
+  row = {"model": model, "impl": impl, "layers": layers, "tokens": tokens, "backend": backend}
+  tick = time.perf_counter()
+  state = jax.eval_shape(lambda: forge_jax.TrainState.create(
+      model_.apply, model_.init(jax.random.PRNGKey(1), jnp.zeros((1, tokens), jnp.int32)), opt))
+  row["abstract_s"] = time.perf_counter() - tick
+  tick = time.perf_counter()
+  traced = _train._train_step_jit.trace(state, data, loss_fn, False)  # pylint: disable=protected-access
+  row["trace_s"] = time.perf_counter() - tick
+  counts = count_eqns(traced.jaxpr.jaxpr, collections.Counter())
+  row.update(jaxpr_eqns=sum(counts.values()), top_primitives=counts.most_common(10))
+  tick = time.perf_counter()
+  lowered = traced.lower()
+  row["lower_s"] = time.perf_counter() - tick
+  text = lowered.as_text()
+  row["stablehlo_ops"] = len(re.findall(r"= \"?[a-z_]+\.[a-z_]+", text))
+  if compile_step:
+    tick = time.perf_counter()
+    compiled = lowered.compile()
+    row["compile_s"] = time.perf_counter() - tick
+    row.update(fusion_stats(compiled.as_text()))
+  return row
+
+
+def markdown(info: dict, rows: list[dict]) -> str:
+  out = ["# What the unrolled step hands the compiler", "",
+         f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}. Seconds on a "
+         "shared host are indicative; the counts are exact.", "",
+         "| impl | layers | jaxpr eqns | StableHLO ops | fusions (distinct) | trace s | lower s | compile s |",
+         "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    fus = f"{r['fusions']} ({r['distinct_fusions']})" if "fusions" in r else "-"
+    comp = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
+    out.append(f"| {r['impl']} | {r['layers']} | {r['jaxpr_eqns']} | {r['stablehlo_ops']} | {fus} | "
+               f"{r['trace_s']:.1f} | {r['lower_s']:.1f} | {comp} |")
+  out += ["", "Most frequent primitives:", ""]
+  out += [f"- {r['impl']}: " + ", ".join(f"{p} {n}" for p, n in r["top_primitives"]) for r in rows]
+  return "\n".join(out) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="qwen3-0.6b")
+  parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--tokens", type=int, default=128)
+  parser.add_argument("--impls", default="forge_unrolled,forge_int8_unrolled")
+  parser.add_argument("--compile", action="store_true", help="also compile (and count fusions)")
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  folder = _timing.out_dir(args.out)
+  info = _timing.run_info("experiments.compile_cost", argv)
+  rows = []
+  for impl in args.impls.split(","):
+    rows.append(measure(args.model, impl, args.layers, args.tokens, args.compile))
+    _timing.log(f"  {impl}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in rows[-1].items() if k != "top_primitives"))
+    _timing.write_json(folder / "compile_cost.json", {"info": info, "rows": rows})
+  _timing.write_table(folder / "compile_cost.md", markdown(info, rows), folder / "compile_cost.json")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

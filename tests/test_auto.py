@@ -1,0 +1,201 @@
+"""backend="auto" reads its measured table (forge_jax/auto_table.json); the script that writes it."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import forge_jax
+from experiments import bench_fused_dw
+from forge_jax import _auto
+from forge_jax import _fused
+import pallas_kernels
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def _table(*entries, **provenance) -> _auto.Table:
+  return _auto.Table.from_json({"provenance": provenance, "entries": [
+      dict(t=t, k=k, n=n, weight=w, states=s, sr=sr, choice=c) for t, k, n, w, s, sr, c in entries]})
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  """A GPU as "auto" sees it; the Mosaic route records its backend and runs the XLA reference."""
+  calls = []
+
+  def run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, rounding=None, config=None, **kw):
+    calls.append(backend)
+    return pallas_kernels.fused_dw_update_reference(x, dy, w, slots, scalars, update_fn, **kw,
+                                                    **(rounding or {}))
+
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  monkeypatch.setattr(_fused, "_run_mosaic", run_mosaic)
+  return calls
+
+
+def _use(monkeypatch, table):
+  monkeypatch.setattr(_auto, "table", lambda: table)
+
+
+def test_auto_follows_the_table_and_flips_with_it(fake_gpu, monkeypatch):
+  """The same call goes to the kernel or to XLA as the table says (T = all tokens: 2 x 512)."""
+  kx, kd, kw = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, (2, 512, 256), F32).astype(BF16)
+  dy = jax.random.normal(kd, (2, 512, 128), F32).astype(BF16)
+  w = (0.02 * jax.random.normal(kw, (256, 128), F32)).astype(BF16)
+  opt = forge_jax.adamw(1e-3, weight_decay=0.1)
+  want, _ = forge_jax.fused_linear_update(x, dy, w, opt.init(w), opt, backend="xla")
+  for choice, ran in (("mosaic", [_fused._AUTO_MOSAIC]), ("xla", [])):
+    _use(monkeypatch, _table((1024, 256, 128, "bfloat16", "bfloat16", False, choice)))
+    fake_gpu.clear()
+    got, _ = forge_jax.fused_linear_update(x, dy, w, opt.init(w), opt, backend="auto")
+    assert fake_gpu == ran, choice
+    np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
+
+
+def test_auto_int8_states_take_the_kernel_when_the_table_says_so(fake_gpu, monkeypatch):
+  """int8 states: XLA off the table (the rule), the kernel where the table picks it, with XLA (not
+  the slower Triton kernel) as the fallback where the kernel cannot run."""
+  opt = forge_jax.adamw(1e-3, precision=forge_jax.Precision(state_dtype="int8", min_quantized_size=0))
+  w = jnp.zeros((256, 128), F32)
+  state = opt.init(w)
+  assert _auto.state_format(opt.rule.slots_of(state)) == "int8"
+  x, dy = jnp.ones((1024, 256), BF16), jnp.ones((1024, 128), BF16)
+  _use(monkeypatch, _table((1024, 256, 128, "float32", "int8", False, "mosaic")))
+  forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto")
+  assert fake_gpu == [_fused._AUTO_MOSAIC_OR_XLA]
+  fake_gpu.clear()
+  _use(monkeypatch, _table((1024, 256, 128, "float32", "float32", False, "mosaic")))  # no int8 entry
+  forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto")
+  assert fake_gpu == []  # the rule: XLA
+
+
+def test_resolve_backend_outside_the_table_keeps_the_rule(monkeypatch):
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  _use(monkeypatch, _table((1024, 4096, 4096, "bfloat16", "bfloat16", False, "xla"),
+                           (1024, 4096, 4096, "bfloat16", "int8", False, "mosaic")))
+  resolve = lambda case, **kw: _fused._resolve_backend("auto", case=case, **kw)
+  assert resolve((1024, 4096, 4096, "bfloat16", "bfloat16")) == "xla"
+  assert resolve((1024, 4096, 4096, "bfloat16", "int8"), quantized_slots=True) == _fused._AUTO_MOSAIC_OR_XLA
+  # Far from every measured shape, or tokens, or another storage: the rule.
+  assert resolve((1024, 4096, 151936, "bfloat16", "bfloat16")) == _fused._AUTO_MOSAIC
+  assert resolve((64, 4096, 4096, "bfloat16", "bfloat16")) == _fused._AUTO_MOSAIC
+  assert resolve((1024, 4096, 4096, "float32", "float32")) == _fused._AUTO_MOSAIC
+  assert resolve((1024, 4096, 4096, "bfloat16", "bfloat16"), stochastic_weights=True) == "xla"
+  assert resolve(None, quantized_slots=True) == "xla"
+  monkeypatch.setattr(_fused, "_platform", lambda: "cpu")
+  assert resolve((1024, 4096, 4096, "bfloat16", "int8"), quantized_slots=True) == "xla"
+
+
+def test_lookup_buckets_tokens_and_shapes():
+  key = ("bfloat16", "bfloat16", False)
+  table = _table((512, 4096, 4096, *key, "xla"), (4096, 4096, 4096, *key, "mosaic"),
+                 (4096, 1024, 3072, *key, "xla"))
+  choose = lambda t, k, n: table.choose(t, k, n, *key)
+  assert choose(1000, 4096, 4096) == "xla"  # log2 1000 = 9.97: nearer 512 than 4096
+  assert choose(2900, 4096, 4096) == "mosaic"  # 11.50: nearer 4096
+  assert choose(8192, 4096, 4096) == "mosaic"  # one octave above the largest: still its bucket
+  assert choose(256, 4096, 4096) == "xla"  # one octave below the smallest
+  assert choose(200, 4096, 4096) is None and choose(9000, 4096, 4096) is None
+  assert choose(4096, 4096, 3584) == "mosaic"  # nearest shape: 4096x4096
+  assert choose(4096, 1024, 2048) == "xla"  # nearest shape: 1024x3072
+  assert choose(4096, 4096, 14336) is None  # 1.8 octaves from 4096x4096
+  assert table.choose(4096, 4096, 4096, "bfloat16", "int8", False) is None
+  assert table.lookup(2900, 4096, 4000, *key).t == 4096
+
+
+def test_bad_tables_are_refused(tmp_path):
+  with pytest.raises(ValueError, match="choice='kernel'"):
+    _table((512, 64, 64, "float32", "float32", False, "kernel"))
+  with pytest.raises(ValueError, match="states='fp8'"):
+    _table((512, 64, 64, "float32", "fp8", False, "xla"))
+  path = tmp_path / "t.json"
+  path.write_text("{")
+  with pytest.raises(ValueError, match="cannot read the auto table"):
+    _auto.read_table(path)
+  path.write_text(json.dumps({"entries": []}))
+  with pytest.raises(ValueError, match="'provenance' and 'entries'"):
+    _auto.read_table(path)
+
+
+def test_state_format():
+  f32, bf16 = jnp.zeros((4, 64), F32), jnp.zeros((4, 64), BF16)
+  assert _auto.state_format((f32, f32)) == "float32"
+  assert _auto.state_format((bf16,)) == "bfloat16"
+  assert _auto.state_format((f32, bf16)) == "mixed"
+  assert _auto.state_format(()) == "none"
+  opt = forge_jax.adamw(1e-3, precision=forge_jax.Precision(state_dtype="int8", min_quantized_size=0))
+  assert _auto.state_format(opt.rule.slots_of(opt.init(f32))) == "int8"
+
+
+def test_committed_table_covers_every_preset_layer():
+  """The shipped table parses, says where it comes from, and has an entry near every block
+  projection of the presets at every measured T and storage configuration; unmeasured, it is the
+  rule without a table."""
+  table = _auto.read_table(_auto.TABLE_PATH)
+  assert {"measured", "device", "date", "jax", "commit"} <= set(table.provenance)
+  shapes = bench_fused_dw.preset_shapes()
+  assert len(shapes) == 27
+  for t in bench_fused_dw.AUTO_TOKENS:
+    for config, (w_dtype, _) in bench_fused_dw.AUTO_CONFIGS.items():
+      for k, n in shapes:
+        key = bench_fused_dw.auto_case_key(config, w_dtype, t, k, n)
+        choice = table.choose(**key)
+        assert choice in _auto.CHOICES, (config, t, k, n)
+        if not table.provenance["measured"]:
+          assert choice == ("xla" if key["states"] == "int8" or key["sr"] else "mosaic")
+
+
+def test_shape_classes_lie_within_the_lookup_radius():
+  classes = bench_fused_dw.shape_classes(bench_fused_dw.preset_shapes(), first=[(4096, 4096)])
+  assert classes[0][0] == (4096, 4096)
+  assert sorted(m for _, ms in classes for m in ms) == sorted(bench_fused_dw.preset_shapes())
+  for rep, members in classes:
+    assert all(bench_fused_dw._distance(rep, m) <= _auto.SHAPE_RADIUS for m in members), rep
+
+
+def test_auto_table_script_dry_run(tmp_path):
+  """The script end to end on CPU (interpreted kernel, one tiny case): a table the package reads."""
+  out = tmp_path / "run"
+  assert bench_fused_dw.main(["--auto-table", "--dry-run", "--configs", "bf16", "--shapes", "64x128",
+                              "--tokens", "32", "--commit", "abc123", "--out", str(out)]) == 0
+  table = _auto.read_table(out / "auto_table.json")
+  assert table.provenance["commit"] == "abc123" and table.provenance["measured"] is False
+  assert table.provenance["device"] and table.provenance["jax"] == jax.__version__
+  (entry,) = table.entries
+  assert (entry.t, entry.k, entry.n, entry.weight, entry.states, entry.sr) == (32, 64, 128, "bfloat16", "bfloat16", False)
+  assert entry.kernel_ms > 0 and entry.xla_ms > 0
+  assert entry.choice == ("mosaic" if entry.kernel_ms <= entry.xla_ms else "xla")
+  assert "| 32 | 64x128" in (out / "auto_table.md").read_text()
+
+
+def test_auto_table_script_time_limit_writes_what_it_has(tmp_path):
+  assert bench_fused_dw.main(["--auto-table", "--dry-run", "--time-limit", "0", "--out", str(tmp_path)]) == 0
+  assert _auto.read_table(tmp_path / "auto_table.json").entries == ()
+  rows = json.loads((tmp_path / "auto_table_rows.json").read_text())["rows"]
+  assert rows and all(r["status"] == "skipped: time limit" for r in rows)
+
+
+def test_auto_table_plan_fits_one_gpu_call():
+  """The default plan, by the script's own estimate (H200 compile times), fits a 9-minute call."""
+  classes = bench_fused_dw.shape_classes(bench_fused_dw.preset_shapes())
+  plan = bench_fused_dw.auto_plan(classes, bench_fused_dw.AUTO_TOKENS, list(bench_fused_dw.AUTO_CONFIGS))
+  assert len(plan) == len(classes) * 4 * 6
+  assert bench_fused_dw.auto_estimate_s(plan, "mosaic", workers=8) + 30 <= 9 * 60
+
+
+def test_the_table_speaks_for_hopper_gpus_only(monkeypatch):
+  """On a GPU the Mosaic kernel cannot run on, "auto" keeps the rule whatever the table says."""
+  from pallas_kernels.mosaic import config as mosaic_config
+
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  _use(monkeypatch, _table((1024, 4096, 4096, "bfloat16", "bfloat16", False, "xla")))
+  case = (1024, 4096, 4096, "bfloat16", "bfloat16")
+  assert _fused._resolve_backend("auto", case=case) == "xla"
+  monkeypatch.setattr(mosaic_config, "device_problem", lambda: "needs a Hopper GPU (sm_90, wgmma); A100 is sm_8.0")
+  assert _fused._resolve_backend("auto", case=case) == _fused._AUTO_MOSAIC

@@ -1,0 +1,44 @@
+"""experiments/compile_cost.py: what an unrolled FORGE step hands the compiler."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import compile_cost
+
+
+def test_int8_states_add_equations_and_every_count_is_reported(tmp_path):
+  assert compile_cost.main(["--model", "tiny-qwen3", "--layers", "2", "--tokens", "16", "--compile",
+                            "--impls", "forge_unrolled,forge_int8_unrolled", "--out", str(tmp_path)]) == 0
+  bf16, int8 = json.loads((tmp_path / "compile_cost.json").read_text())["rows"]
+  assert (bf16["impl"], int8["impl"]) == ("forge_unrolled", "forge_int8_unrolled")
+  # int8 states: decode, block maxima and re-encoding per layer on the XLA route.
+  assert int8["jaxpr_eqns"] > bf16["jaxpr_eqns"] and int8["stablehlo_ops"] > bf16["stablehlo_ops"]
+  for row in (bf16, int8):
+    assert 0 < row["distinct_fusions"] <= row["fusions"]
+    assert row["compile_s"] > 0 and row["trace_s"] > 0
+  assert "| forge_int8_unrolled | 2 |" in (tmp_path / "compile_cost.md").read_text()
+
+
+def test_fusion_stats_ignores_names_and_metadata():
+  hlo = """%fused_computation.1 (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0), metadata={op_name="a"}
+  ROOT %m = f32[4]{0} multiply(%p, %p)
+}
+
+%fused_computation.2 (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0), metadata={op_name="b"}
+  ROOT %n = f32[4]{0} multiply(%q, %q)
+}
+
+%fused_computation.3 (r: f32[4]) -> f32[4] {
+  %r = f32[4]{0} parameter(0)
+  ROOT %s = f32[4]{0} add(%r, %r)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1
+}
+"""
+  assert compile_cost.fusion_stats(hlo) == {"fusions": 3, "distinct_fusions": 2}
