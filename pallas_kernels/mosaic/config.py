@@ -58,10 +58,6 @@ class MosaicTileConfig:
       int8 row scale is read and rewritten by the four threads of a quad, all with the same
       value: each thread's write follows the lane shuffles of the row's new maximum, which
       take every other thread's values, decoded from the old scale after it read it.
-    epi_loop: run the epilogue's sub-tiles as a loop over one copy of their code (each picks its
-      gradient from the accumulator by bit masks: one AND per sub-tile of the tile and element)
-      instead of one copy per sub-tile; the kernel's code shrinks by about the sub-tile count.
-      Needs ``epi_l2_lookahead=0``.
     grid_tile_width: the persistent loop walks bands of this many tiles along ``N`` (L2
       locality of the ``x``/``dy`` blocks).
     num_sms: persistent grid size; ``None`` means the device's SM count.
@@ -77,7 +73,6 @@ class MosaicTileConfig:
   epi_l2_lookahead: int = 0
   mma_in_flight: bool = True
   no_auto_barriers: bool = True
-  epi_loop: bool = False
   grid_tile_width: int = 8
   num_sms: Optional[int] = None
 
@@ -186,9 +181,6 @@ def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
       (cfg.max_concurrent_steps >= 2,
        f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 2 (one stage per warpgroup)"),
       (cfg.epi_l2_lookahead >= 0, f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"),
-      (not (cfg.epi_loop and cfg.epi_l2_lookahead),
-       f"epi_loop=True needs epi_l2_lookahead=0 (got {cfg.epi_l2_lookahead}): the loop's "
-       "sub-tiles prefetch nothing beyond the ring"),
       (cfg.grid_tile_width >= 1, f"grid_tile_width={cfg.grid_tile_width} must be >= 1"),
   )
   return next((why for ok, why in checks if not ok), None)
