@@ -194,9 +194,10 @@ def test_mem_fraction_reaches_the_workers():
 
 def test_memory_analysis_per_layer(tmp_path):
   from experiments import memory_analysis
+  # Two layer counts show the growth; each more unrolled layer is more step to compile.
   rows = memory_analysis.main(["--model", "tiny-llama", "--tokens", "16", "--impls", "forge_unrolled",
-                               "--layers", "1,3", "--out", str(tmp_path)])
-  assert [r["layers"] for r in rows] == [1, 3] and all("error" not in r for r in rows)
+                               "--layers", "1,2", "--out", str(tmp_path)])
+  assert [r["layers"] for r in rows] == [1, 2] and all("error" not in r for r in rows)
   # An unrolled layer's params are arguments of the step: they grow with the layers.
   assert rows[1]["state_gib"] > rows[0]["state_gib"]
   assert "| forge_unrolled | lean |" in (tmp_path / "memory_analysis.md").read_text()
