@@ -1,10 +1,33 @@
-"""Fixtures shared by the test modules that ask for them (none is autouse)."""
+"""Fixtures shared by the test modules that ask for them (none is autouse), and the order in which
+pytest-xdist hands the test files to its workers."""
 
 from __future__ import annotations
 
+import collections
 import os
+import pathlib
 
 import pytest
+
+# The test files that take longest on the 2-core CI machine, about longest first (their test
+# time in the CI run of 2026-12-02, less what has since been cut). With --dist loadfile a worker
+# runs a whole file, and xdist hands files out in the order of their number of tests: a long file
+# with few tests (the notebook's one test) started last left the other worker idle for its whole
+# run. Starting the long files first leaves only short ones to even out the two workers at the
+# end. A new file that takes more than about 30 s belongs in this list.
+LONGEST_FIRST = (
+    "test_bench_models.py",
+    "test_flax_binding.py",
+    "test_fused_dw_mosaic.py",
+    "test_stabilizers.py",
+    "test_experiments_smoke.py",
+    "test_lowp.py",
+    "test_train_models.py",
+    "test_models.py",
+    "test_ablations_notebook.py",
+    "test_experiments_train.py",
+    "test_optimizers.py",
+)
 
 
 def pytest_addoption(parser, pluginmanager):
@@ -46,3 +69,25 @@ def fast_subprocess_compiles(monkeypatch):
   numbers are float-identical here, and CPU step times are meaningless anyway)."""
   flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
   monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_xdist_make_scheduler(config, log):
+  """--dist loadfile with LONGEST_FIRST's files handed out first (the others after them, in
+  xdist's order)."""
+  if config.getoption("dist", None) != "loadfile":
+    return None
+  from xdist.scheduler import LoadFileScheduling  # pylint: disable=g-import-not-at-top
+
+  class LongestFirst(LoadFileScheduling):
+
+    def _assign_work_unit(self, node):
+      # The first call comes once every file is queued, before any is handed out.
+      if not getattr(self, "_ordered", False):
+        self._ordered = True
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        order = sorted(self.workqueue, key=lambda f: rank.get(pathlib.PurePath(f).name, len(rank)))
+        self.workqueue = collections.OrderedDict((f, self.workqueue[f]) for f in order)
+      super()._assign_work_unit(node)
+
+  return LongestFirst(config, log)

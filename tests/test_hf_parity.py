@@ -17,10 +17,18 @@ import models
 from models import hf_io
 from models._layers import rope_inv_frequencies
 
-torch = pytest.importorskip(
-    "torch", reason="the parity tests need torch (pip install -e '.[test]')")
-transformers = pytest.importorskip(
-    "transformers", reason="the parity tests need transformers (pip install -e '.[test]')")
+torch = transformers = None  # imported by _torch_and_transformers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_and_transformers():
+  """Imported when this module's tests run, not when pytest collects it: every xdist worker
+  collects every module, and torch with transformers take about 5 s of CPU to import."""
+  global torch, transformers  # pylint: disable=global-statement
+  torch = pytest.importorskip(
+      "torch", reason="the parity tests need torch (pip install -e '.[test]')")
+  transformers = pytest.importorskip(
+      "transformers", reason="the parity tests need transformers (pip install -e '.[test]')")
 
 # Compile time dominates these tests (tests/conftest.py); the logits stay within ATOL/RTOL.
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")

@@ -251,9 +251,11 @@ def test_train_step_with_sr_and_int8_states_scanned_and_unrolled_kernel_equals_x
   opt = forge_jax.adamw(1e-3, weight_decay=0.1, precision=SR_INT8)
   batch = {"x": jax.random.normal(jax.random.PRNGKey(1), (24, 64)), "y": jnp.zeros((24, 64))}
   states = {}
+  # One init for both (the backend does not enter it): each backend's step from the same state.
+  variables = _Model(opt, "xla").init(jax.random.PRNGKey(0), batch["x"])
   for backend in ("xla", "interpret"):
     model = _Model(opt, backend)
-    state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), opt)
+    state = forge_jax.TrainState.create(model.apply, jax.tree.map(jnp.copy, variables), opt)
     loss_fn = functools.partial(_mse, model.apply)  # one object: train_step compiles per loss_fn
     losses = []
     for _ in range(2):

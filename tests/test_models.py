@@ -272,6 +272,29 @@ def test_forge_backend_choices_are_forge_jax_backends():
   assert models.FORGE_BACKENDS == _fused.BACKENDS
 
 
+def _forge_loss(apply_fn, variables, batch):
+  logits = apply_fn(variables, batch[:, :-1]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+@functools.lru_cache(maxsize=None)
+def _forge_start_and_optax_step():
+  """The FORGE model's variables (the backend does not enter its init) and the parameters after
+  one optax step of the same optimizer from them, shared by every backend's case."""
+  import forge_jax  # pylint: disable=g-import-not-at-top
+  # scanned, untied: lm_head is FORGE too
+  cfg = models.get_config("tiny-llama", linear="forge", remat="full")
+  opt = forge_jax.adamw(1e-2, weight_decay=0.1)
+  batch = _tokens(cfg, length=9)
+  variables = jax.jit(models.CausalLM(cfg, optimizer=opt).init)(jax.random.key(0), batch[:, :-1])
+  params = variables["params"]
+  flax_apply = models.CausalLM(dataclasses.replace(cfg, linear="flax")).apply
+  grads = jax.jit(jax.grad(lambda p: _forge_loss(flax_apply, {"params": p}, batch)))(params)
+  reference_opt = optax.adamw(1e-2, weight_decay=0.1)
+  updates, _ = reference_opt.update(grads, reference_opt.init(params), params)
+  return cfg, opt, batch, variables, optax.apply_updates(params, updates)
+
+
 @pytest.mark.parametrize("forge_backend", ["auto", "interpret"])
 def test_forge_linear_trains_like_optax(forge_backend):
   """One step with FORGE layers equals one optax step of the same optimizer.
@@ -282,27 +305,12 @@ def test_forge_linear_trains_like_optax(forge_backend):
   forge_jax = pytest.importorskip("forge_jax")
   if not hasattr(forge_jax, "train_step"):
     pytest.skip("forge_jax.train_step is not available")
-  # scanned, untied: lm_head is FORGE too
-  cfg = models.get_config("tiny-llama", linear="forge", remat="full", forge_backend=forge_backend)
-  opt = forge_jax.adamw(1e-2, weight_decay=0.1)
-  model = models.CausalLM(cfg, optimizer=opt)
-  batch = _tokens(cfg, length=9)
-  variables = jax.jit(model.init)(jax.random.key(0), batch[:, :-1])
+  cfg, opt, batch, variables, expected = _forge_start_and_optax_step()
   assert "forge_state" in variables
-
-  def loss_fn(apply_fn, variables, batch):
-    logits = apply_fn(variables, batch[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
-  params = variables["params"]
-  flax_apply = models.CausalLM(dataclasses.replace(cfg, linear="flax")).apply
-  grads = jax.jit(jax.grad(lambda p: loss_fn(flax_apply, {"params": p}, batch)))(params)
-  reference_opt = optax.adamw(1e-2, weight_decay=0.1)
-  updates, _ = reference_opt.update(grads, reference_opt.init(params), params)
-  expected = optax.apply_updates(params, updates)
-
-  state = forge_jax.TrainState.create(model.apply, variables, opt)
-  state, _ = forge_jax.train_step(state, batch, functools.partial(loss_fn, model.apply))
+  model = models.CausalLM(dataclasses.replace(cfg, forge_backend=forge_backend), optimizer=opt)
+  # A copy: train_step donates its state.
+  state = forge_jax.TrainState.create(model.apply, jax.tree.map(jnp.copy, variables), opt)
+  state, _ = forge_jax.train_step(state, batch, functools.partial(_forge_loss, model.apply))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5), state.params, expected)
 
 

@@ -10,6 +10,8 @@ import pytest
 
 import forge_jax
 
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+
 STEPS = 12
 RTOL = 1e-6
 ATOL = 1e-9
@@ -272,6 +274,15 @@ def _wide_grads(key, params, step):
   return jax.tree.map(lambda g: jnp.where(step % 7 == 3, 0.0, g), grads)
 
 
+_STEP_INDEX = np.arange(PARITY_STEPS, dtype=np.int32)
+
+
+@jax.jit
+def _all_wide_grads(key, params):
+  """_wide_grads of every parity step, stacked along a leading [PARITY_STEPS] axis."""
+  return jax.lax.map(lambda t: _wide_grads(jax.random.fold_in(key, t), params, t), _STEP_INDEX)
+
+
 def _ulps_at(a, b, scale) -> float:
   """Largest |a - b| in ulps of float32 ``scale`` (elementwise; NaN where both are NaN counts 0:
   optax's radam with threshold < 4 takes the square root of a negative rho term)."""
@@ -288,7 +299,6 @@ def _ulps(a, b) -> int:
   return int(np.max(np.abs(ia - ib), initial=0))
 
 
-@pytest.mark.usefixtures("fast_cpu_compiles")
 @pytest.mark.parametrize("case", PARITY_CASES, ids=[c[0] for c in PARITY_CASES])
 def test_one_step_ulps_against_optax(case):
   case_id, name, args, kwargs = case
@@ -299,9 +309,9 @@ def test_one_step_ulps_against_optax(case):
 
   key = jax.random.PRNGKey(zlib.crc32(case_id.encode()))
 
-  def step(carry, t):
+  def step(carry, xs):
     params, opt_state = carry
-    grads = _wide_grads(jax.random.fold_in(key, t), params, t)
+    t, grads = xs
     u, new_theirs = theirs.update(grads, opt_state, params)
     state = rule.state_cls(t, *[_optax_leaf(opt_state, n) for n in rule.slot_names])
     v, new_ours = ours.update(grads, state, params)
@@ -313,12 +323,17 @@ def test_one_step_ulps_against_optax(case):
     return (p_theirs, new_theirs), (w, p_theirs, new_theirs, optax.apply_updates(params, v),
                                     new_ours, new_w, new_w_state)
 
-  # All steps in one program (one compile per case); each step starts from optax's state.
+  # All steps in one program (one compile per case); each step starts from optax's state. The
+  # gradients come from one program shared by every case (same shapes, the key an argument):
+  # compiling the random draws once instead of inside each case's program.
   params = _params(key)
-  run = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(PARITY_STEPS, dtype=jnp.int32))[1])
-  with jax.default_device(jax.devices("cpu")[0]):  # the bounds are XLA:CPU's, on any machine
+  run = jax.jit(lambda c, grads: jax.lax.scan(step, c, (_STEP_INDEX, grads))[1])
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):  # the bounds are XLA:CPU's, on any machine
+    params = jax.device_put(params, cpu)
+    grads = _all_wide_grads(key, params)
     w_old, p_theirs, s_theirs, p_ours, s_ours, w_xla, s_xla = jax.device_get(
-        run(jax.device_put((params, theirs.init(params)), jax.devices("cpu")[0])))
+        run((params, theirs.init(params)), grads))
   scale = np.maximum(np.abs(w_old), np.abs(p_theirs["w"]))
   worst = {"xla w": _ulps_at(w_xla, p_theirs["w"], scale)}
   pairs = [("params", p_ours, p_theirs)]

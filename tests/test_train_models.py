@@ -283,15 +283,16 @@ def test_scanned_forge_remat_is_bit_exact_with_bfloat16_weights_and_int8_states(
   (stochastic rounding, streams by path and layer) and int8 states, a step of the scanned FORGE
   model is the same without remat and with full remat."""
   opt = forge_jax.adamw(1e-2, precision=forge_jax.Precision(state_dtype="int8"))
+  cfg = models.get_config("tiny-llama", linear="forge", remat="none", scan_layers=True,
+                          param_dtype="bfloat16", dtype="bfloat16",
+                          intermediate_size=128)  # int8 blocks of 64 along every N
+  batches = _batches(cfg, 1)
+  # Both models start from one init (remat leaves the parameters and states as they are).
+  variables = jax.jit(models.CausalLM(cfg, optimizer=opt).init)(jax.random.PRNGKey(0), batches[0][:, :-1])
   results = []
   for remat in ("none", "full"):
-    cfg = models.get_config("tiny-llama", linear="forge", remat=remat, scan_layers=True,
-                            param_dtype="bfloat16", dtype="bfloat16",
-                            intermediate_size=128)  # int8 blocks of 64 along every N
-    model = models.CausalLM(cfg, optimizer=opt)
-    batches = _batches(cfg, 1)
-    state = forge_jax.TrainState.create(
-        model.apply, jax.jit(model.init)(jax.random.PRNGKey(0), batches[0][:, :-1]), opt)
+    model = models.CausalLM(dataclasses.replace(cfg, remat=remat), optimizer=opt)
+    state = forge_jax.TrainState.create(model.apply, jax.tree.map(jnp.copy, variables), opt)
     for batch in batches:
       state, _ = forge_jax.train_step(state, batch, functools.partial(_loss, model.apply))
     results.append(jax.tree.leaves(state))
