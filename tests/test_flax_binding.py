@@ -166,13 +166,18 @@ def test_mlp_matches_optax(case):
   _run_parity(lambda opt: MLP(opt), _batches((16, 8), (16, 4)), name, kwargs)
 
 
-# Every optimizer with scanned layers (stacked slots; the optax-managed embed, norms and head);
-# unrolled with AdamW only: test_mlp_matches_optax runs every optimizer's unrolled forge_jax.Dense,
-# and what the unrolled transformer adds (3-d inputs, forge and optax params in one tree) does not
-# depend on the optimizer.
-@pytest.mark.parametrize("case, scan", [(OPTIMIZERS[0], False)] + [(c, True) for c in OPTIMIZERS],
-                         ids=[f"{i}-{layout}" for i, layout in [(IDS[0], "unrolled")]
-                              + [(i, "scanned") for i in IDS]])
+# Scanned layers (stacked slots; the optax-managed embed, norms and head) with one optimizer per
+# slot layout: two slots (adamw), one (lion), three (centered rmsprop with momentum), none (sgd).
+# test_mlp_matches_optax runs every rule; what scanning adds (stacking, slicing and the in-place
+# stacked update of each slot) depends on the slots, not on the rule. Unrolled with AdamW only:
+# what the unrolled transformer adds (3-d inputs, forge and optax params in one tree) does not
+# depend on the optimizer either.
+_SCANNED = [IDS.index(i) for i in ("adamw", "lion", "rmsprop_c_m", "sgd")]
+
+
+@pytest.mark.parametrize("case, scan", [(OPTIMIZERS[0], False)]
+                         + [(OPTIMIZERS[i], True) for i in _SCANNED],
+                         ids=[f"{IDS[0]}-unrolled"] + [f"{IDS[i]}-scanned" for i in _SCANNED])
 def test_transformer_matches_optax(case, scan):
   name, kwargs = case
   _run_parity(lambda opt: Transformer(opt, scan=scan), _batches((2, 6, 8), (2, 6, 4)), name, kwargs)
