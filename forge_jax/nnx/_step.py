@@ -189,17 +189,54 @@ def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_a
   """
   layout, state = _train_state(model, optimizer)
   new, metrics = _train.train_step(state, batch, _Loss(layout, loss_fn), has_aux)
+  _write_back(model, optimizer, layout, new)
+  return metrics
+
+
+def _write_back(model, optimizer: Optimizer, layout: _Layout, new: _train.TrainState) -> None:
   nnx.update(model, _state_of(layout, new.params, new.forge_state, new.model_state[_REST]))
   optimizer.step.set_value(new.step)
   optimizer.opt_state.set_value(new.opt_state)
   optimizer.prev_grad_norm.set_value(new.prev_grad_norm)
   optimizer.skipped_steps.set_value(new.skipped_steps)
-  return metrics
+
+
+class _Compiled:
+  """The compiled step (``jax.stages.Compiled``'s attributes: ``as_text``, ``memory_analysis``,
+  ...), callable as ``compiled(model, optimizer, batch) -> metrics`` like :func:`train_step`."""
+
+  def __init__(self, compiled, layout):
+    self._compiled, self._layout = compiled, layout
+
+  def __getattr__(self, name):
+    return getattr(self._compiled, name)
+
+  def __call__(self, model, optimizer: Optimizer, batch: Any):
+    layout, state = _train_state(model, optimizer)
+    if layout != self._layout:
+      raise ValueError("this compiled step was lowered for a model of another structure: "
+                       "lower and compile it again for this model.")
+    new, metrics = self._compiled(state, batch)
+    _write_back(model, optimizer, layout, new)
+    return metrics
+
+
+class _Lowered:
+  def __init__(self, lowered, layout):
+    self._lowered, self._layout = lowered, layout
+
+  def __getattr__(self, name):
+    return getattr(self._lowered, name)
+
+  def compile(self, *args, **kwargs) -> _Compiled:
+    return _Compiled(self._lowered.compile(*args, **kwargs), self._layout)
 
 
 def _lower(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_aux: bool = False):
+  """``train_step``'s jitted step lowered for these arguments; ``.compile()`` gives a step
+  callable as ``compiled(model, optimizer, batch)``."""
   layout, state = _train_state(model, optimizer)
-  return _train.train_step.lower(state, batch, _Loss(layout, loss_fn), has_aux)
+  return _Lowered(_train.train_step.lower(state, batch, _Loss(layout, loss_fn), has_aux), layout)
 
 
 train_step.lower = _lower  # type: ignore[attr-defined]
