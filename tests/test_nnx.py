@@ -116,6 +116,14 @@ def test_five_steps_match_nnx_linear_with_optax_adamw(scan):
   for k, v in _params(ref).items():
     np.testing.assert_allclose(_params(model)[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
   assert int(optimizer.step[...]) == 5
+  # A non-finite loss skips the step, as in Linen: nothing moves, the step says so.
+  before = _params(model)
+  nan_batch = dict(_batches(1)[0], y=jnp.full((2, 6, 4), jnp.nan))
+  metrics = fnnx.train_step(model, optimizer, nan_batch, _mse)
+  assert bool(metrics["skipped"]) and int(optimizer.skipped_steps[...]) == 1
+  assert int(optimizer.step[...]) == 5
+  for k, v in before.items():
+    np.testing.assert_array_equal(_params(model)[k], v, err_msg=k)
   # The optimizer states moved too (the first moment of every FORGE kernel is non-zero).
   for path, var in nnx.to_flat_state(nnx.state(model, fnnx.OptState)):
     assert np.abs(np.asarray(var.get_value().opt.mu)).sum() > 0, path
@@ -131,6 +139,9 @@ def test_five_steps_match_nnx_linear_with_optax_adamw(scan):
   stats = compiled.memory_analysis()
   assert stats.alias_size_in_bytes == stats.argument_size_in_bytes - sum(
       x.nbytes for x in jax.tree.leaves(batch))
+  # The compiled step runs on the model and optimizer as train_step does.
+  assert np.isfinite(compiled(model, optimizer, batch)["loss"])
+  assert int(optimizer.step[...]) == 6
 
 
 def _lm_loss(model, tokens):

@@ -57,7 +57,7 @@ class _Layout:
 
 
 def _layout(model, wrt):
-  """The model's layout and its values as ``(params, forge_state, rest)`` dicts."""
+  """The model's layout, its values as ``(params, forge_state, rest)`` dicts, and its state."""
   graphdef, state = nnx.split(model)
   trained = filterlib.to_predicate(wrt)
   with_paths, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
@@ -80,21 +80,27 @@ def _layout(model, wrt):
         f"the FORGE kernels {missing} are not selected by the optimizer's wrt filter: FORGE "
         "updates them in their backward pass, so they must be trained (wrt=nnx.Param).")
   layout = _Layout(graphdef, jax.tree.structure(state), tuple(entries))
-  return layout, traverse_util.unflatten_dict(params), traverse_util.unflatten_dict(forge), rest
+  return (layout, traverse_util.unflatten_dict(params), traverse_util.unflatten_dict(forge), rest,
+          state)
+
+
+def _values(layout: _Layout, params, forge, rest) -> list:
+  """The value of each variable of the layout (in its order) from the three collections."""
+  flat_p, flat_f = _dense.flat_variables(params), _dense.flat_variables(forge)
+  out = []
+  for kind, key in layout.entries:
+    if kind == "params":
+      out.append(flat_p[key])
+    elif kind == "forge":
+      out.append(flat_f[_stack.kernel_key(key)])
+    else:
+      out.append(rest["/".join(key)])
+  return out
 
 
 def _state_of(layout: _Layout, params, forge, rest):
   """The model's state (an ``nnx.State``) from the three collections."""
-  flat_p, flat_f = _dense.flat_variables(params), _dense.flat_variables(forge)
-  leaves = []
-  for kind, key in layout.entries:
-    if kind == "params":
-      value = flat_p[key]
-    elif kind == "forge":
-      value = flat_f[_stack.kernel_key(key)]
-    else:
-      value = rest["/".join(key)]
-    leaves.extend(jax.tree.leaves(value))
+  leaves = [leaf for v in _values(layout, params, forge, rest) for leaf in jax.tree.leaves(v)]
   return jax.tree.unflatten(layout.treedef, leaves)
 
 
@@ -141,7 +147,7 @@ class Optimizer(nnx.Pytree if hasattr(nnx, "Pytree") else nnx.Object):
 
   def __init__(self, model, tx, *, wrt: Any = nnx.Param):
     tx = _optimizers.as_forge_optimizer(tx)
-    _, params, forge, _ = _layout(model, wrt)
+    _, params, forge, _, _ = _layout(model, wrt)
     state = _train.TrainState.create(None, {"params": params, FORGE_STATE: forge}, tx)
     self.tx = tx
     self.wrt = wrt
@@ -152,9 +158,10 @@ class Optimizer(nnx.Pytree if hasattr(nnx, "Pytree") else nnx.Object):
 
 
 def _train_state(model, optimizer):
-  """The model's layout and the Linen step's TrainState of ``model`` and ``optimizer``."""
-  layout, params, forge, rest = _layout(model, optimizer.wrt)
-  return layout, _train.TrainState(
+  """The model's layout, the Linen step's TrainState of ``model`` and ``optimizer``, and the
+  model's state (its variables, which the step's results are written into)."""
+  layout, params, forge, rest, model_state = _layout(model, optimizer.wrt)
+  return layout, model_state, _train.TrainState(
       step=optimizer.step.get_value(), apply_fn=None, optimizer=optimizer.tx, params=params,
       forge_state=forge, opt_state=optimizer.opt_state.get_value(), model_state={_REST: rest},
       prev_grad_norm=optimizer.prev_grad_norm.get_value(),
@@ -187,14 +194,21 @@ def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_a
       backward pass would run more than once in the step, or under
       ``vmap``/``pmap``/``shard_map``, or when the batch is split over devices.
   """
-  layout, state = _train_state(model, optimizer)
+  layout, model_state, state = _train_state(model, optimizer)
   new, metrics = _train.train_step(state, batch, _Loss(layout, loss_fn), has_aux)
-  _write_back(model, optimizer, layout, new)
+  _write_back(model, optimizer, layout, model_state, new)
   return metrics
 
 
-def _write_back(model, optimizer: Optimizer, layout: _Layout, new: _train.TrainState) -> None:
-  nnx.update(model, _state_of(layout, new.params, new.forge_state, new.model_state[_REST]))
+def _write_back(model, optimizer: Optimizer, layout: _Layout, model_state,
+                new: _train.TrainState) -> None:
+  # Into the split's variables (new Variable objects cost more than the step's other Python
+  # work on a many-layer model), then into the model (a no-op where they are the model's own).
+  variables = jax.tree.leaves(model_state, is_leaf=_is_variable)
+  for var, value in zip(variables, _values(layout, new.params, new.forge_state,
+                                           new.model_state[_REST]), strict=True):
+    var.set_value(value)
+  nnx.update(model, model_state)
   optimizer.step.set_value(new.step)
   optimizer.opt_state.set_value(new.opt_state)
   optimizer.prev_grad_norm.set_value(new.prev_grad_norm)
@@ -212,12 +226,12 @@ class _Compiled:
     return getattr(self._compiled, name)
 
   def __call__(self, model, optimizer: Optimizer, batch: Any):
-    layout, state = _train_state(model, optimizer)
+    layout, model_state, state = _train_state(model, optimizer)
     if layout != self._layout:
       raise ValueError("this compiled step was lowered for a model of another structure: "
                        "lower and compile it again for this model.")
     new, metrics = self._compiled(state, batch)
-    _write_back(model, optimizer, layout, new)
+    _write_back(model, optimizer, layout, model_state, new)
     return metrics
 
 
@@ -235,7 +249,7 @@ class _Lowered:
 def _lower(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_aux: bool = False):
   """``train_step``'s jitted step lowered for these arguments; ``.compile()`` gives a step
   callable as ``compiled(model, optimizer, batch)``."""
-  layout, state = _train_state(model, optimizer)
+  layout, _, state = _train_state(model, optimizer)
   return _Lowered(_train.train_step.lower(state, batch, _Loss(layout, loss_fn), has_aux), layout)
 
 
