@@ -307,7 +307,7 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   data = jax.random.randint(jax.random.PRNGKey(0), (batch, tokens + 1), 0, cfg.vocab_size)
   if parse_spec(impl)[1].get("api") == "nnx":
     row["api"] = "nnx"
-    return _build_nnx_step(cfg, row, opt, data, loss, on_compiled, compile_only)
+    return _build_nnx_step(cfg, row, opt, data, loss, on_compiled, compile_first, compile_only)
   model = models.CausalLM(cfg, optimizer=opt)
   loss_fn = functools.partial(_loss, model.apply, kind=loss)
   if opt is not None:
@@ -383,11 +383,13 @@ def _nnx_loss(model, tokens, kind: str = "lean"):
   return _loss(lambda _, t: model(t), None, tokens, kind)
 
 
-def _build_nnx_step(cfg, row, opt, data, loss: str, on_compiled, compile_only: bool):
+def _build_nnx_step(cfg, row, opt, data, loss: str, on_compiled, compile_first: bool,
+                    compile_only: bool):
   """:func:`build_step` for an ``api=nnx`` row: the NNX model (``models.nnx.CausalLM``, built
-  by the eager NNX constructors), its ``forge_jax.nnx.Optimizer``, and the step compiled from
-  them (``forge_jax.nnx.train_step.lower``); ``step((model, optimizer))`` runs it and writes
-  the result into the model, as ``forge_jax.nnx.train_step`` does."""
+  by the eager NNX constructors), its ``forge_jax.nnx.Optimizer``, and the step compiled for
+  them (``forge_jax.nnx.train_step.lower``; with ``compile_first`` from their shapes,
+  ``nnx.eval_shape``); ``step((model, optimizer))`` runs it and writes the result into the
+  model, as ``forge_jax.nnx.train_step`` does."""
   import jax
   from flax import nnx
 
@@ -396,30 +398,43 @@ def _build_nnx_step(cfg, row, opt, data, loss: str, on_compiled, compile_only: b
   import forge_jax.nnx
   import models.nnx
 
-  row["compile_first"] = False
+  def make():
+    model = models.nnx.CausalLM(cfg, opt, rngs=nnx.Rngs(1))
+    return model, forge_jax.nnx.Optimizer(model, opt, wrt=nnx.Param)
+
+  row["compile_first"] = compile_first = compile_first or compile_only
   phases = row["phases_s"] = {}
-  t0 = tick = time.perf_counter()
-  model = models.nnx.CausalLM(cfg, opt, rngs=nnx.Rngs(1))
-  jax.block_until_ready(nnx.state(model))
-  phases["init"] = time.perf_counter() - tick
-  row["init_peak_gib"] = _peak_gib(jax)
-  tick = time.perf_counter()
-  optimizer = forge_jax.nnx.Optimizer(model, opt, wrt=nnx.Param)
-  jax.block_until_ready(nnx.state(optimizer))
-  phases["make_state"] = time.perf_counter() - tick
   hits = count_cache_hits()
-  tick = time.perf_counter()
-  lowered = forge_jax.nnx.train_step.lower(model, optimizer, data,
-                                           functools.partial(_nnx_loss, kind=loss))
-  phases["trace_lower"] = time.perf_counter() - tick
-  before, tick = len(hits), time.perf_counter()
-  compiled = lowered.compile()
-  phases["compile"] = time.perf_counter() - tick
-  row["step_from_cache"] = len(hits) > before
-  if not row["step_from_cache"]:
-    row["compile_s"] = phases["trace_lower"] + phases["compile"]
+  loss_fn = functools.partial(_nnx_loss, kind=loss)
+  t0 = time.perf_counter()
+
+  def compile_step(model, optimizer):
+    tick = time.perf_counter()
+    lowered = forge_jax.nnx.train_step.lower(model, optimizer, data, loss_fn)
+    phases["trace_lower"] = time.perf_counter() - tick
+    before, tick = len(hits), time.perf_counter()
+    out = lowered.compile()
+    phases["compile"] = time.perf_counter() - tick
+    row["step_from_cache"] = len(hits) > before
+    if not row["step_from_cache"]:
+      row["compile_s"] = phases["trace_lower"] + phases["compile"]
+    return out
+
+  compiled = None
+  if compile_first:
+    tick = time.perf_counter()
+    abstract = nnx.eval_shape(make)
+    phases["abstract_state"] = time.perf_counter() - tick
+    compiled = compile_step(*abstract)
   if compile_only:
     return row, None, None
+  tick = time.perf_counter()
+  model, optimizer = make()
+  jax.block_until_ready((nnx.state(model), nnx.state(optimizer)))
+  phases["init"] = time.perf_counter() - tick
+  row["init_peak_gib"] = _peak_gib(jax)
+  if compiled is None:
+    compiled = compile_step(model, optimizer)
   row["xla_step_gib"] = runlog.xla_memory(compiled).get("step_gib", float("nan"))
   row["limit_gib"] = _limit_gib(jax)
   if on_compiled is not None:

@@ -226,3 +226,13 @@ def test_errors_as_in_linen():
                          batch)
     with pytest.raises(ValueError, match="the batch is split over 2 devices"):
       jax.eval_shape(lambda b: fnnx.train_step(model, optimizer, b, _mse), split)
+
+
+def test_bench_models_api_option():
+  from experiments import bench_models  # pylint: disable=g-import-not-at-top
+  assert bench_models.parse_spec("forge_unrolled:api=nnx:remat=none") == (
+      "forge_unrolled", {"api": "nnx", "remat": "none"})
+  with pytest.raises(ValueError, match="api=nnx in 'optax:api=nnx' is for FORGE rows"):
+    bench_models.parse_spec("optax:api=nnx")
+  with pytest.raises(ValueError, match="must be one of"):
+    bench_models.parse_spec("forge:api=haiku")
