@@ -385,8 +385,10 @@ def _nnx_loss(model, tokens, kind: str = "lean"):
 
 def _build_nnx_step(cfg, row, opt, data, loss: str, on_compiled, compile_first: bool,
                     compile_only: bool):
-  """:func:`build_step` for an ``api=nnx`` row: the NNX model (``models.nnx.CausalLM``, built
-  by the eager NNX constructors), its ``forge_jax.nnx.Optimizer``, and the step compiled for
+  """:func:`build_step` for an ``api=nnx`` row: the NNX model (``models.nnx.CausalLM``) and its
+  ``forge_jax.nnx.Optimizer``, built under ``nnx.jit`` (as the Linen rows' ``jax.jit(model.init)``:
+  XLA plans the initializers' temporaries, which eager construction would add to the process
+  peak), and the step compiled for
   them (``forge_jax.nnx.train_step.lower``; with ``compile_first`` from their shapes,
   ``nnx.eval_shape``); ``step((model, optimizer))`` runs it and writes the result into the
   model, as ``forge_jax.nnx.train_step`` does."""
@@ -429,7 +431,7 @@ def _build_nnx_step(cfg, row, opt, data, loss: str, on_compiled, compile_first: 
   if compile_only:
     return row, None, None
   tick = time.perf_counter()
-  model, optimizer = make()
+  model, optimizer = nnx.jit(make)()
   jax.block_until_ready((nnx.state(model), nnx.state(optimizer)))
   phases["init"] = time.perf_counter() - tick
   row["init_peak_gib"] = _peak_gib(jax)
