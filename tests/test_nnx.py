@@ -206,9 +206,16 @@ def test_errors_as_in_linen():
   for k, v in before.items():  # refused while tracing: nothing changed
     np.testing.assert_array_equal(_params(model)[k], v)
 
+  # nnx.grad through a FORGE layer outside train_step would return new weights as gradients.
+  with pytest.raises(ValueError, match="was traced outside"):
+    nnx.grad(_mse)(model, batch)
+
   with pytest.raises(ValueError, match="plain optax transformation"):
     fnnx.Linear(8, 4, optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(LR)),
                 rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="needs remat=True"):
+    fnnx.ScannedStack(lambda r: Block(opt, rngs=r), 2, rngs=nnx.Rngs(0), remat=False,
+                      remat_policy=jax.checkpoint_policies.dots_saveable)
   with pytest.raises(ValueError, match="needs `optimizer=`"):
     fnnx.Linear(8, 4, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="was built with the optimizer"):
