@@ -222,6 +222,32 @@ def test_errors_as_in_linen():
     fnnx.train_step(Net(opt, False, rngs=nnx.Rngs(0)), fnnx.Optimizer(
         Net(opt, False, rngs=nnx.Rngs(0)), forge_jax.adamw(LR), wrt=nnx.Param), _batches(1)[0], _mse)
 
+  # A FORGE layer inside the user's own nnx.scan runs its backward pass once per layer on one
+  # weight stack: refused. The same stacked block, handed to a ScannedStack, trains in place.
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(r):
+    return Block(opt, rngs=r)
+
+  class UserScan(nnx.Module):
+    def __init__(self, blocks, wrap):
+      self.blocks, self.wrap = (fnnx.ScannedStack(blocks, 3) if wrap else blocks), wrap
+
+    def __call__(self, x):
+      if self.wrap:
+        return self.blocks(x)
+      return nnx.scan(lambda x, block: block(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+          x, self.blocks)
+
+  square = {"x": batch["x"], "y": batch["x"]}
+  user = UserScan(make(nnx.Rngs(0)), wrap=False)
+  with pytest.raises(ValueError, match=r"blocks/up \(3 times\)"):
+    fnnx.train_step(user, fnnx.Optimizer(user, opt, wrt=nnx.Param), square, _mse)
+  user = UserScan(make(nnx.Rngs(0)), wrap=True)
+  assert not fnnx.train_step(user, fnnx.Optimizer(user, opt, wrt=nnx.Param), square, _mse)["skipped"]
+  with pytest.raises(ValueError, match="leading axis of size 4"):
+    fnnx.ScannedStack(make(nnx.Rngs(0)), 4)
+
   # A batch split over devices (explicit mesh axes: the sharding is in the batch's type).
   mesh = jax.sharding.AbstractMesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   model = Net(opt, True, rngs=nnx.Rngs(0))

@@ -41,11 +41,15 @@ class ScannedStack(nnx.Module):
   """``length`` identical blocks, scanned; FORGE kernels in them are updated in place.
 
   Args:
-    block: ``block(rngs) -> nnx.Module``, the constructor of one block; the
-      block maps ``(x, *args)`` to a new ``x`` of the same shape and dtype
-      (``args`` are broadcast to every layer and not differentiated).
+    block: ``block(rngs) -> nnx.Module``, the constructor of one block, or a
+      block module whose variables are already stacked along a leading axis of
+      size ``length`` (``nnx.vmap`` of such a constructor, as the NNX
+      scan-over-layers recipe builds it); the block maps ``(x, *args)`` to a
+      new ``x`` of the same shape and dtype (``args`` are broadcast to every
+      layer and not differentiated).
     length: the number of layers.
-    rngs: the :class:`flax.nnx.Rngs` the blocks are initialized from (split per layer).
+    rngs: the :class:`flax.nnx.Rngs` the blocks are initialized from (split per
+      layer); only with a constructor.
     remat: activation checkpointing of each block, as ``nnx.remat``: ``False``
       saves every activation the backward needs; ``True`` saves what
       ``remat_policy`` allows and recomputes the rest.
@@ -58,20 +62,34 @@ class ScannedStack(nnx.Module):
   recompute a block.
   """
 
-  def __init__(self, block: Callable[[nnx.Rngs], nnx.Module], length: int, *, rngs: nnx.Rngs,
-               remat: bool = True, remat_policy: Any = None):
+  def __init__(self, block: Callable[[nnx.Rngs], nnx.Module] | nnx.Module, length: int, *,
+               rngs: nnx.Rngs | None = None, remat: bool = True, remat_policy: Any = None):
     if remat_policy is not None and not (remat and callable(remat_policy)):
       raise ValueError(
           f"ScannedStack(remat={remat!r}, remat_policy={remat_policy!r}): a policy is a callable "
           "from jax.checkpoint_policies (e.g. jax.checkpoint_policies.dots_saveable) and needs "
           "remat=True; remat=False saves everything without one.")
 
-    @nnx.split_rngs(splits=length)
-    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=length)
-    def make(rngs):
-      return block(rngs)
+    if isinstance(block, nnx.Module):
+      shapes = {tuple(jax.numpy.shape(a))[:1] for a in jax.tree.leaves(nnx.state(block))}
+      if shapes != {(length,)}:
+        raise ValueError(
+            f"ScannedStack(block=<{type(block).__name__}>, length={length}): every variable of "
+            f"a stacked block needs a leading axis of size {length}; found leading sizes "
+            f"{sorted(shapes)}. Build it with nnx.vmap over the block's constructor, or pass "
+            "the constructor and rngs=.")
+      self.block = block
+    else:
+      if rngs is None:
+        raise ValueError("ScannedStack(block=<constructor>, ...) needs rngs= to initialize the "
+                         "blocks.")
 
-    self.block = make(rngs)
+      @nnx.split_rngs(splits=length)
+      @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=length)
+      def make(rngs):
+        return block(rngs)
+
+      self.block = make(rngs)
     self.length = length
     self.remat = remat
     self.remat_policy = remat_policy
