@@ -144,6 +144,20 @@ def test_five_steps_match_nnx_linear_with_optax_adamw(scan):
   assert int(optimizer.step[...]) == 6
 
 
+def test_train_step_inside_nnx_jit_matches_the_direct_call():
+  opt = forge_jax.adamw(LR)
+  a, b = Block(opt, rngs=nnx.Rngs(0)), Block(opt, rngs=nnx.Rngs(0))
+  opt_a, opt_b = fnnx.Optimizer(a, opt, wrt=nnx.Param), fnnx.Optimizer(b, opt, wrt=nnx.Param)
+  jitted = nnx.jit(fnnx.train_step, static_argnums=(3,))
+  for batch in _batches(2):
+    batch = dict(batch, y=batch["x"])
+    np.testing.assert_array_equal(jitted(a, opt_a, batch, _mse)["loss"],
+                                  fnnx.train_step(b, opt_b, batch, _mse)["loss"])
+  for k, v in _params(b).items():
+    np.testing.assert_array_equal(_params(a)[k], v, err_msg=k)
+  assert int(opt_a.step[...]) == 2
+
+
 def _lm_loss(model, tokens):
   return models.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
 

@@ -188,6 +188,8 @@ def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_a
 
   Variables outside ``wrt`` (RNG counters, batch statistics) are read, not
   updated: a loss that draws random numbers draws the same ones each step.
+  The step is jitted (and donates the model's buffers) by itself; it also runs
+  inside ``nnx.jit`` (``nnx.jit(train_step, static_argnums=3)``).
 
   Raises:
     ValueError: while tracing, before anything changes, when a FORGE layer's
