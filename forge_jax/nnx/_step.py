@@ -12,6 +12,7 @@ FORGE does not manage are the Linen step's.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -57,31 +58,32 @@ class _Layout:
 
 
 def _layout(model, wrt):
-  """The model's layout, its values as ``(params, forge_state, rest)`` dicts, and its state."""
+  """The model's layout and state (its variables, in the layout's order:
+  ``jax.tree.leaves(state, is_leaf=_is_variable)``)."""
   graphdef, state = nnx.split(model)
   trained = filterlib.to_predicate(wrt)
   with_paths, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
-  entries, params, forge, rest = [], {}, {}, {}
+  entries = []
   for keypath, var in with_paths:
     key = tuple(_key_name(k) for k in keypath)
-    value = var.get_value()
     if isinstance(var, _linear.OptState):
       entries.append(("forge", key))
-      forge[_stack.kernel_key(key)] = value
     elif trained(key, var):
       entries.append(("params", key))
-      params[key] = value
     else:
       entries.append(("rest", key))
-      rest["/".join(key)] = value
-  missing = sorted("/".join(k) for k in forge if k not in params)
+  params = {key for kind, key in entries if kind == "params"}
+  missing = sorted("/".join(_stack.kernel_key(key)) for kind, key in entries
+                   if kind == "forge" and _stack.kernel_key(key) not in params)
   if missing:
     raise ValueError(
         f"the FORGE kernels {missing} are not selected by the optimizer's wrt filter: FORGE "
         "updates them in their backward pass, so they must be trained (wrt=nnx.Param).")
-  layout = _Layout(graphdef, jax.tree.structure(state), tuple(entries))
-  return (layout, traverse_util.unflatten_dict(params), traverse_util.unflatten_dict(forge), rest,
-          state)
+  return _Layout(graphdef, jax.tree.structure(state), tuple(entries)), state
+
+
+def _variables(state) -> list:
+  return jax.tree.leaves(state, is_leaf=_is_variable)
 
 
 def _values(layout: _Layout, params, forge, rest) -> list:
@@ -147,7 +149,8 @@ class Optimizer(nnx.Pytree if hasattr(nnx, "Pytree") else nnx.Object):
 
   def __init__(self, model, tx, *, wrt: Any = nnx.Param):
     tx = _optimizers.as_forge_optimizer(tx)
-    _, params, forge, _, _ = _layout(model, wrt)
+    layout, model_state = _layout(model, wrt)
+    params, forge, _ = _collections(layout, [v.get_value() for v in _variables(model_state)])
     state = _train.TrainState.create(None, {"params": params, FORGE_STATE: forge}, tx)
     self.tx = tx
     self.wrt = wrt
@@ -157,15 +160,34 @@ class Optimizer(nnx.Pytree if hasattr(nnx, "Pytree") else nnx.Object):
     self.skipped_steps = _linear.OptState(state.skipped_steps)
 
 
-def _train_state(model, optimizer):
-  """The model's layout, the Linen step's TrainState of ``model`` and ``optimizer``, and the
-  model's state (its variables, which the step's results are written into)."""
-  layout, params, forge, rest, model_state = _layout(model, optimizer.wrt)
-  return layout, model_state, _train.TrainState(
+def _collections(layout: _Layout, values) -> tuple[dict, dict, dict]:
+  """``(params, forge_state, rest)`` of the Linen step from the variables' values."""
+  params, forge, rest = {}, {}, {}
+  for (kind, key), value in zip(layout.entries, values, strict=True):
+    if kind == "params":
+      params[key] = value
+    elif kind == "forge":
+      forge[_stack.kernel_key(key)] = value
+    else:
+      rest["/".join(key)] = value
+  return traverse_util.unflatten_dict(params), traverse_util.unflatten_dict(forge), rest
+
+
+def _as_train_state(layout: _Layout, values, optimizer) -> _train.TrainState:
+  params, forge, rest = _collections(layout, values)
+  return _train.TrainState(
       step=optimizer.step.get_value(), apply_fn=None, optimizer=optimizer.tx, params=params,
       forge_state=forge, opt_state=optimizer.opt_state.get_value(), model_state={_REST: rest},
       prev_grad_norm=optimizer.prev_grad_norm.get_value(),
       skipped_steps=optimizer.skipped_steps.get_value())
+
+
+def _train_state(model, optimizer):
+  """The model's layout, the Linen step's TrainState of ``model`` and ``optimizer``, and the
+  model's state (its variables, which the step's results are written into)."""
+  layout, model_state = _layout(model, optimizer.wrt)
+  values = [v.get_value() for v in _variables(model_state)]
+  return layout, model_state, _as_train_state(layout, values, optimizer)
 
 
 def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_aux: bool = False):
@@ -206,11 +228,14 @@ def _write_back(model, optimizer: Optimizer, layout: _Layout, model_state,
                 new: _train.TrainState) -> None:
   # Into the split's variables (new Variable objects cost more than the step's other Python
   # work on a many-layer model), then into the model (a no-op where they are the model's own).
-  variables = jax.tree.leaves(model_state, is_leaf=_is_variable)
-  for var, value in zip(variables, _values(layout, new.params, new.forge_state,
+  for var, value in zip(_variables(model_state), _values(layout, new.params, new.forge_state,
                                            new.model_state[_REST]), strict=True):
     var.set_value(value)
   nnx.update(model, model_state)
+  _write_optimizer(optimizer, new)
+
+
+def _write_optimizer(optimizer: Optimizer, new: _train.TrainState) -> None:
   optimizer.step.set_value(new.step)
   optimizer.opt_state.set_value(new.opt_state)
   optimizer.prev_grad_norm.set_value(new.prev_grad_norm)
@@ -219,21 +244,49 @@ def _write_back(model, optimizer: Optimizer, layout: _Layout, model_state,
 
 class _Compiled:
   """The compiled step (``jax.stages.Compiled``'s attributes: ``as_text``, ``memory_analysis``,
-  ...), callable as ``compiled(model, optimizer, batch) -> metrics`` like :func:`train_step`."""
+  ...), callable as ``compiled(model, optimizer, batch) -> metrics`` like :func:`train_step`.
+
+  The first call walks the model's graph (``nnx.split``); later calls with the same model
+  and optimizer read and write the variables found then, as ``nnx.cached_partial`` does: on
+  an unrolled model that walk is most of the step's Python time. Lower again after changing
+  the model's structure.
+  """
 
   def __init__(self, compiled, layout):
     self._compiled, self._layout = compiled, layout
+    self._bound = None  # (weakref to model, weakref to optimizer, the model's variables)
 
   def __getattr__(self, name):
     return getattr(self._compiled, name)
 
+  def _bound_variables(self, model, optimizer):
+    bound = self._bound
+    if bound is not None and bound[0]() is model and bound[1]() is optimizer:
+      return bound[2]
+    return None
+
   def __call__(self, model, optimizer: Optimizer, batch: Any):
+    variables = self._bound_variables(model, optimizer)
+    if variables is not None:
+      values = [v.get_value() for v in variables]
+      new, metrics = self._compiled(_as_train_state(self._layout, values, optimizer), batch)
+      new_values = _values(self._layout, new.params, new.forge_state, new.model_state[_REST])
+      for var, value in zip(variables, new_values, strict=True):
+        var.set_value(value)
+      _write_optimizer(optimizer, new)
+      return metrics
     layout, model_state, state = _train_state(model, optimizer)
     if layout != self._layout:
       raise ValueError("this compiled step was lowered for a model of another structure: "
                        "lower and compile it again for this model.")
     new, metrics = self._compiled(state, batch)
     _write_back(model, optimizer, layout, model_state, new)
+    variables = _variables(model_state)
+    # Bound only where the split handed out the model's own variables (writing into them
+    # then updates the model, with no second walk).
+    own = {id(v) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+    if all(id(v) in own for v in variables):
+      self._bound = (weakref.ref(model), weakref.ref(optimizer), variables)
     return metrics
 
 
