@@ -35,7 +35,9 @@ of ``models`` with random weights on random tokens:
 * a row's own settings, after its name: ``:remat=X`` (``none``, ``full`` or
   a policy name), ``:master=float32`` (weights and optimizer states in that
   dtype, compute in ``--dtype``), ``:mem=0.95`` (that row's allocator limit,
-  as ``--mem-fraction``), e.g. ``optax_unrolled:remat=none:master=float32:mem=0.95``.
+  as ``--mem-fraction``), ``:api=nnx`` (a FORGE row's model in Flax NNX:
+  ``models.nnx.CausalLM`` trained by ``forge_jax.nnx.train_step``, against the
+  default ``api=linen``), e.g. ``optax_unrolled:remat=none:master=float32:mem=0.95``.
   The row's ``impl`` is the whole name; its ``remat``, ``param_dtype`` and
   ``mem_fraction`` are recorded. The model config validates the combination
   (e.g. a name policy without names): a refused one is an error row.
@@ -109,7 +111,8 @@ IMPLS = ("optax", "optax_clip", "forge", "forge_sr", "forge_int8", "forge_int8_s
 UNROLLED = "_unrolled"
 FORGE_BACKENDS = ("xla", "pallas", "mosaic")  # optional "_<backend>" suffix of a forge impl
 REMAT = "full"  # --remat's default
-ROW_OPTIONS = ("remat", "master", "mem")  # ":key=value" after a row's implementation name
+ROW_OPTIONS = ("remat", "master", "mem", "api")  # ":key=value" after a row's implementation name
+APIS = ("linen", "nnx")  # the front end of a row (":api=nnx")
 SKIPPED = "skipped: time budget"
 TIMING = "median3"  # meta["timing"]: how step_ms was taken (absent: mean of 5 after 1 warm-up)
 
@@ -157,6 +160,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     if not 0 < mem <= 1:
       raise ValueError(f"mem={options['mem']!r} in {spec!r} must be a fraction in (0, 1], e.g. 0.95")
     options["mem"] = mem
+  if options.get("api", "linen") not in APIS:
+    raise ValueError(f"api={options['api']!r} in {spec!r} must be one of {APIS}")
+  if options.get("api") == "nnx" and not name.startswith("forge"):
+    raise ValueError(f"api=nnx in {spec!r} is for FORGE rows (forge_jax.nnx.train_step); "
+                     "the optax rows are Linen")
   return name, options
 
 
@@ -296,8 +304,11 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
          "forge_backend": backend if linear == "forge" else None, "params_b": cfg.num_params / 1e9,
          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   opt = _forge_optimizer(base)
-  model = models.CausalLM(cfg, optimizer=opt)
   data = jax.random.randint(jax.random.PRNGKey(0), (batch, tokens + 1), 0, cfg.vocab_size)
+  if parse_spec(impl)[1].get("api") == "nnx":
+    row["api"] = "nnx"
+    return _build_nnx_step(cfg, row, opt, data, loss, on_compiled, compile_first, compile_only)
+  model = models.CausalLM(cfg, optimizer=opt)
   loss_fn = functools.partial(_loss, model.apply, kind=loss)
   if opt is not None:
     make_state = lambda v: forge_jax.TrainState.create(model.apply, v, opt)
@@ -362,6 +373,78 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   tick = time.perf_counter()
   carry = step(state)
   jax.block_until_ready(carry)
+  phases["first_step"] = time.perf_counter() - tick
+  row["compile_and_first_s"] = time.perf_counter() - t0
+  return row, step, carry
+
+
+def _nnx_loss(model, tokens, kind: str = "lean"):
+  """:func:`_loss` for an NNX model (``loss_fn(model, batch)``)."""
+  return _loss(lambda _, t: model(t), None, tokens, kind)
+
+
+def _build_nnx_step(cfg, row, opt, data, loss: str, on_compiled, compile_first: bool,
+                    compile_only: bool):
+  """:func:`build_step` for an ``api=nnx`` row: the NNX model (``models.nnx.CausalLM``) and its
+  ``forge_jax.nnx.Optimizer``, built under ``nnx.jit`` (as the Linen rows' ``jax.jit(model.init)``:
+  XLA plans the initializers' temporaries, which eager construction would add to the process
+  peak), and the step compiled for
+  them (``forge_jax.nnx.train_step.lower``; with ``compile_first`` from their shapes,
+  ``nnx.eval_shape``); ``step((model, optimizer))`` runs it and writes the result into the
+  model, as ``forge_jax.nnx.train_step`` does."""
+  import jax
+  from flax import nnx
+
+  from experiments import runlog
+
+  import forge_jax.nnx
+  import models.nnx
+
+  def make():
+    model = models.nnx.CausalLM(cfg, opt, rngs=nnx.Rngs(1))
+    return model, forge_jax.nnx.Optimizer(model, opt, wrt=nnx.Param)
+
+  row["compile_first"] = compile_first = compile_first or compile_only
+  phases = row["phases_s"] = {}
+  hits = count_cache_hits()
+  loss_fn = functools.partial(_nnx_loss, kind=loss)
+  t0 = time.perf_counter()
+
+  def compile_step(model, optimizer):
+    tick = time.perf_counter()
+    lowered = forge_jax.nnx.train_step.lower(model, optimizer, data, loss_fn)
+    phases["trace_lower"] = time.perf_counter() - tick
+    before, tick = len(hits), time.perf_counter()
+    out = lowered.compile()
+    phases["compile"] = time.perf_counter() - tick
+    row["step_from_cache"] = len(hits) > before
+    if not row["step_from_cache"]:
+      row["compile_s"] = phases["trace_lower"] + phases["compile"]
+    return out
+
+  compiled = None
+  if compile_first:
+    tick = time.perf_counter()
+    abstract = nnx.eval_shape(make)
+    phases["abstract_state"] = time.perf_counter() - tick
+    compiled = compile_step(*abstract)
+  if compile_only:
+    return row, None, None
+  tick = time.perf_counter()
+  model, optimizer = nnx.jit(make)()
+  jax.block_until_ready((nnx.state(model), nnx.state(optimizer)))
+  phases["init"] = time.perf_counter() - tick
+  row["init_peak_gib"] = _peak_gib(jax)
+  if compiled is None:
+    compiled = compile_step(model, optimizer)
+  row["xla_step_gib"] = runlog.xla_memory(compiled).get("step_gib", float("nan"))
+  row["limit_gib"] = _limit_gib(jax)
+  if on_compiled is not None:
+    on_compiled(row)
+  step = lambda s: (s, compiled(*s, data))
+  tick = time.perf_counter()
+  carry = step((model, optimizer))
+  jax.block_until_ready(carry[1])
   phases["first_step"] = time.perf_counter() - tick
   row["compile_and_first_s"] = time.perf_counter() - t0
   return row, step, carry

@@ -19,6 +19,8 @@ Public API:
 * :class:`Dense`: a Flax linen Dense whose backward pass updates its kernel
   and optimizer state in place; :class:`TrainState` and :func:`train_step`
   run a whole in-place training step.
+* :mod:`forge_jax.nnx`: the same for Flax NNX (:class:`forge_jax.nnx.Linear`,
+  :class:`forge_jax.nnx.ScannedStack`, :func:`forge_jax.nnx.train_step`).
 * :class:`Precision` (``precision=`` of every optimizer): stochastic rounding
   of bfloat16 weights, bfloat16 or int8 (block-quantized, :class:`QuantMap`,
   :class:`QuantizedArray`) optimizer states.
@@ -67,6 +69,15 @@ from pallas_kernels.numerics import QuantMap
 from pallas_kernels.numerics import QuantizedArray
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  # forge_jax.nnx (the Flax NNX front end) loads on first use: Linen users do not pay for
+  # importing flax.nnx.
+  if name == "nnx":
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module("forge_jax.nnx")
+  raise AttributeError(f"module 'forge_jax' has no attribute {name!r}")
 
 __all__ = [
     "BACKENDS",

@@ -13,6 +13,8 @@ Public API:
   copy of the logits (same value and gradient as optax's, up to rounding).
 * Checkpoints: :func:`load_checkpoint`, :func:`save_checkpoint` and the
   lower-level converters in :mod:`models.hf_io`.
+* :mod:`models.nnx` (imported on its own): the same models in Flax NNX, with
+  the same configs, parameter tree and checkpoints.
 
 Example::
 
