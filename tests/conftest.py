@@ -16,15 +16,18 @@ import pytest
 # run. Starting the long files first leaves only short ones to even out the two workers at the
 # end. A new file that takes more than about 30 s belongs in this list.
 LONGEST_FIRST = (
+    "test_ablations_notebook.py",
     "test_bench_models.py",
     "test_flax_binding.py",
-    "test_fused_dw_mosaic.py",
     "test_stabilizers.py",
+    "test_fused_dw_mosaic.py",
+    "test_nnx.py",
+    "test_parallel.py",
     "test_experiments_smoke.py",
     "test_lowp.py",
+    "test_auto.py",
     "test_train_models.py",
     "test_models.py",
-    "test_ablations_notebook.py",
     "test_experiments_train.py",
     "test_optimizers.py",
 )
