@@ -554,12 +554,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   auto.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
   auto.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
   auto.add_argument("--commit", default=None, help="the tree's commit for the provenance (default: git rev-parse HEAD)")
+  auto.add_argument("--compare-lowp", type=pathlib.Path, nargs="+", default=None, metavar="JSON",
+                    help="bench_lowp.json files: write auto_vs_lowp.md beside --out's auto_table_rows.json "
+                    "(each measured case they share, both programs' ms) and exit")
+  auto.add_argument("--before", type=pathlib.Path, nargs=2, default=None, metavar=("ROWS", "LOWP"),
+                    help="with --compare-lowp: an earlier auto_table_rows.json and bench_lowp.json, as "
+                    "two more columns each")
   auto.add_argument("--rule-table", type=pathlib.Path, default=None, metavar="PATH",
                     help="write the unmeasured table of the rule without one to PATH and exit")
   args = parser.parse_args(argv)
   args.argv = argv
   if args.rule_table is not None:
     _write_text(args.rule_table, rule_table().dumps())
+    return 0
+  if args.compare_lowp:
+    folder = _timing.out_dir(args.out)
+    text = compare_lowp(folder / "auto_table_rows.json", args.compare_lowp, *(args.before or (None, None)))
+    _timing.write_table(folder / "auto_vs_lowp.md", text, folder / "auto_table_rows.json")
     return 0
   if args.auto_table or args.dry_run:
     args.dry_run = args.dry_run or args.smoke
@@ -1076,6 +1087,55 @@ def auto_markdown(info: dict, rows: list[dict]) -> str:
   skipped = sum(1 for r in rows if "kernel_row" not in r)
   if skipped:
     out += ["", f"{skipped} cases not measured (time limit): \"auto\" takes the nearest measured one."]
+  return "\n".join(out) + "\n"
+
+
+# AUTO_CONFIGS name -> bench_lowp.CONFIGS name: the same weight dtype and Precision.
+LOWP_CONFIGS = {"fp32": "fp32", "fp32_int8": "fp32_int8", "bf16": "bf16_rtn_bf16",
+                "bf16_int8": "bf16_rtn_int8", "bf16_sr": "bf16_sr_bf16", "bf16_sr_int8": "bf16_sr_int8"}
+
+
+def compare_lowp(rows_path: pathlib.Path, lowp_paths: Sequence[pathlib.Path],
+                 before_rows: Optional[pathlib.Path] = None,
+                 before_lowp: Optional[pathlib.Path] = None) -> str:
+  """The table's cases beside bench_lowp's rows of the same case (kernel: its ``mosaic`` row):
+  since both time _timing.layer_update, each ratio should be within run-to-run noise. With
+  ``before_*``: an earlier table and bench_lowp run as two more columns per backend."""
+  def table(path):
+    rows = json.loads(pathlib.Path(path).read_text())["rows"]
+    return {(f"{r['t']}x{r['k']}x{r['n']}", LOWP_CONFIGS[r["config"]]): r for r in rows
+            if "kernel_row" in r}
+
+  def lowp(paths):
+    out = {}
+    for path in paths:
+      for r in json.loads(pathlib.Path(path).read_text())["rows"]:
+        if r.get("impl") in ("xla", "mosaic") and "ms" in r:
+          out.setdefault((r["shape"], r["config"]), {})[r["impl"]] = r["ms"]
+    return out
+
+  now, now_lowp = table(rows_path), lowp(lowp_paths)
+  old = table(before_rows) if before_rows else {}
+  old_lowp = lowp([before_lowp]) if before_lowp else {}
+  ms = lambda v: f"{v:.4f}" if v is not None else "-"
+  ratio = lambda a, b: f"{a / b:.2f}" if a is not None and b is not None else "-"
+  head = ["table", "bench_lowp", "table / bench_lowp"]
+  if old:
+    head += ["table before", "bench_lowp before"]
+  out = ["# The auto table's timings beside bench_lowp's (the same program: _timing.layer_update)", "",
+         f"Table: `{rows_path}`; bench_lowp: {', '.join(f'`{p}`' for p in lowp_paths)}"
+         + (f"; before: `{before_rows}`, `{before_lowp}`" if old else "") + ". ms per layer update.", "",
+         "| T x K x N | config | backend | " + " | ".join(head) + " |",
+         "|---|---|---|" + "---|" * len(head)]
+  for key in sorted(set(now) & set(now_lowp)):
+    for backend, impl, row_key in (("mosaic", "mosaic", "kernel_row"), ("xla", "xla", "xla_row")):
+      a, b = now[key][row_key].get("ms"), now_lowp[key].get(impl)
+      cells = [ms(a), ms(b), ratio(a, b)]
+      if old:
+        cells += [ms(old.get(key, {}).get(row_key, {}).get("ms")), ms(old_lowp.get(key, {}).get(impl))]
+      out.append(f"| {key[0]} | {key[1]} | {backend} | " + " | ".join(cells) + " |")
+  if len(out) == 6:
+    out.append("\nNo case in both.")
   return "\n".join(out) + "\n"
 
 
