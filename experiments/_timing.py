@@ -152,6 +152,8 @@ def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
 
   def layer(_, carry):
     w, state, sq_sum, x, dy = carry
+    if backend in ("mosaic", "mosaic_interpret"):
+      _check_mosaic(optimizer, backend, x, dy, w, state, config)
     new_w, new_state, sq = forge_jax.fused_linear_update(
         x, dy, w, state, optimizer, backend, config=config, return_grad_sq_norm=True,
         stream=LAYER_STREAM)
@@ -159,6 +161,20 @@ def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
 
   run = jax.jit(lambda carry: jax.lax.fori_loop(0, calls, layer, carry), donate_argnums=(0,))
   return LayerUpdate(run, optimizer, w_dtype, calls)
+
+
+def _check_mosaic(optimizer, backend, x, dy, w, state, config) -> None:
+  """Refuses a case the Mosaic kernel cannot take: fused_linear_update would run (and this would
+  time) its fallback under the kernel's name."""
+  from forge_jax import _fused, _lowp  # pylint: disable=g-import-not-at-top
+
+  slots = tuple(_lowp.from_float_view(s) for s in optimizer.rule.slots_of(state))
+  rounding = {"weight_codec": _lowp.weight_codec(optimizer.precision, w.dtype)}
+  why = _fused._mosaic_problem(x, dy, w, slots, config, True, rounding,
+                               interpret=backend == "mosaic_interpret")[0]
+  if why is not None:
+    raise ValueError(f"backend={backend!r} cannot run this layer ({why}): it would time the "
+                     "fallback; leave this case out or time another backend")
 
 
 def time_layer_update(update: LayerUpdate, carry: Any, **timing) -> tuple[Timing, Any]:

@@ -1055,7 +1055,7 @@ def _auto_mosaic_problem(k: int, n: int, t: int, config: str) -> Optional[str]:
   w = jax.ShapeDtypeStruct((k, n), w_dtype)
   slots = opt.rule.slots_of(jax.eval_shape(opt.init, w))
   rounding = {"weight_codec": _lowp.weight_codec(opt.precision, w_dtype)}
-  return _fused._mosaic_problem(x, dy, w, slots, None, False, rounding)[0]
+  return _fused._mosaic_problem(x, dy, w, slots, None, True, rounding)[0]  # the grad norm too
 
 
 def _git_commit() -> str:

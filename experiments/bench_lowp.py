@@ -111,9 +111,10 @@ def mosaic_problem(x, dy, w0, config: str, interpret: bool,
   tiling = None
   if fields:
     from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
-    tiling = dataclasses.replace(mosaic.default_config(x, dy, w, slots), **fields)
+    tiling = dataclasses.replace(mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True), **fields)
   rounding = {"weight_codec": _lowp.weight_codec(precision, w_dtype)}  # as fused_linear_update passes it
-  why = _fused._mosaic_problem(x, dy, w, slots, tiling, False, rounding, interpret=interpret)[0]
+  # With the grad norm, as _timing.layer_update (and a model step) asks for it.
+  why = _fused._mosaic_problem(x, dy, w, slots, tiling, True, rounding, interpret=interpret)[0]
   return why, tiling
 
 

@@ -281,3 +281,11 @@ def test_compare_lowp_puts_both_programs_side_by_side(tmp_path):
   text = (tmp_path / "auto_vs_lowp.md").read_text()
   assert "| 1024x4096x1024 | bf16_rtn_bf16 | mosaic | 0.0300 | 0.0300 | 1.00 |" in text
   assert "| 1024x4096x1024 | bf16_rtn_bf16 | xla | 0.0600 | 0.0500 | 1.20 |" in text
+
+
+def test_layer_update_refuses_to_time_a_mosaic_fallback():
+  """A case the Mosaic kernel cannot take would run its fallback under the kernel's name."""
+  update = _timing.layer_update(bench_fused_dw._auto_optimizer("bf16_sr_int8"), "mosaic_interpret", BF16,
+                                calls=1)
+  with pytest.raises(ValueError, match="backend='mosaic_interpret' cannot run this layer .*interpreter"):
+    update.run.lower(update.carry_shapes(64, 64, 256))
