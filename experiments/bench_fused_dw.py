@@ -45,8 +45,9 @@ step runs it, with ``backend="mosaic"`` and ``backend="xla"``, and records the f
 program of :func:`experiments._timing.layer_update` (``bench_lowp`` times the same one):
 ``fused_linear_update`` as ``forge_jax.Dense``'s backward calls it (grad norm out, a barrier
 after it), weight and state donated and updated in place, ``_timing.LAYER_CALLS`` calls per
-dispatch at every size, each consuming the previous one's outputs. 480 cases in one GPU call: ``--workers`` processes compile the
-Mosaic kernels side by side and take turns on the GPU; ``--estimate-only`` prints the plan and
+dispatch at every size, each consuming the previous one's outputs. 480 cases in one GPU call:
+``--workers`` processes compile the Mosaic kernels side by side and take turns on the GPU (one
+at a time holds it for its first launches and timing); ``--estimate-only`` prints the plan and
 its estimate; ``--time-limit`` starts no case that would end past it (the Llama-3.1-8B classes
 come first, then the class farthest from those measured); ``--dry-run`` runs it on CPU with the
 interpreted Triton kernel in seconds. On the H200::
@@ -54,7 +55,9 @@ interpreted Triton kernel in seconds. On the H200::
     PYTHONPATH=$PWD python -m experiments.bench_fused_dw --auto-table --time-limit 500 --out $OUT
 
 writes ``auto_table.json`` (copy it to ``forge_jax/``), ``auto_table.md`` and every row with its
-errors in ``auto_table_rows.json``.
+errors in ``auto_table_rows.json``. ``--compare-lowp LOWP.json ... --out DIR`` then writes
+``DIR/auto_vs_lowp.md``: each case both measured, the table's ms beside ``bench_lowp``'s (the same
+program, so the ratios should be run-to-run noise; ``--before ROWS LOWP`` adds an earlier pair).
 
 Every implementation that updates weights is checked against
 ``fused_dw_update_reference`` after one step from the common initial state,

@@ -331,7 +331,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.baseline_tree is not None:
     baseline = run_baseline(args.baseline_tree, argv, args.baseline_configs, folder / "baseline")
   info = _timing.run_info("experiments.bench_lowp", argv)
-  info.update(interpret=interpret, timing=timing, calls_per_dispatch=1 if interpret else _timing.LAYER_CALLS, lr=LR, weight_decay=WD,
+  info.update(interpret=interpret, timing=timing, lr=LR, weight_decay=WD,
+              calls_per_dispatch=1 if interpret else _timing.LAYER_CALLS,
               configs={k: {"w_dtype": jnp.dtype(d).name, "precision": repr(p)} for k, (d, p) in CONFIGS.items()},
               update_tol=UPDATE_TOL, slot_tol=SLOT_TOL)
   _timing.log(f"bench_lowp on {info['device']} (jax {info['jax']}), interpret={interpret}")
