@@ -6,6 +6,16 @@ Timing a jitted call with a host clock around each call adds the dispatch
 end, and divides: as long as the device work of one call takes longer than
 its dispatch, the device never waits for the host and the figure is device
 time. The median of a few such repeats is reported.
+
+:func:`layer_update` is the one program every FORGE-update benchmark times
+(``bench_lowp``, ``bench_fused_dw --auto-table``): a layer's
+``fused_linear_update`` as ``forge_jax.Dense``'s backward runs it in a model
+step, :data:`LAYER_CALLS` of them per dispatch at every size, each consuming
+the previous one's weight and state. Two harnesses that built their own
+programs once disagreed threefold on the same case: chained calls without the
+Dense backward's barrier let XLA fuse one call's update into the next (the
+intermediate weight and int8 codes never written, their arithmetic recomputed),
+which no model step does, where every layer's update is written.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +86,102 @@ def time_steps(
       iters=iters,
   )
   return timing, carry
+
+
+# Layer updates per dispatch, at every size: enough that the device work of the
+# smallest preset layer (a few tens of us) outlasts the host's dispatch (0.1 to
+# 0.2 ms on the H200), without per-size variants of the program.
+LAYER_CALLS = 16
+# The stochastic-rounding stream of the timed layer (forge_jax.Dense passes a
+# hash of its module path; any fixed value times the same work).
+LAYER_STREAM = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerUpdate:
+  """A jitted ``run(carry) -> carry``: ``calls`` updates of one layer in one dispatch.
+
+  ``carry = (w, state, grad_sq_norm_sum, x, dy)``, all donated: the weight and
+  state are updated in place (as a model step's donated train state), and x/dy
+  ride along so that the loop neither copies them in nor can hoist the GEMM out
+  of it. Make it with :meth:`init`; :meth:`result` gives ``(w, decoded slots)``.
+  """
+
+  run: Callable[[Any], Any]
+  optimizer: Any
+  w_dtype: Any
+  calls: int
+
+  def init(self, x, dy, w0):
+    from forge_jax import _lowp  # pylint: disable=g-import-not-at-top
+
+    w = jnp.array(w0, self.w_dtype)  # copies: run donates them
+    # int8 codes travel as their float view, as forge_jax.train_step hands them to a layer.
+    state = _lowp.to_float_view(self.optimizer.init(w))
+    return w, state, jnp.zeros((), jnp.float32), jnp.copy(x), jnp.copy(dy)
+
+  def carry_shapes(self, t: int, k: int, n: int):
+    """The carry's shapes and dtypes (lower and compile without device work)."""
+    x = jax.ShapeDtypeStruct((t, k), jnp.bfloat16)
+    dy = jax.ShapeDtypeStruct((t, n), jnp.bfloat16)
+    return jax.eval_shape(self.init, x, dy, jax.ShapeDtypeStruct((k, n), self.w_dtype))
+
+  def result(self, carry):
+    from forge_jax import _lowp  # pylint: disable=g-import-not-at-top
+
+    w, state = carry[:2]
+    slots = _lowp.from_float_view(tuple(self.optimizer.rule.slots_of(state)))
+    return w, tuple(_lowp.decode_slot(s, jnp.float32) for s in slots)
+
+
+def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
+                 config: Any = None) -> LayerUpdate:
+  """What a model step runs per FORGE layer, ``calls`` times per dispatch.
+
+  Each call is ``forge_jax.Dense``'s backward update: ``fused_linear_update``
+  with the grad norm returned (the train step consumes it), then the same
+  ``optimization_barrier`` over its outputs, so that no fusion reaches from one
+  call into the next and every call writes its weight and state. The calls run
+  in a ``fori_loop`` (a static trip count: no host round trip per iteration),
+  like a scanned model's layers; the same program at every size and backend.
+  """
+  import forge_jax  # pylint: disable=g-import-not-at-top
+
+  if calls < 1:
+    raise ValueError(f"calls={calls} must be >= 1 (layer updates per dispatch)")
+
+  def layer(_, carry):
+    w, state, sq_sum, x, dy = carry
+    if backend in ("mosaic", "mosaic_interpret"):
+      _check_mosaic(optimizer, backend, x, dy, w, state, config)
+    new_w, new_state, sq = forge_jax.fused_linear_update(
+        x, dy, w, state, optimizer, backend, config=config, return_grad_sq_norm=True,
+        stream=LAYER_STREAM)
+    return jax.lax.optimization_barrier((new_w, new_state, sq_sum + sq, x, dy))
+
+  run = jax.jit(lambda carry: jax.lax.fori_loop(0, calls, layer, carry), donate_argnums=(0,))
+  return LayerUpdate(run, optimizer, w_dtype, calls)
+
+
+def _check_mosaic(optimizer, backend, x, dy, w, state, config) -> None:
+  """Refuses a case the Mosaic kernel cannot take: fused_linear_update would run (and this would
+  time) its fallback under the kernel's name."""
+  from forge_jax import _fused, _lowp  # pylint: disable=g-import-not-at-top
+
+  slots = tuple(_lowp.from_float_view(s) for s in optimizer.rule.slots_of(state))
+  rounding = {"weight_codec": _lowp.weight_codec(optimizer.precision, w.dtype)}
+  why = _fused._mosaic_problem(x, dy, w, slots, config, True, rounding,
+                               interpret=backend == "mosaic_interpret")[0]
+  if why is not None:
+    raise ValueError(f"backend={backend!r} cannot run this layer ({why}): it would time the "
+                     "fallback; leave this case out or time another backend")
+
+
+def time_layer_update(update: LayerUpdate, carry: Any, **timing) -> tuple[Timing, Any]:
+  """:func:`time_steps` of ``update.run``, per layer update (ms divided by ``update.calls``)."""
+  t, carry = time_steps(update.run, carry, **timing)
+  per = update.calls
+  return Timing(t.median_ms / per, t.min_ms / per, tuple(r / per for r in t.repeats_ms), t.iters), carry
 
 
 def out_dir(path: Optional[str]) -> pathlib.Path:

@@ -40,10 +40,14 @@ projections on the H200::
 0.6B-32B, Llama-3.1-8B: 27 distinct (K, N), grouped by the nearest whole octave of K*N and of
 N/K into 20 classes, one representative each), T in {512, 1024, 4096, 16384} and the storage
 configurations of :data:`AUTO_CONFIGS` (float32 / bfloat16 weights, their float states or int8
-states, bfloat16 weights stochastically rounded), AdamW, it times ``fused_linear_update`` with
-``backend="mosaic"`` and ``backend="xla"`` (device time, several calls per dispatch for small
-shapes) and records the faster. 480 cases in one GPU call: ``--workers`` processes compile the
-Mosaic kernels side by side and take turns on the GPU; ``--estimate-only`` prints the plan and
+states, bfloat16 weights stochastically rounded), AdamW, it times one layer's update as a model
+step runs it, with ``backend="mosaic"`` and ``backend="xla"``, and records the faster: the
+program of :func:`experiments._timing.layer_update` (``bench_lowp`` times the same one):
+``fused_linear_update`` as ``forge_jax.Dense``'s backward calls it (grad norm out, a barrier
+after it), weight and state donated and updated in place, ``_timing.LAYER_CALLS`` calls per
+dispatch at every size, each consuming the previous one's outputs. 480 cases in one GPU call:
+``--workers`` processes compile the Mosaic kernels side by side and take turns on the GPU (one
+at a time holds it for its first launches and timing); ``--estimate-only`` prints the plan and
 its estimate; ``--time-limit`` starts no case that would end past it (the Llama-3.1-8B classes
 come first, then the class farthest from those measured); ``--dry-run`` runs it on CPU with the
 interpreted Triton kernel in seconds. On the H200::
@@ -51,7 +55,9 @@ interpreted Triton kernel in seconds. On the H200::
     PYTHONPATH=$PWD python -m experiments.bench_fused_dw --auto-table --time-limit 500 --out $OUT
 
 writes ``auto_table.json`` (copy it to ``forge_jax/``), ``auto_table.md`` and every row with its
-errors in ``auto_table_rows.json``.
+errors in ``auto_table_rows.json``. ``--compare-lowp LOWP.json ... --out DIR`` then writes
+``DIR/auto_vs_lowp.md``: each case both measured, the table's ms beside ``bench_lowp``'s (the same
+program, so the ratios should be run-to-run noise; ``--before ROWS LOWP`` adds an earlier pair).
 
 Every implementation that updates weights is checked against
 ``fused_dw_update_reference`` after one step from the common initial state,
@@ -222,7 +228,9 @@ def _dispatched(f: Callable[[Any, jax.Array, jax.Array], Any]):
   @functools.partial(jax.jit, donate_argnums=(0,))
   def run(carry, xs, dys):
     for x, dy in zip(xs, dys, strict=True):
-      carry = f(carry, x, dy)
+      # The barrier keeps XLA from fusing one call's update into the next (it would then never
+      # write the intermediate weight and state): each call's work, as one call alone does it.
+      carry = jax.lax.optimization_barrier(f(carry, x, dy))
     return carry
 
   return run
@@ -549,12 +557,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   auto.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
   auto.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
   auto.add_argument("--commit", default=None, help="the tree's commit for the provenance (default: git rev-parse HEAD)")
+  auto.add_argument("--compare-lowp", type=pathlib.Path, nargs="+", default=None, metavar="JSON",
+                    help="bench_lowp.json files: write auto_vs_lowp.md beside --out's auto_table_rows.json "
+                    "(each measured case they share, both programs' ms) and exit")
+  auto.add_argument("--before", type=pathlib.Path, nargs=2, default=None, metavar=("ROWS", "LOWP"),
+                    help="with --compare-lowp: an earlier auto_table_rows.json and bench_lowp.json, as "
+                    "two more columns each")
   auto.add_argument("--rule-table", type=pathlib.Path, default=None, metavar="PATH",
                     help="write the unmeasured table of the rule without one to PATH and exit")
   args = parser.parse_args(argv)
   args.argv = argv
   if args.rule_table is not None:
     _write_text(args.rule_table, rule_table().dumps())
+    return 0
+  if args.compare_lowp:
+    folder = _timing.out_dir(args.out)
+    text = compare_lowp(folder / "auto_table_rows.json", args.compare_lowp, *(args.before or (None, None)))
+    _timing.write_table(folder / "auto_vs_lowp.md", text, folder / "auto_table_rows.json")
     return 0
   if args.auto_table or args.dry_run:
     args.dry_run = args.dry_run or args.smoke
@@ -654,9 +673,6 @@ AUTO_CONFIGS: dict[str, tuple[Any, dict]] = {
 FIRST_CALL_S = {"mosaic": {"fp32": 3.3, "bf16": 4.3, "bf16_sr": 5.9, "fp32_int8": 8.0,
                            "bf16_int8": 7.5, "bf16_sr_int8": 7.0},
                 "xla": 0.4}
-# Device work per dispatch below this: several calls per dispatch (see _dispatched).
-AUTO_DISPATCH_MS = 0.5
-AUTO_MAX_CALLS = 32
 AUTO_SMOKE_SHAPES = ((64, 128), (128, 64))
 
 
@@ -726,79 +742,55 @@ def auto_case_key(config: str, w_dtype, t: int, k: int, n: int) -> dict:
           "states": _auto.state_format(slots), "sr": bool(sr)}
 
 
-def auto_calls(t: int, k: int, n: int, w_dtype) -> int:
-  """Calls per dispatch for a case whose roofline floor is under AUTO_DISPATCH_MS (small shapes)."""
-  state_bytes = k * n * (jnp.dtype(w_dtype).itemsize + 2 * 4)
-  floor_ms = max(2.0 * t * k * n / PEAK_FLOPS, (2 * t * (k + n) + 2 * state_bytes) / PEAK_BYTES) * 1e3
-  return int(min(AUTO_MAX_CALLS, max(1, math.ceil(AUTO_DISPATCH_MS / floor_ms))))
-
-
 def auto_runner(t: int, k: int, n: int, config: str, backend: str, calls: int):
-  """``(compile, init, step, result)``: ``calls`` fused_linear_update steps per dispatch.
+  """``(compile, warm, init, update, result)``: the shared per-layer program
+  (:func:`experiments._timing.layer_update`, the one ``bench_lowp`` times), ``calls`` per dispatch.
 
   ``compile()`` lowers and compiles from shapes alone (no device work: workers compile side by
-  side, see :func:`auto_table_run`); ``init(x, dy, w0)`` makes the inputs' copies and a fresh
-  (w, state), which ``step`` donates.
+  side, see :func:`auto_table_run`); ``init(x, dy, w0)`` makes a fresh carry (copies of the
+  inputs, weight and state), which every dispatch donates.
   """
-  w_dtype = AUTO_CONFIGS[config][0]
-  opt = _auto_optimizer(config)
-  # One jitted update: the unrolled calls share its trace and lowering.
-  update = jax.jit(lambda carry, x, dy: forge_jax.fused_linear_update(x, dy, *carry, opt, backend))
-  run = _dispatched(update)
-  shape = lambda rows, cols, dtype: jax.ShapeDtypeStruct((rows, cols), dtype)
+  update = _timing.layer_update(_auto_optimizer(config), backend, AUTO_CONFIGS[config][0], calls=calls)
+  shapes = update.carry_shapes(t, k, n)
   compiled = []
-  inputs = {}
 
   def compile_():
-    w = shape(k, n, w_dtype)
-    carry = (w, jax.eval_shape(opt.init, w))
-    compiled.append(run.lower(carry, (shape(t, k, BF16),) * calls, (shape(t, n, BF16),) * calls).compile())
+    compiled.append(update.run.lower(shapes).compile())
+    return compiled[0]
 
   def warm():
-    """One call on zeros: whatever the runtime compiles at a first launch (a Mosaic GPU
-    kernel's module) is compiled here, not in the timed turn."""
-    w = jnp.zeros((k, n), w_dtype)
-    zx, zdy = jnp.zeros((t, k), BF16), jnp.zeros((t, n), BF16)
-    jax.block_until_ready(compiled[0]((w, opt.init(w)), (zx,) * calls, (zdy,) * calls))
+    """One dispatch on zeros: whatever the runtime compiles at a first launch (a Mosaic GPU
+    kernel's module) is compiled here, not in the timed loop."""
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    jax.block_until_ready(compiled[0](zeros))
 
-  def init(x, dy, w0):
-    if not inputs:
-      inputs["xs"] = tuple(jnp.copy(x) for _ in range(calls)) if calls > 1 else (x,)
-      inputs["dys"] = tuple(jnp.copy(dy) for _ in range(calls)) if calls > 1 else (dy,)
-    w = jnp.array(w0, w_dtype)  # a copy: the step donates it
-    return w, opt.init(w)
-
-  def result(carry):
-    from forge_jax import _lowp  # pylint: disable=g-import-not-at-top
-
-    w, state = carry
-    return w, tuple(_lowp.decode_slot(s, F32) for s in opt.rule.slots_of(state))
-
-  return compile_, warm, init, lambda c: compiled[0](c, inputs["xs"], inputs["dys"]), result
+  timed = dataclasses.replace(update, run=lambda c: compiled[0](c))
+  return compile_, warm, lambda x, dy, w0: update.init(x, dy, w0), timed, update.result
 
 
-def _auto_measure(runner, inputs, timing: dict, calls: int, gpu_lock, reference=None,
+def _auto_measure(runner, inputs, timing: dict, gpu_lock, reference=None,
                   compile_on_gpu: bool = False) -> dict:
-  """Compile (timed) and a first call on zeros, outside ``gpu_lock`` unless ``compile_on_gpu``
-  (XLA's GEMM autotuner runs candidate kernels on the device: then no call on zeros either);
-  then under it one checked dispatch and device time per call. Never raises."""
-  compile_, warm, init, step, result = runner
-  row: dict[str, Any] = {"status": "ok", "calls_per_dispatch": calls}
+  """Compile (timed) outside ``gpu_lock`` unless ``compile_on_gpu`` (XLA's GEMM autotuner runs
+  candidate kernels on the device); then, holding it, a first dispatch on zeros (the Mosaic
+  runtime's module compile, a few ms) unless compiled there, one checked dispatch and the device
+  time per layer update. No other worker's work reaches the device meanwhile. Never raises."""
+  compile_, warm, init, update, result = runner
+  row: dict[str, Any] = {"status": "ok", "calls_per_dispatch": update.calls}
   carry = None
   try:
     with gpu_lock() if compile_on_gpu else contextlib.nullcontext():
       start = time.perf_counter()
       compile_()
       row["compile_s"] = round(time.perf_counter() - start, 3)
+    with gpu_lock():
       if not compile_on_gpu:
         start = time.perf_counter()
         warm()
         row["warm_s"] = round(time.perf_counter() - start, 3)
-    with gpu_lock():
       x, dy, w0 = inputs()
       carry = init(x, dy, w0)
       start = time.perf_counter()
-      carry = step(carry)
+      carry = update.run(carry)
       jax.block_until_ready(carry)
       row["first_call_s"] = round(time.perf_counter() - start, 3)
       first = jax.tree.map(jnp.copy, result(carry))
@@ -809,8 +801,8 @@ def _auto_measure(runner, inputs, timing: dict, calls: int, gpu_lock, reference=
         row["err_slots"] = max((float(_rel_err(s, r)) for s, r in zip(slots, slots_ref)), default=0.0)
         if not (row["err_update"] <= UPDATE_TOL_16 and row["err_slots"] <= AUTO_SLOT_TOL):
           row["status"] = "check_failed"
-      t, carry = _timing.time_steps(step, carry, **timing)
-    row.update(ms=t.median_ms / calls, min_ms=t.min_ms / calls, iters=t.iters)
+      t, carry = _timing.time_layer_update(update, carry, **timing)
+    row.update(ms=t.median_ms, min_ms=t.min_ms, iters=t.iters)
     row["_result"] = first
   except Exception as e:  # one failure must not end the run
     row.update(status="error", error=_timing.short_error(e))
@@ -838,16 +830,33 @@ def auto_plan(classes, tokens, configs) -> list[tuple]:
   return [(rep, members, t, config) for rep, members in classes for t in tokens for config in configs]
 
 
-def _case_s(config: str, kernel: str) -> float:
-  return (FIRST_CALL_S["mosaic"][config] if kernel == "mosaic" else 1.0) + FIRST_CALL_S["xla"] + 0.3
+def _device_s(t: int, k: int, n: int, config: str) -> float:
+  """Seconds of device work to time one backend on one case: the first dispatches (on zeros,
+  checked, warm-up) and 3 repeats of at least 10 ms and 3 dispatches, at twice the roofline
+  floor per layer update (AUTO_CONFIGS' bytes: x, dy once; weight and states twice)."""
+  w_dtype, fields = AUTO_CONFIGS[config]
+  state_bytes = 2 * (1.03 if fields.get("state_dtype") == "int8" else jnp.dtype(w_dtype).itemsize)
+  nbytes = 2 * t * (k + n) + 2 * k * n * (jnp.dtype(w_dtype).itemsize + state_bytes)
+  dispatch_ms = _timing.LAYER_CALLS * 2 * max(2.0 * t * k * n / PEAK_FLOPS, nbytes / PEAK_BYTES) * 1e3
+  return (3 * dispatch_ms + 3 * max(10.0, 3 * dispatch_ms)) / 1e3
+
+
+def _case_s(config: str, kernel: str, t: int, k: int, n: int) -> float:
+  """Seconds one case takes: the kernel's compile, then the GPU turn (XLA's compile, both timings)."""
+  return ((FIRST_CALL_S["mosaic"][config] if kernel == "mosaic" else 1.0) + _turn_s(t, k, n, config))
+
+
+def _turn_s(t: int, k: int, n: int, config: str) -> float:
+  # 0.2 s: the inputs, the check and its copies (host work under the lock).
+  return FIRST_CALL_S["xla"] + 0.2 + 2 * _device_s(t, k, n, config)
 
 
 def auto_estimate_s(plan, kernel: str, workers: int = 1) -> float:
-  """Seconds the plan takes by FIRST_CALL_S: the kernel's compiles split over the workers, or the
-  GPU's turns (XLA's compiles, first calls, timing) one after another, whichever is longer; plus
-  the workers' start."""
+  """Seconds the plan takes by FIRST_CALL_S and :func:`_device_s`: the kernel's compiles split
+  over the workers, or the GPU's turns (XLA's compiles, first calls, timing) one after another,
+  whichever is longer."""
   kernels = sum(FIRST_CALL_S["mosaic"][c] if kernel == "mosaic" else 1.0 for *_, c in plan)
-  turns = sum(FIRST_CALL_S["xla"] + 0.3 for _ in plan)
+  turns = sum(_turn_s(t, *rep, c) for rep, _, t, c in plan)
   return max(kernels / workers, turns) if workers > 1 else kernels + turns
 
 
@@ -888,18 +897,18 @@ def measure_cases(plan, indices, *, kernel: str, interpret: bool, timing: dict, 
     w_dtype = AUTO_CONFIGS[config][0]
     key = auto_case_key(config, w_dtype, t, k, n)
     row = dict(key, config=config, members=[list(m) for m in members], kernel=kernel)
-    stopped = stopped or (deadline is not None and time.time() + _case_s(config, kernel) > deadline)
+    stopped = stopped or (deadline is not None and time.time() + _case_s(config, kernel, t, k, n) > deadline)
     if stopped:
       sink(i, dict(row, status="skipped: time limit"))
       continue
-    calls = 1 if interpret else auto_calls(t, k, n, w_dtype)
+    calls = 1 if interpret else _timing.LAYER_CALLS
     inputs = inputs_of(t, k, n)
-    xla = _auto_measure(auto_runner(t, k, n, config, "xla", calls), inputs, timing, calls, gpu_lock,
+    xla = _auto_measure(auto_runner(t, k, n, config, "xla", calls), inputs, timing, gpu_lock,
                         compile_on_gpu=True)
     reference = xla.pop("_result", None)
     why = None if interpret else _auto_mosaic_problem(k, n, t, config)
     if why is None:
-      mine = _auto_measure(auto_runner(t, k, n, config, kernel, calls), inputs, timing, calls,
+      mine = _auto_measure(auto_runner(t, k, n, config, kernel, calls), inputs, timing,
                            gpu_lock, reference)
       mine.pop("_result", None)
     else:
@@ -928,7 +937,8 @@ def auto_table_run(args) -> int:
   else:
     tokens, shapes = args.tokens or AUTO_TOKENS, args.shapes or preset_shapes()
     first = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]  # Llama-3.1-8B
-    timing = dict(warmup=2, iters=None, repeats=3, target_repeat_ms=10.0)
+    # The warm-up dispatch picks the dispatches per repeat (the checked one compiled and warmed).
+    timing = dict(warmup=1, iters=None, repeats=3, target_repeat_ms=10.0)
   workers = args.workers or (1 if interpret else 8)
   if workers < 1:
     raise ValueError(f"--workers={workers} must be >= 1")
@@ -952,6 +962,7 @@ def auto_table_run(args) -> int:
 
   info = _timing.run_info("experiments.bench_fused_dw", args.argv)
   info.update(commit=args.commit or _git_commit(), kernel=kernel, interpret=interpret, timing=timing,
+              calls_per_dispatch=1 if interpret else _timing.LAYER_CALLS,
               time_limit_s=args.time_limit, workers=workers, cases=len(plan),
               estimate_s=round(auto_estimate_s(plan, "mosaic" if not args.dry_run else kernel, workers)),
               classes=[{"representative": list(r), "members": [list(m) for m in ms]} for r, ms in classes])
@@ -1047,7 +1058,7 @@ def _auto_mosaic_problem(k: int, n: int, t: int, config: str) -> Optional[str]:
   w = jax.ShapeDtypeStruct((k, n), w_dtype)
   slots = opt.rule.slots_of(jax.eval_shape(opt.init, w))
   rounding = {"weight_codec": _lowp.weight_codec(opt.precision, w_dtype)}
-  return _fused._mosaic_problem(x, dy, w, slots, None, False, rounding)[0]
+  return _fused._mosaic_problem(x, dy, w, slots, None, True, rounding)[0]  # the grad norm too
 
 
 def _git_commit() -> str:
@@ -1063,7 +1074,8 @@ def auto_markdown(info: dict, rows: list[dict]) -> str:
   out = ["# backend=\"auto\": the Mosaic kernel against XLA's dot + fused update", "",
          f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}, jaxlib "
          f"{info['jaxlib']}; commit {info['commit']}; {info['elapsed_s']} s. AdamW, bf16 x/dy; ms per "
-         "call, device time (experiments/_timing.py; small shapes several calls per dispatch). "
+         f"layer update, device time ({info.get('calls_per_dispatch', '?')} per dispatch, each feeding the "
+         "next: experiments/_timing.layer_update, the program bench_lowp times). "
          "Each shape stands for its class (members listed).", "",
          "| T | K x N (class members) | config | kernel ms | xla ms | kernel / xla | auto |",
          "|---|---|---|---|---|---|---|"]
@@ -1078,6 +1090,55 @@ def auto_markdown(info: dict, rows: list[dict]) -> str:
   skipped = sum(1 for r in rows if "kernel_row" not in r)
   if skipped:
     out += ["", f"{skipped} cases not measured (time limit): \"auto\" takes the nearest measured one."]
+  return "\n".join(out) + "\n"
+
+
+# AUTO_CONFIGS name -> bench_lowp.CONFIGS name: the same weight dtype and Precision.
+LOWP_CONFIGS = {"fp32": "fp32", "fp32_int8": "fp32_int8", "bf16": "bf16_rtn_bf16",
+                "bf16_int8": "bf16_rtn_int8", "bf16_sr": "bf16_sr_bf16", "bf16_sr_int8": "bf16_sr_int8"}
+
+
+def compare_lowp(rows_path: pathlib.Path, lowp_paths: Sequence[pathlib.Path],
+                 before_rows: Optional[pathlib.Path] = None,
+                 before_lowp: Optional[pathlib.Path] = None) -> str:
+  """The table's cases beside bench_lowp's rows of the same case (kernel: its ``mosaic`` row):
+  since both time _timing.layer_update, each ratio should be within run-to-run noise. With
+  ``before_*``: an earlier table and bench_lowp run as two more columns per backend."""
+  def table(path):
+    rows = json.loads(pathlib.Path(path).read_text())["rows"]
+    return {(f"{r['t']}x{r['k']}x{r['n']}", LOWP_CONFIGS[r["config"]]): r for r in rows
+            if "kernel_row" in r}
+
+  def lowp(paths):
+    out = {}
+    for path in paths:
+      for r in json.loads(pathlib.Path(path).read_text())["rows"]:
+        if r.get("impl") in ("xla", "mosaic") and "ms" in r:
+          out.setdefault((r["shape"], r["config"]), {})[r["impl"]] = r["ms"]
+    return out
+
+  now, now_lowp = table(rows_path), lowp(lowp_paths)
+  old = table(before_rows) if before_rows else {}
+  old_lowp = lowp([before_lowp]) if before_lowp else {}
+  ms = lambda v: f"{v:.4f}" if v is not None else "-"
+  ratio = lambda a, b: f"{a / b:.2f}" if a is not None and b is not None else "-"
+  head = ["table", "bench_lowp", "table / bench_lowp"]
+  if old:
+    head += ["table before", "bench_lowp before"]
+  out = ["# The auto table's timings beside bench_lowp's (the same program: _timing.layer_update)", "",
+         f"Table: `{rows_path}`; bench_lowp: {', '.join(f'`{p}`' for p in lowp_paths)}"
+         + (f"; before: `{before_rows}`, `{before_lowp}`" if old else "") + ". ms per layer update.", "",
+         "| T x K x N | config | backend | " + " | ".join(head) + " |",
+         "|---|---|---|" + "---|" * len(head)]
+  for key in sorted(set(now) & set(now_lowp)):
+    for backend, impl, row_key in (("mosaic", "mosaic", "kernel_row"), ("xla", "xla", "xla_row")):
+      a, b = now[key][row_key].get("ms"), now_lowp[key].get(impl)
+      cells = [ms(a), ms(b), ratio(a, b)]
+      if old:
+        cells += [ms(old.get(key, {}).get(row_key, {}).get("ms")), ms(old_lowp.get(key, {}).get(impl))]
+      out.append(f"| {key[0]} | {key[1]} | {backend} | " + " | ".join(cells) + " |")
+  if len(out) == 6:
+    out.append("\nNo case in both.")
   return "\n".join(out) + "\n"
 
 

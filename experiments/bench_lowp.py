@@ -11,8 +11,12 @@ On a CPU (seconds, Pallas interpret mode, tiny shapes):
 At the shapes of ``bench_fused_dw`` (T in {1024, 4096, 16384}, (K, N) in
 {(4096, 4096), (4096, 14336), (14336, 4096), (5120, 17408)}), bf16 x/dy and
 AdamW, for each storage configuration (:data:`CONFIGS`: weight dtype and
-:class:`forge_jax.Precision`) it times one ``fused_linear_update`` step with
-the weight and state donated:
+:class:`forge_jax.Precision`) it times one layer's update as a model step runs
+it (:func:`experiments._timing.layer_update`, the program ``bench_fused_dw
+--auto-table`` times too: ``fused_linear_update`` as ``forge_jax.Dense``'s
+backward calls it, weight and state donated and updated in place, int8 codes in
+their float view as ``forge_jax.train_step`` hands them over,
+``_timing.LAYER_CALLS`` calls per dispatch, each feeding the next):
 
 * ``pallas``: the Triton-lowered fused kernel (codecs in its epilogue);
 * ``xla``: the XLA backend with the same codecs (one float32 dot, then the
@@ -21,14 +25,11 @@ the weight and state donated:
   (``backend="mosaic"``; under its interpreter on a CPU). A configuration it
   cannot take is recorded as ``unsupported`` with the reason, never timed as
   the fallback it would run;
-* ``pallas_view`` (int8 configs): the kernel fed the float8 view of the int8
-  codes, as ``forge_jax.train_step`` hands them to a FORGE layer (measures the
-  cost of the bitcasts around the kernel, if XLA makes them copies);
 
 plus ``optax_fp32`` and ``optax_bf16``: the GEMM + ``optax.adamw`` +
 ``apply_updates`` in one donated jit, float32 and bfloat16 params.
 Every fused row is first checked against the ``xla`` row of its
-configuration after one step from the same state (relative Frobenius error of
+configuration after one dispatch from the same state (relative Frobenius error of
 the weight update and of the decoded slots). Reported per row: ms (device
 time, experiments/_timing.py), TFLOP/s at 2 T K N, bytes per parameter of
 weight + state (from the real arrays), and the speed relative to the fp32
@@ -110,32 +111,20 @@ def mosaic_problem(x, dy, w0, config: str, interpret: bool,
   tiling = None
   if fields:
     from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
-    tiling = dataclasses.replace(mosaic.default_config(x, dy, w, slots), **fields)
+    tiling = dataclasses.replace(mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True), **fields)
   rounding = {"weight_codec": _lowp.weight_codec(precision, w_dtype)}  # as fused_linear_update passes it
-  why = _fused._mosaic_problem(x, dy, w, slots, tiling, False, rounding, interpret=interpret)[0]
+  # With the grad norm, as _timing.layer_update (and a model step) asks for it.
+  why = _fused._mosaic_problem(x, dy, w, slots, tiling, True, rounding, interpret=interpret)[0]
   return why, tiling
 
 
-def fused_runner(x, dy, w0, config: str, backend: str, *, view: bool = False, tile=None):
-  """(init, step, result) of one fused_linear_update configuration."""
+def fused_runner(x, dy, w0, config: str, backend: str, *, tile=None, calls: Optional[int] = None):
+  """(init, layer update, result) of one configuration: the shared per-layer program
+  (``calls`` per dispatch, default ``_timing.LAYER_CALLS``)."""
   w_dtype, precision = CONFIGS[config]
-  opt = _optimizer(precision)
-
-  @functools.partial(jax.jit, donate_argnums=(0,))
-  def step(carry, x, dy):
-    w, state = carry
-    return forge_jax.fused_linear_update(x, dy, w, state, opt, backend, config=tile)
-
-  def init():
-    w = jnp.array(w0, w_dtype)  # a copy: the step donates it
-    state = opt.init(w)
-    return w, (_lowp.to_float_view(state) if view else state)
-
-  def result(carry):
-    w, state = carry
-    return w, tuple(_lowp.decode_slot(s, F32) for s in _lowp.from_float_view(tuple(state[1:])))
-
-  return init, (lambda c: step(c, x, dy)), result
+  update = _timing.layer_update(_optimizer(precision), backend, w_dtype, config=tile,
+                                calls=calls or _timing.LAYER_CALLS)
+  return (lambda: update.init(x, dy, w0)), update, update.result
 
 
 def optax_runner(x, dy, w0, dtype):
@@ -161,8 +150,13 @@ def _rel(a, b):
 
 
 def measure(name: str, runner, shape, flops: float, timing: dict, reference=None, w0=None) -> dict:
-  """Check against ``reference`` (after one step) then time. Never raises."""
+  """Check against ``reference`` (after one dispatch) then time. Never raises.
+
+  ``runner[1]`` is a :class:`_timing.LayerUpdate` (timed per layer update) or a plain step."""
   init, step, result = runner
+  update = step if isinstance(step, _timing.LayerUpdate) else None
+  if update is not None:
+    step = update.run
   row: dict[str, Any] = {"impl": name, "shape": shape, "status": "ok"}
   carry = None
   try:
@@ -179,7 +173,11 @@ def measure(name: str, runner, shape, flops: float, timing: dict, reference=None
       row["err_slots"] = max((_rel(s, r) for s, r in zip(slots, slots_ref)), default=0.0)
       if not (row["err_update"] <= UPDATE_TOL and row["err_slots"] <= SLOT_TOL):
         row["status"] = "check_failed"
-    t, carry = _timing.time_steps(step, carry, **timing)
+    if update is not None:
+      t, carry = _timing.time_layer_update(update, carry, **timing)
+      row["calls_per_dispatch"] = update.calls
+    else:
+      t, carry = _timing.time_steps(step, carry, **timing)
     row.update(ms=t.median_ms, min_ms=t.min_ms, repeats_ms=list(t.repeats_ms), iters=t.iters,
                tflops=flops / (t.median_ms * 1e-3) / 1e12)
     row["_result"] = first
@@ -191,7 +189,7 @@ def measure(name: str, runner, shape, flops: float, timing: dict, reference=None
 
 
 def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=None,
-                variants: Optional[dict[str, dict]] = None) -> list[dict]:
+                variants: Optional[dict[str, dict]] = None, calls: Optional[int] = None) -> list[dict]:
   """Rows of one T x K x N; ``variants``: name -> MosaicTileConfig fields over the Mosaic
   kernel's default tiling, each timed as impl ``mosaic_<name>``."""
   x, dy, w0 = bench_fused_dw.make_inputs(t, k, n)
@@ -212,21 +210,19 @@ def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=
       rows.append({"impl": "-", "config": config, "shape": shape, "status": "error",
                    "bytes_per_param": float("nan"), "error": _timing.short_error(e)})
       continue
-    ref_row = measure("xla", fused_runner(x, dy, w0, config, "xla"), shape, flops,
+    ref_row = measure("xla", fused_runner(x, dy, w0, config, "xla", calls=calls), shape, flops,
                       timing if "xla" in impls else dict(warmup=0, iters=1, repeats=1))
     reference = ref_row.pop("_result", None)
     todo = [("xla", None)] if "xla" in impls else []
     if "pallas" in impls:
-      todo.append(("pallas", fused_runner(x, dy, w0, config, kernel, tile=tile)))
-    if "pallas_view" in impls and precision.state_dtype == "int8":
-      todo.append(("pallas_view", fused_runner(x, dy, w0, config, kernel, view=True, tile=tile)))
+      todo.append(("pallas", fused_runner(x, dy, w0, config, kernel, tile=tile, calls=calls)))
     mosaic_impls = [("mosaic", None)] if "mosaic" in impls else []
     mosaic_impls += [(f"mosaic_{name}", fields) for name, fields in (variants or {}).items()]
     for impl, fields in mosaic_impls:
       why, tiling = mosaic_problem(x, dy, w0, config, interpret, fields)
       if why is None:
         backend = "mosaic_interpret" if interpret else "mosaic"
-        todo.append((impl, fused_runner(x, dy, w0, config, backend, tile=tiling)))
+        todo.append((impl, fused_runner(x, dy, w0, config, backend, tile=tiling, calls=calls)))
       else:
         rows.append({"impl": impl, "config": config, "shape": shape, "status": "unsupported",
                      "bytes_per_param": bpp, "error": why})
@@ -261,7 +257,8 @@ def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
       "# Low-precision FORGE: fused dW + AdamW per storage configuration", "",
       f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
       f"triton {info['triton']}.", "",
-      "Each cell: median ms per call (device time, back-to-back calls), TFLOP/s at 2TKN. bytes/param: "
+      f"Each cell: median ms per layer update (device time; {info.get('calls_per_dispatch', 1)} per dispatch, each "
+      "feeding the next, as experiments/_timing.layer_update runs them), TFLOP/s at 2TKN. bytes/param: "
       "weight + optimizer state. `pallas vs X`: X's ms over this row's pallas ms (above 1: faster). optax rows show their time in the first column.", "",
       "| T x K x N | config | bytes/param | " + " | ".join(impls)
       + f" | pallas vs {REFERENCE} | pallas vs optax_fp32 |",
@@ -299,12 +296,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help=f"T values (default {bench_fused_dw.TOKENS})")
   parser.add_argument("--shapes", type=bench_fused_dw._parse_kn, nargs="+", default=None, help="KxN shapes")
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-  impls_default = ["xla", "pallas", "pallas_view", *BASELINES]
+  impls_default = ["xla", "pallas", *BASELINES]
   parser.add_argument("--impls", nargs="+", default=impls_default, choices=impls_default + ["mosaic"],
                       help="mosaic: the Mosaic GPU kernel too (opt-in)")
   parser.add_argument("--tile", type=bench_fused_dw._parse_tile, default=None,
                       help="pallas tile 'block_k,block_n,block_t,num_warps,num_stages' (default: tuned table)")
-  parser.add_argument("--iters", type=int, default=30)
+  parser.add_argument("--iters", type=int, default=None,
+                      help="dispatches per repeat (default: about 20 ms of device work, 3 to 30)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--baseline-tree", default=None, type=pathlib.Path, metavar="DIR",
                       help="another checkout whose kernels to time side by side (module docstring)")
@@ -334,16 +332,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     baseline = run_baseline(args.baseline_tree, argv, args.baseline_configs, folder / "baseline")
   info = _timing.run_info("experiments.bench_lowp", argv)
   info.update(interpret=interpret, timing=timing, lr=LR, weight_decay=WD,
+              calls_per_dispatch=1 if interpret else _timing.LAYER_CALLS,
               configs={k: {"w_dtype": jnp.dtype(d).name, "precision": repr(p)} for k, (d, p) in CONFIGS.items()},
               update_tol=UPDATE_TOL, slot_tol=SLOT_TOL)
   _timing.log(f"bench_lowp on {info['device']} (jax {info['jax']}), interpret={interpret}")
   rows = _timing.run_shapes(
       folder / "bench_lowp.json", info, tokens, shapes,
       lambda t, k, n: bench_shape(t, k, n, args.configs, args.impls, interpret=interpret,
-                                  timing=timing, tile=args.tile, variants=variants),
+                                  timing=timing, tile=args.tile, variants=variants,
+                                  calls=1 if interpret else _timing.LAYER_CALLS),
       {"impl": "-", "config": "-", "bytes_per_param": float("nan")},
   )
-  impls = [i for i in ("xla", "pallas", "pallas_view", "mosaic") if i in args.impls]
+  impls = [i for i in ("xla", "pallas", "mosaic") if i in args.impls]
   impls += [f"mosaic_{name}" for name in variants]
   if any(b in args.impls for b in BASELINES):
     impls = impls or ["pallas"]
@@ -357,8 +357,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run_baseline(tree: pathlib.Path, argv: Sequence[str], configs: Optional[Sequence[str]],
                  out: pathlib.Path) -> dict:
-  """This script's run on another checkout: a subprocess with ``tree`` first on PYTHONPATH (its
-  ``pallas_kernels`` and ``forge_jax``; this file is the harness for both), for ``configs``."""
+  """This script's run on another checkout: a subprocess with the tree's ``pallas_kernels`` and
+  ``forge_jax`` and this tree's ``experiments`` (the harness for both), for ``configs``."""
   tree, out = tree.resolve(), out.resolve()
   if not (tree / "pallas_kernels").is_dir():
     raise ValueError(f"--baseline-tree {tree} has no pallas_kernels/: pass a checkout of this "
@@ -373,9 +373,16 @@ def run_baseline(tree: pathlib.Path, argv: Sequence[str], configs: Optional[Sequ
       rest.append(a)
   if configs:
     rest += ["--configs", *configs]
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
+  # This harness (experiments/, with the program _timing.layer_update times) over the tree's
+  # kernels: a folder holding only a link to this experiments/ comes before the tree.
+  shim = out / "harness"
+  shim.mkdir(parents=True, exist_ok=True)
+  link = shim / "experiments"
+  if not link.exists():
+    link.symlink_to(pathlib.Path(__file__).resolve().parent, target_is_directory=True)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(tree), os.environ.get("PYTHONPATH", "")]))
   cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *rest, "--out", str(out)]
-  _timing.log(f"baseline: {' '.join(cmd)} (PYTHONPATH={tree})")
+  _timing.log(f"baseline: {' '.join(cmd)} (PYTHONPATH={shim}:{tree})")
   proc = subprocess.run(cmd, env=env, cwd=tree, check=False)
   if proc.returncode != 0:
     raise RuntimeError(f"the baseline run on {tree} ended with {proc.returncode}")

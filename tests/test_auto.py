@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +11,12 @@ import numpy as np
 import pytest
 
 import forge_jax
+from experiments import _timing
 from experiments import bench_fused_dw
+from experiments import bench_lowp
 from forge_jax import _auto
 from forge_jax import _fused
+from forge_jax import _lowp
 import pallas_kernels
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -199,3 +203,89 @@ def test_the_table_speaks_for_hopper_gpus_only(monkeypatch):
   assert _fused._resolve_backend("auto", case=case) == "xla"
   monkeypatch.setattr(mosaic_config, "device_problem", lambda: "needs a Hopper GPU (sm_90, wgmma); A100 is sm_8.0")
   assert _fused._resolve_backend("auto", case=case) == _fused._AUTO_MOSAIC
+
+
+def _hlo(compiled) -> str:
+  """The compiled program without its source locations (the callers' files differ)."""
+  blocks = compiled.as_text().split("\n\n")
+  text = "\n\n".join(b for b in blocks if not b.lstrip().startswith(
+      ("FileNames", "FunctionNames", "FileLocations", "StackFrames")))
+  return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+
+def test_the_timed_program_is_one_layer_update_per_call_in_place():
+  """What --auto-table times per call is the update a model step runs per layer. Its first H200
+  run (2026-12-02) chained its calls in one jit without the Dense backward's barrier: XLA fused
+  one call's update into the next (the intermediate weight and int8 codes never written, their
+  arithmetic recomputed) and timed int8 states at 1.54 ms where bench_lowp timed 0.56."""
+  t, k, n, calls = 32, 64, 256, 2
+  compile_, _, init, update, result = bench_fused_dw.auto_runner(t, k, n, "bf16_int8", "xla", calls)
+  hlo = _hlo(compile_())
+  # One GEMM, in a loop of `calls` (a static trip count: no host round trip per call).
+  assert len(re.findall(r" dot\(", hlo)) == 1
+  assert len(re.findall(r" while\(", hlo)) == 1 and f'"known_trip_count":{{"n":"{calls}"}}' in hlo
+  # Every carry leaf (weight, count, int8 codes and scales, grad norm, x, dy) donated, updated in place.
+  leaves = len(jax.tree.leaves(jax.eval_shape(init, *bench_fused_dw.make_inputs(t, k, n))))
+  aliases = re.search(r"input_output_alias=\{ (.*?) \}, ", hlo).group(1)
+  assert aliases == ", ".join(f"{{{i}}}: ({i}, {{}}, may-alias)" for i in range(leaves))
+  # Run: `calls` updates, each from the last one's weight and state, the grad norm live.
+  x, dy, w0 = bench_fused_dw.make_inputs(t, k, n)
+  carry = update.run(init(x, dy, w0))
+  opt = bench_fused_dw._auto_optimizer("bf16_int8")
+  w, state = jnp.asarray(w0, BF16), opt.init(jnp.asarray(w0, BF16))
+  sq_sum = 0.0
+  for _ in range(calls):
+    w, state, sq = forge_jax.fused_linear_update(x, dy, w, state, opt, "xla", return_grad_sq_norm=True,
+                                                 stream=_timing.LAYER_STREAM)
+    sq_sum += float(sq)
+  assert int(carry[1].count) == calls and float(carry[2]) == pytest.approx(sq_sum, rel=1e-5)
+  got_w, got_slots = result(carry)
+  np.testing.assert_allclose(np.asarray(got_w, F32), np.asarray(w, F32), rtol=0, atol=2.0**-9)
+  for got, want in zip(got_slots, opt.rule.slots_of(state)):
+    np.testing.assert_allclose(got, _lowp.decode_slot(want, F32), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("lowp, auto", [("bf16_rtn_int8", "bf16_int8"), ("fp32", "fp32"),
+                                        ("bf16_sr_bf16", "bf16_sr")])
+def test_bench_lowp_and_the_auto_table_time_the_same_program(lowp, auto):
+  """One timing function for both harnesses: the compiled program of a case is the same text."""
+  assert bench_fused_dw.LOWP_CONFIGS[auto] == lowp
+  t, k, n = 32, 64, 256
+  x, dy, w0 = bench_fused_dw.make_inputs(t, k, n)
+  _, update, _ = bench_lowp.fused_runner(x, dy, w0, lowp, "xla", calls=3)
+  mine = _hlo(update.run.lower(update.carry_shapes(t, k, n)).compile())
+  assert mine == _hlo(bench_fused_dw.auto_runner(t, k, n, auto, "xla", 3)[0]())
+
+
+def test_auto_and_lowp_config_names_are_the_same_storage():
+  for auto, lowp in bench_fused_dw.LOWP_CONFIGS.items():
+    w_dtype, fields = bench_fused_dw.AUTO_CONFIGS[auto]
+    assert bench_lowp.CONFIGS[lowp] == (w_dtype, forge_jax.Precision(**fields)), auto
+  assert set(bench_fused_dw.LOWP_CONFIGS) == set(bench_fused_dw.AUTO_CONFIGS)
+
+
+def test_layer_update_refuses_no_calls():
+  with pytest.raises(ValueError, match="calls=0 must be >= 1"):
+    _timing.layer_update(bench_fused_dw._auto_optimizer("bf16"), "xla", BF16, calls=0)
+
+
+def test_compare_lowp_puts_both_programs_side_by_side(tmp_path):
+  rows = {"rows": [{"t": 1024, "k": 4096, "n": 1024, "config": "bf16", "kernel_row": {"ms": 0.03},
+                    "xla_row": {"ms": 0.06}},
+                   {"t": 1024, "k": 4096, "n": 4096, "config": "bf16", "status": "skipped: time limit"}]}
+  lowp = {"rows": [{"shape": "1024x4096x1024", "config": "bf16_rtn_bf16", "impl": "mosaic", "ms": 0.03},
+                   {"shape": "1024x4096x1024", "config": "bf16_rtn_bf16", "impl": "xla", "ms": 0.05}]}
+  (tmp_path / "auto_table_rows.json").write_text(json.dumps(rows))
+  (tmp_path / "lowp.json").write_text(json.dumps(lowp))
+  assert bench_fused_dw.main(["--compare-lowp", str(tmp_path / "lowp.json"), "--out", str(tmp_path)]) == 0
+  text = (tmp_path / "auto_vs_lowp.md").read_text()
+  assert "| 1024x4096x1024 | bf16_rtn_bf16 | mosaic | 0.0300 | 0.0300 | 1.00 |" in text
+  assert "| 1024x4096x1024 | bf16_rtn_bf16 | xla | 0.0600 | 0.0500 | 1.20 |" in text
+
+
+def test_layer_update_refuses_to_time_a_mosaic_fallback():
+  """A case the Mosaic kernel cannot take would run its fallback under the kernel's name."""
+  update = _timing.layer_update(bench_fused_dw._auto_optimizer("bf16_sr_int8"), "mosaic_interpret", BF16,
+                                calls=1)
+  with pytest.raises(ValueError, match="backend='mosaic_interpret' cannot run this layer .*interpreter"):
+    update.run.lower(update.carry_shapes(64, 64, 256))
