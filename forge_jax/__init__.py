@@ -19,6 +19,8 @@ Public API:
 * :class:`Dense`: a Flax linen Dense whose backward pass updates its kernel
   and optimizer state in place; :class:`TrainState` and :func:`train_step`
   run a whole in-place training step.
+* :class:`TensorParallel` and :func:`shard_tree`: Megatron-style tensor and
+  sequence parallelism of FORGE layers on a mesh axis (docs/parallel.md).
 * :class:`Precision` (``precision=`` of every optimizer): stochastic rounding
   of bfloat16 weights, bfloat16 or int8 (block-quantized, :class:`QuantMap`,
   :class:`QuantizedArray`) optimizer states.
@@ -34,6 +36,8 @@ from forge_jax._fused import BACKENDS
 from forge_jax._fused import fused_linear_update
 from forge_jax._lowp import Precision
 from forge_jax._optimizers import ForgeOptimizer
+from forge_jax._parallel import TensorParallel
+from forge_jax._parallel import shard_tree
 from forge_jax._optimizers import adagrad
 from forge_jax._optimizers import adam
 from forge_jax._optimizers import adam_atan2
@@ -90,6 +94,7 @@ __all__ = [
     "SGDState",
     "StabilizedRule",
     "ScannedStack",
+    "TensorParallel",
     "TrainState",
     "adagrad",
     "adam",
@@ -108,6 +113,7 @@ __all__ = [
     "rmsprop",
     "save_train_state",
     "sgd",
+    "shard_tree",
     "stabilize",
     "train_step",
 ]
