@@ -35,7 +35,9 @@ of ``models`` with random weights on random tokens:
 * a row's own settings, after its name: ``:remat=X`` (``none``, ``full`` or
   a policy name), ``:master=float32`` (weights and optimizer states in that
   dtype, compute in ``--dtype``), ``:mem=0.95`` (that row's allocator limit,
-  as ``--mem-fraction``), e.g. ``optax_unrolled:remat=none:master=float32:mem=0.95``.
+  as ``--mem-fraction``), ``:mesh=P`` (a FORGE row on a P-device mesh, tensor-parallel over
+  it: docs/parallel.md; ``:mesh=1`` measures what a 1-device mesh costs), e.g.
+  ``optax_unrolled:remat=none:master=float32:mem=0.95``.
   The row's ``impl`` is the whole name; its ``remat``, ``param_dtype`` and
   ``mem_fraction`` are recorded. The model config validates the combination
   (e.g. a name policy without names): a refused one is an error row.
@@ -109,7 +111,7 @@ IMPLS = ("optax", "optax_clip", "forge", "forge_sr", "forge_int8", "forge_int8_s
 UNROLLED = "_unrolled"
 FORGE_BACKENDS = ("xla", "pallas", "mosaic")  # optional "_<backend>" suffix of a forge impl
 REMAT = "full"  # --remat's default
-ROW_OPTIONS = ("remat", "master", "mem")  # ":key=value" after a row's implementation name
+ROW_OPTIONS = ("remat", "master", "mem", "mesh")  # ":key=value" after a row's implementation name
 SKIPPED = "skipped: time budget"
 TIMING = "median3"  # meta["timing"]: how step_ms was taken (absent: mean of 5 after 1 warm-up)
 
@@ -157,6 +159,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     if not 0 < mem <= 1:
       raise ValueError(f"mem={options['mem']!r} in {spec!r} must be a fraction in (0, 1], e.g. 0.95")
     options["mem"] = mem
+  if "mesh" in options:
+    if not options["mesh"].isdigit() or int(options["mesh"]) < 1 or not name.startswith("forge"):
+      raise ValueError(f"mesh={options['mesh']!r} in {spec!r}: a FORGE row's tensor-parallel size, "
+                       "an int >= 1 (mesh=1: the model on a 1-device mesh), e.g. forge:mesh=1")
+    options["mesh"] = int(options["mesh"])
   return name, options
 
 
@@ -166,7 +173,7 @@ def row_settings(spec: str, remat: str = REMAT, master_dtype: str | None = None,
   own options where it has them, else the run's."""
   _, options = parse_spec(spec)
   return {"remat": options.get("remat", remat), "param_dtype": options.get("master", master_dtype),
-          "mem_fraction": options.get("mem", mem_fraction)}
+          "mem_fraction": options.get("mem", mem_fraction), "mesh": options.get("mesh")}
 
 
 def forge_backend(base: str) -> tuple[str, str]:
@@ -296,10 +303,25 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
          "forge_backend": backend if linear == "forge" else None, "params_b": cfg.num_params / 1e9,
          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   opt = _forge_optimizer(base)
-  model = models.CausalLM(cfg, optimizer=opt)
+  tp = None
+  if settings["mesh"] is not None:  # tensor parallelism over the first `mesh` devices
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:settings["mesh"]]), ("tensor",))
+    tp = forge_jax.TensorParallel(mesh, "tensor")
+    row["mesh"] = settings["mesh"]
+  model = models.CausalLM(cfg, optimizer=opt, tensor_parallel=tp)
   data = jax.random.randint(jax.random.PRNGKey(0), (batch, tokens + 1), 0, cfg.vocab_size)
   loss_fn = functools.partial(_loss, model.apply, kind=loss)
-  if opt is not None:
+  if opt is not None and tp is not None:
+    def make_state(v):
+      state = forge_jax.TrainState.create(model.apply, v, opt)
+      shardings = forge_jax.shard_tree(tp, state, models.TENSOR_PARALLEL_LAYOUT)
+      if isinstance(jax.tree.leaves(state)[0], jax.ShapeDtypeStruct):  # compile_first: shapes
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            state, shardings)
+      return jax.device_put(state, shardings)
+    lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn)
+  elif opt is not None:
     make_state = lambda v: forge_jax.TrainState.create(model.apply, v, opt)
     lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn)
   else:
@@ -905,7 +927,7 @@ def main(argv=None):
   parser.add_argument("--models", default="qwen3-0.6b,llama-3.1-8b")
   parser.add_argument("--impls", default="optax,optax_clip,forge",
                       help=f"comma list of {', '.join(IMPLS)}, each optionally + {UNROLLED}, then "
-                           "optionally the row's own :remat=X, :master=DTYPE, :mem=FRACTION")
+                           "optionally the row's own :remat=X, :master=DTYPE, :mem=FRACTION, :mesh=P")
   parser.add_argument("--tokens", default="1024", help="comma list (one value with --capacity)")
   parser.add_argument("--batch", default="1", help="comma list")
   parser.add_argument("--dtype", default="bfloat16",

@@ -214,8 +214,9 @@ def shard_tree(tp: TensorParallel, tree, layouts: dict) -> Any:
   """The NamedShardings of a pytree of parameters, optimizer states or a whole TrainState.
 
   A leaf whose path holds a module named in ``layouts`` (``{"q_proj": "column", ...}``)
-  followed by ``"kernel"`` (a weight, its optax moments, its FORGE state) is split like that
-  layout's weight if it has two or more dimensions (a stacked ``[L, K, N]`` on its last two);
+  followed by ``"kernel"`` (a weight, its optax moments, its FORGE state) or ``"embedding"``
+  (a ``[V, D]`` table: ``"row"`` splits the vocabulary) is split like that layout's weight if
+  it has two or more dimensions (a stacked ``[L, K, N]`` on its last two);
   a column-parallel layer's ``bias`` is split on its features; everything else is replicated.
   """
 
@@ -229,7 +230,7 @@ def shard_tree(tp: TensorParallel, tree, layouts: dict) -> Any:
       layout = layouts.get(name)
       if layout is None:
         continue
-      if ns[i + 1] == "kernel" and ndim >= 2:
+      if ns[i + 1] in ("kernel", "embedding") and ndim >= 2:
         _check_split(tp, layout, "/".join(ns), leaf.shape)
         return tp.sharding(tp.kernel_spec(layout, ndim))
       if ns[i + 1] == "bias" and layout == "column" and ndim >= 1:

@@ -28,6 +28,10 @@ RopeBxLxH2 = tuple[jax.Array, jax.Array]  # (sin, cos), float32, [B, L, H/2]
 TENSOR_PARALLEL_LAYOUT = {
     "q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
     "gate_proj": "column", "up_proj": "column", "down_proj": "row", "lm_head": "column",
+    # The [V, D] embedding split over the vocabulary (a row split of the table): its optax
+    # states and gradient stay on the device that owns the rows, and a tied head computes its
+    # V/P logits from the local rows.
+    "embed_tokens": "row",
 }
 
 

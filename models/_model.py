@@ -190,9 +190,10 @@ class CausalLM(nn.Module):
                      name="embed_tokens")
     x_BxLxD = embed(tokens_BxL)
     if tp is not None:
-      # The lookup runs on every device for all tokens (the tokens are replicated), so its
-      # gradient is complete everywhere: under sequence parallelism the backward all-gathers
-      # the [B, L, D] cotangent instead of all-reducing a [V, D] embedding gradient.
+      # Each device looks up all tokens in its rows of the vocabulary-split table (the
+      # partitioner sums the [B, L, D] partial results), so the table's gradient is complete on
+      # the device that owns the rows: under sequence parallelism the backward all-gathers the
+      # [B, L, D] cotangent instead of all-reducing a [V, D] embedding gradient.
       x_BxLxD = _constrain(tp, tp.constrain(x_BxLxD, jax.sharding.PartitionSpec()), "between")
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
@@ -200,7 +201,11 @@ class CausalLM(nn.Module):
     x_BxLxD = _decoder(cfg, self.optimizer, tp)(x_BxLxD, rope)
     x_BxLxD = _norm(cfg, "norm")(x_BxLxD)
     if cfg.tie_word_embeddings:
-      return embed.attend(x_BxLxD)
+      if tp is None:
+        return embed.attend(x_BxLxD)
+      # Vocabulary-parallel, as the untied head: all tokens against the device's rows.
+      logits_BxLxV = embed.attend(tp.constrain(x_BxLxD, jax.sharding.PartitionSpec()))
+      return _constrain(tp, logits_BxLxV, "features")
     return dense(cfg, cfg.vocab_size, "lm_head", self.optimizer, tensor_parallel=tp)(x_BxLxD)
 
 
@@ -214,10 +219,11 @@ def check_tensor_parallel(cfg: ModelConfig, tp: Any, length: int | None = None) 
       raise ValueError(
           f"{what}={size} is not divisible by the {axis!r} axis size {p}: tensor parallelism "
           f"gives each device whole heads and an equal slice of the MLP; {fix}.")
-  if not cfg.tie_word_embeddings and cfg.vocab_size % p:
+  if cfg.vocab_size % p:
     raise ValueError(
         f"vocab_size={cfg.vocab_size} is not divisible by the {axis!r} axis size {p}: the "
-        f"untied LM head is split over the vocabulary; {fix} (or pad the vocabulary).")
+        f"embeddings and the LM head are split over the vocabulary; {fix} (or pad the "
+        "vocabulary).")
   if tp.sequence_parallel and length is not None and length % p:
     raise ValueError(
         f"a sequence of {length} tokens is not divisible by the {axis!r} axis size {p}: "
