@@ -63,7 +63,7 @@ class TensorParallel:
   def __post_init__(self):
     if not isinstance(self.mesh, Mesh):
       raise ValueError(f"mesh={self.mesh!r} must be a jax.sharding.Mesh "
-                       "(e.g. jax.make_mesh((8,), ('tensor',))).")
+                       "(e.g. jax.sharding.Mesh(np.array(jax.devices()), ('tensor',))).")
     if self.axis not in self.mesh.axis_names:
       raise ValueError(
           f"axis={self.axis!r} is not an axis of the mesh (its axes: {self.mesh.axis_names}): "

@@ -172,7 +172,7 @@ def test_tensor_parallel_config_errors():
   with pytest.raises(ValueError, match="must be a jax.sharding.Mesh"):
     forge_jax.TensorParallel("tensor")
   explicit = jax.make_mesh((1,), ("tensor",), axis_types=(jax.sharding.AxisType.Explicit,))
-  with pytest.raises(ValueError, match="needs an Auto axis"):
+  with pytest.raises(ValueError, match="need an Auto axis"):
     forge_jax.TensorParallel(explicit)
   dense = forge_jax.Dense(4, optimizer=forge_jax.sgd(1e-2), parallel="column")
   with pytest.raises(ValueError, match="go together"):
