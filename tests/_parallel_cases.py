@@ -215,7 +215,17 @@ def check_layer_bits():
     equal = all(np.array_equal(a, b) for a, b in zip(leaves(whole), leaves(split)))
     # The bits do matter: another stream (other bits) changes some weights.
     other = forge_jax.fused_linear_update(x, dy, w, state, opt, "xla", stream=8)[0]
-    record(kind="bits", layout=layout, equal=equal,
+    # A per-array stabilizer keeps an EMA of the array's gradient norm: each slice must see the
+    # whole weight's (the psum of the slices' squared norms), not its own.
+    clipped = forge_jax.adamw(1e-2, layer_clip=1.0)
+    cstate = clipped.init(w.astype(jnp.float32))
+    whole_c = forge_jax.fused_linear_update(x, dy, w.astype(jnp.float32), cstate, clipped, "xla")
+    split_c = jax.jit(functools.partial(
+        forge_jax._parallel.sharded_linear_update, tp, layout, "w",  # pylint: disable=protected-access
+        optimizer=clipped, backend="xla"))(x, dy, put(w.astype(jnp.float32)), put(cstate))
+    layer_norm_equal = all(
+        np.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(leaves(whole_c), leaves(split_c[:2])))
+    record(kind="bits", layout=layout, equal=equal, layer_norm_equal=layer_norm_equal,
            sharded=str(split[0].sharding.spec),
            other_stream_differs=bool(np.any(np.asarray(other, np.float32)
                                             != np.asarray(whole[0], np.float32))))
