@@ -36,8 +36,6 @@ from forge_jax._fused import BACKENDS
 from forge_jax._fused import fused_linear_update
 from forge_jax._lowp import Precision
 from forge_jax._optimizers import ForgeOptimizer
-from forge_jax._parallel import TensorParallel
-from forge_jax._parallel import shard_tree
 from forge_jax._optimizers import adagrad
 from forge_jax._optimizers import adam
 from forge_jax._optimizers import adam_atan2
@@ -51,6 +49,8 @@ from forge_jax._optimizers import radam
 from forge_jax._optimizers import rmsprop
 from forge_jax._optimizers import sgd
 from forge_jax._optimizers import stabilize
+from forge_jax._parallel import TensorParallel
+from forge_jax._parallel import shard_tree
 from forge_jax._rules import AdagradState
 from forge_jax._rules import AdamState
 from forge_jax._rules import CenteredRMSPropMomentumState

@@ -25,8 +25,7 @@ depend on how many devices share the weight.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -118,14 +117,6 @@ class TensorParallel:
       raise ValueError(
           f"{what}={size} is not divisible by the {self.axis!r} axis size {self.size}: "
           f"tensor parallelism splits it evenly over the devices. {fix}")
-
-
-def constrain(tp: Optional[TensorParallel], x, spec_fn, *args):
-  """``tp.constrain(x, spec_fn(tp, *args))``; ``x`` itself without tensor parallelism (no op
-  is added to a single-device model)."""
-  if tp is None:
-    return x
-  return tp.constrain(x, spec_fn(tp, *args))
 
 
 def slot_spec(tp: TensorParallel, layout: str, leaf) -> P:
@@ -255,18 +246,3 @@ def _check_split(tp: TensorParallel, layout: str, path: str, shape) -> None:
       f"{path}: shape {tuple(shape)} is not divisible by the {tp.axis!r} axis size {tp.size} "
       f"along the axis a {layout}-parallel layer splits. Choose layer sizes divisible by it "
       "or a smaller tensor axis.")
-
-
-def shard(tp: TensorParallel, tree, layouts: dict):
-  """``tree`` placed on the mesh as :func:`shard_tree` says."""
-  return jax.device_put(tree, shard_tree(tp, tree, layouts))
-
-
-def sharded_size(tree) -> int:
-  """Bytes one device holds of ``tree``'s arrays (their shards on device 0)."""
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    sharding = getattr(leaf, "sharding", None)
-    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
-  return total
