@@ -172,8 +172,11 @@ def row_settings(spec: str, remat: str = REMAT, master_dtype: str | None = None,
   """A row's ``remat``, ``param_dtype`` (None: the compute dtype) and ``mem_fraction``: its
   own options where it has them, else the run's."""
   _, options = parse_spec(spec)
-  return {"remat": options.get("remat", remat), "param_dtype": options.get("master", master_dtype),
-          "mem_fraction": options.get("mem", mem_fraction), "mesh": options.get("mesh")}
+  settings = {"remat": options.get("remat", remat), "param_dtype": options.get("master", master_dtype),
+              "mem_fraction": options.get("mem", mem_fraction)}
+  if "mesh" in options:
+    settings["mesh"] = options["mesh"]
+  return settings
 
 
 def forge_backend(base: str) -> tuple[str, str]:
@@ -304,7 +307,7 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   opt = _forge_optimizer(base)
   tp = None
-  if settings["mesh"] is not None:  # tensor parallelism over the first `mesh` devices
+  if "mesh" in settings:  # tensor parallelism over the first `mesh` devices
     import numpy as np  # pylint: disable=g-import-not-at-top
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:settings["mesh"]]), ("tensor",))
     tp = forge_jax.TensorParallel(mesh, "tensor")

@@ -178,3 +178,14 @@ def test_tensor_parallel_config_errors():
   dense = forge_jax.Dense(4, optimizer=forge_jax.sgd(1e-2), parallel="column")
   with pytest.raises(ValueError, match="go together"):
     dense.init(jax.random.key(0), np.zeros((2, 3), np.float32))
+
+
+def test_bench_models_mesh_row_option():
+  """``forge:mesh=1`` puts a bench_models row on a 1-device mesh (its cost against no mesh)."""
+  from experiments import bench_models  # pylint: disable=g-import-not-at-top
+  assert bench_models.parse_spec("forge:mesh=1") == ("forge", {"mesh": 1})
+  assert bench_models.row_settings("forge_int8:mesh=8")["mesh"] == 8
+  assert "mesh" not in bench_models.row_settings("forge")
+  for bad in ("optax:mesh=1", "forge:mesh=0", "forge:mesh=two"):
+    with pytest.raises(ValueError, match="tensor-parallel size"):
+      bench_models.parse_spec(bad)
