@@ -227,9 +227,9 @@ def _float0_like(x):
   return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
-def forge_matmul(optimizer, dtype, precision, backend, decay, config, path, layout, x, kernel,
-                 kstate):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 10))
+def forge_matmul(optimizer, dtype, precision, backend, decay, config, path, x, kernel, kstate,
+                 layout=None):
   """``x @ kernel`` whose VJP updates ``kernel`` and ``kstate`` (see module doc).
 
   ``path``: the full module path of the kernel's layer (a tuple of names); it names the
@@ -261,8 +261,8 @@ def _dense_dy(dy):
   return dy
 
 
-def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, path, layout, x,
-                      kernel, kstate):
+def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, path, x, kernel,
+                      kstate, layout=None):
   # With symbolic zeros jax says which inputs are differentiated. A kernel that is not (a
   # constant of jax.grad with respect to the inputs) gets no update: the backward pass computes
   # dX alone, as an ordinary Dense.
@@ -333,16 +333,16 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path,
 forge_matmul.defvjp(_forge_matmul_fwd, _forge_matmul_bwd, symbolic_zeros=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
-def forge_matmul_stacked(optimizer, dtype, precision, backend, decay, config, path, layout, x,
-                         kernels, kstates, layer):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 11))
+def forge_matmul_stacked(optimizer, dtype, precision, backend, decay, config, path, x,
+                         kernels, kstates, layer, layout=None):
   """``x @ kernels[layer]`` whose VJP updates layer ``layer`` of the stacks in place."""
   del optimizer, backend, decay, config, path, layout, kstates
   return _dot(x, jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False).astype(dtype), precision)
 
 
-def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, path, layout,
-                              x, kernels, kstates, layer):
+def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, path,
+                              x, kernels, kstates, layer, layout=None):
   w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
   return _dot(x, w.astype(dtype), precision), (x, kernels, kstates, layer)
 
@@ -448,13 +448,14 @@ class Dense(nn.Module):
       # (layers of a ScannedStack share it and differ by layer index).
       path = (*_PATH_PREFIX.get(), *self.scope.path)
       static = (self.optimizer, dtype, self.precision, self.backend, self.decay, self.tile_config,
-                path, layout)
+                path)
       raw_kernel = self.scope.get_variable("params", "kernel")
       raw_state = self.scope.get_variable(FORGE_STATE, "kernel")
       if isinstance(raw_kernel, StackSlice) and isinstance(raw_state, StackSlice):
-        y = forge_matmul_stacked(*static, inputs, raw_kernel.stack, raw_state.stack, raw_kernel.layer)
+        y = forge_matmul_stacked(*static, inputs, raw_kernel.stack, raw_state.stack, raw_kernel.layer,
+                                 layout)
       else:
-        y = forge_matmul(*static, inputs, kernel, kstate)
+        y = forge_matmul(*static, inputs, kernel, kstate, layout)
     else:  # no optimizer state given: evaluation, an ordinary Dense
       y = _dot(inputs, kernel.astype(dtype), self.precision)
     if bias is not None:
