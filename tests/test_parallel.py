@@ -175,6 +175,13 @@ def test_tensor_parallel_config_errors():
   explicit = jax.make_mesh((1,), ("tensor",), axis_types=(jax.sharding.AxisType.Explicit,))
   with pytest.raises(ValueError, match="need an Auto axis"):
     forge_jax.TensorParallel(explicit)
+  # The kernels hash their own tile grid's element index: refused for a slice of a weight.
+  opt = forge_jax.sgd(1e-2, precision=forge_jax.Precision(weight_rounding="stochastic"))
+  w = np.zeros((8, 16), jax.numpy.bfloat16)
+  x, dy = np.ones((4, 8), np.float32), np.ones((4, 16), np.float32)
+  with pytest.raises(ValueError, match="backend='interpret'.*index in the device's slice"):
+    forge_jax.fused_linear_update(x, dy, w, opt.init(w), opt, "interpret",
+                                  element_offset=(0, 16, 32))
   dense = forge_jax.Dense(4, optimizer=forge_jax.sgd(1e-2), parallel="column")
   with pytest.raises(ValueError, match="go together"):
     dense.init(jax.random.key(0), np.zeros((2, 3), np.float32))
