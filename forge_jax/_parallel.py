@@ -187,7 +187,9 @@ def sharded_linear_update(tp: TensorParallel, layout: str, path: str, x, dy, ker
 
 
 def _zero_after(x):
-  token = jnp.ravel(x)[0].astype(jnp.float32)
+  # x's first element by index, not by ravel: reshaping a feature-split dX to 1-d would make
+  # the partitioner all-gather it.
+  token = x[(0,) * x.ndim].astype(jnp.float32)
   return jnp.where(jnp.isfinite(token), token, 0.0) * 0.0
 
 
