@@ -37,7 +37,9 @@ of ``models`` with random weights on random tokens:
   dtype, compute in ``--dtype``), ``:mem=0.95`` (that row's allocator limit,
   as ``--mem-fraction``), ``:api=nnx`` (a FORGE row's model in Flax NNX:
   ``models.nnx.CausalLM`` trained by ``forge_jax.nnx.train_step``, against the
-  default ``api=linen``), e.g. ``optax_unrolled:remat=none:master=float32:mem=0.95``.
+  default ``api=linen``), ``:mesh=P`` (a FORGE row on a P-device mesh, tensor-parallel
+  over it: docs/parallel.md; ``:mesh=1`` measures what a 1-device mesh costs), e.g.
+  ``optax_unrolled:remat=none:master=float32:mem=0.95``.
   The row's ``impl`` is the whole name; its ``remat``, ``param_dtype`` and
   ``mem_fraction`` are recorded. The model config validates the combination
   (e.g. a name policy without names): a refused one is an error row.
@@ -111,7 +113,7 @@ IMPLS = ("optax", "optax_clip", "forge", "forge_sr", "forge_int8", "forge_int8_s
 UNROLLED = "_unrolled"
 FORGE_BACKENDS = ("xla", "pallas", "mosaic")  # optional "_<backend>" suffix of a forge impl
 REMAT = "full"  # --remat's default
-ROW_OPTIONS = ("remat", "master", "mem", "api")  # ":key=value" after a row's implementation name
+ROW_OPTIONS = ("remat", "master", "mem", "api", "mesh")  # ":key=value" after a row's implementation name
 APIS = ("linen", "nnx")  # the front end of a row (":api=nnx")
 SKIPPED = "skipped: time budget"
 TIMING = "median3"  # meta["timing"]: how step_ms was taken (absent: mean of 5 after 1 warm-up)
@@ -165,6 +167,14 @@ def parse_spec(spec: str) -> tuple[str, dict]:
   if options.get("api") == "nnx" and not name.startswith("forge"):
     raise ValueError(f"api=nnx in {spec!r} is for FORGE rows (forge_jax.nnx.train_step); "
                      "the optax rows are Linen")
+  if "mesh" in options and options.get("api") == "nnx":
+    raise ValueError(f"{spec!r}: :mesh= is for Linen rows (models.CausalLM(tensor_parallel=...)); "
+                     "the NNX models take no mesh")
+  if "mesh" in options:
+    if not options["mesh"].isdigit() or int(options["mesh"]) < 1 or not name.startswith("forge"):
+      raise ValueError(f"mesh={options['mesh']!r} in {spec!r}: a FORGE row's tensor-parallel size, "
+                       "an int >= 1 (mesh=1: the model on a 1-device mesh), e.g. forge:mesh=1")
+    options["mesh"] = int(options["mesh"])
   return name, options
 
 
@@ -173,8 +183,11 @@ def row_settings(spec: str, remat: str = REMAT, master_dtype: str | None = None,
   """A row's ``remat``, ``param_dtype`` (None: the compute dtype) and ``mem_fraction``: its
   own options where it has them, else the run's."""
   _, options = parse_spec(spec)
-  return {"remat": options.get("remat", remat), "param_dtype": options.get("master", master_dtype),
-          "mem_fraction": options.get("mem", mem_fraction)}
+  settings = {"remat": options.get("remat", remat), "param_dtype": options.get("master", master_dtype),
+              "mem_fraction": options.get("mem", mem_fraction)}
+  if "mesh" in options:
+    settings["mesh"] = options["mesh"]
+  return settings
 
 
 def forge_backend(base: str) -> tuple[str, str]:
@@ -304,13 +317,28 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
          "forge_backend": backend if linear == "forge" else None, "params_b": cfg.num_params / 1e9,
          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   opt = _forge_optimizer(base)
+  tp = None
+  if "mesh" in settings:  # tensor parallelism over the first `mesh` devices
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:settings["mesh"]]), ("tensor",))
+    tp = forge_jax.TensorParallel(mesh, "tensor")
+    row["mesh"] = settings["mesh"]
   data = jax.random.randint(jax.random.PRNGKey(0), (batch, tokens + 1), 0, cfg.vocab_size)
   if parse_spec(impl)[1].get("api") == "nnx":
     row["api"] = "nnx"
     return _build_nnx_step(cfg, row, opt, data, loss, on_compiled, compile_first, compile_only)
-  model = models.CausalLM(cfg, optimizer=opt)
+  model = models.CausalLM(cfg, optimizer=opt, tensor_parallel=tp)
   loss_fn = functools.partial(_loss, model.apply, kind=loss)
-  if opt is not None:
+  if opt is not None and tp is not None:
+    def make_state(v):
+      state = forge_jax.TrainState.create(model.apply, v, opt)
+      shardings = forge_jax.shard_tree(tp, state, models.TENSOR_PARALLEL_LAYOUT)
+      if isinstance(jax.tree.leaves(state)[0], jax.ShapeDtypeStruct):  # compile_first: shapes
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            state, shardings)
+      return jax.device_put(state, shardings)
+    lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn)
+  elif opt is not None:
     make_state = lambda v: forge_jax.TrainState.create(model.apply, v, opt)
     lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn)
   else:
@@ -988,7 +1016,7 @@ def main(argv=None):
   parser.add_argument("--models", default="qwen3-0.6b,llama-3.1-8b")
   parser.add_argument("--impls", default="optax,optax_clip,forge",
                       help=f"comma list of {', '.join(IMPLS)}, each optionally + {UNROLLED}, then "
-                           "optionally the row's own :remat=X, :master=DTYPE, :mem=FRACTION")
+                           "optionally the row's own :remat=X, :master=DTYPE, :mem=FRACTION, :mesh=P")
   parser.add_argument("--tokens", default="1024", help="comma list (one value with --capacity)")
   parser.add_argument("--batch", default="1", help="comma list")
   parser.add_argument("--dtype", default="bfloat16",

@@ -21,6 +21,8 @@ Public API:
   run a whole in-place training step.
 * :mod:`forge_jax.nnx`: the same for Flax NNX (:class:`forge_jax.nnx.Linear`,
   :class:`forge_jax.nnx.ScannedStack`, :func:`forge_jax.nnx.train_step`).
+* :class:`TensorParallel` and :func:`shard_tree`: Megatron-style tensor and
+  sequence parallelism of FORGE layers on a mesh axis (docs/parallel.md).
 * :class:`Precision` (``precision=`` of every optimizer): stochastic rounding
   of bfloat16 weights, bfloat16 or int8 (block-quantized, :class:`QuantMap`,
   :class:`QuantizedArray`) optimizer states.
@@ -49,6 +51,8 @@ from forge_jax._optimizers import radam
 from forge_jax._optimizers import rmsprop
 from forge_jax._optimizers import sgd
 from forge_jax._optimizers import stabilize
+from forge_jax._parallel import TensorParallel
+from forge_jax._parallel import shard_tree
 from forge_jax._rules import AdagradState
 from forge_jax._rules import AdamState
 from forge_jax._rules import CenteredRMSPropMomentumState
@@ -101,6 +105,7 @@ __all__ = [
     "SGDState",
     "StabilizedRule",
     "ScannedStack",
+    "TensorParallel",
     "TrainState",
     "adagrad",
     "adam",
@@ -119,6 +124,7 @@ __all__ = [
     "rmsprop",
     "save_train_state",
     "sgd",
+    "shard_tree",
     "stabilize",
     "train_step",
 ]

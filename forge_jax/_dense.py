@@ -49,6 +49,7 @@ from jax.custom_derivatives import SymbolicZero as _SymbolicZero
 
 from forge_jax import _fused
 from forge_jax import _optimizers
+from forge_jax import _parallel
 from forge_jax import _reuse
 
 FORGE_STATE = "forge_state"
@@ -226,14 +227,16 @@ def _float0_like(x):
   return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def forge_matmul(optimizer, dtype, precision, backend, decay, config, path, x, kernel, kstate):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 10))
+def forge_matmul(optimizer, dtype, precision, backend, decay, config, path, x, kernel, kstate,
+                 layout=None):
   """``x @ kernel`` whose VJP updates ``kernel`` and ``kstate`` (see module doc).
 
   ``path``: the full module path of the kernel's layer (a tuple of names); it names the
-  layer in errors and seeds its stochastic-rounding stream.
+  layer in errors and seeds its stochastic-rounding stream. ``layout``: ``None``, or
+  ``(TensorParallel, "column" | "row")`` for a weight split over a mesh axis.
   """
-  del optimizer, backend, decay, config, path, kstate
+  del optimizer, backend, decay, config, path, layout, kstate
   return _dot(x, kernel.astype(dtype), precision)
 
 
@@ -258,7 +261,8 @@ def _dense_dy(dy):
   return dy
 
 
-def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, path, x, kernel, kstate):
+def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, path, x, kernel,
+                      kstate, layout=None):
   # With symbolic zeros jax says which inputs are differentiated. A kernel that is not (a
   # constant of jax.grad with respect to the inputs) gets no update: the backward pass computes
   # dX alone, as an ordinary Dense.
@@ -285,7 +289,17 @@ def _when_applied(update: Callable, weight, opt_state):
   return jax.lax.cond(apply, update, keep)
 
 
-def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path, res, dy):
+def _update(layout, name, x, dy, kernel, opt_state, optimizer, backend, **kwargs):
+  """The fused update of one weight: on each device's slice for a tensor-parallel layout."""
+  if layout is None:
+    return _fused.fused_linear_update(x, dy, kernel, opt_state, optimizer, backend,
+                                      return_grad_sq_norm=True, **kwargs)
+  tp, kind = layout
+  return _parallel.sharded_linear_update(tp, kind, name, x, dy, kernel, opt_state, optimizer,
+                                         backend, **kwargs)
+
+
+def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path, layout, res, dy):
   x, kernel, kstate = res
   dy = _dense_dy(dy)
   dx = jax.lax.dot_general(
@@ -303,9 +317,9 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path,
   # (the dX product) must be ordered before it, or XLA protects the buffer
   # with a defensive copy. `after=dx` makes the update depend on dX.
   new_kernel, new_opt, sq = _when_applied(
-      lambda: _fused.fused_linear_update(
-          x, dy, kernel, kstate.opt, optimizer, backend, after=dx, decay=decay,
-          config=config, return_grad_sq_norm=True, stream=stream),
+      lambda: _update(
+          layout, name, x, dy, kernel, kstate.opt, optimizer, backend, after=dx, decay=decay,
+          config=config, stream=stream),
       kernel, kstate.opt)
   # And the other way round: whatever consumes dX (the layers below) waits for the update, so
   # that `dy` dies here. Left free, XLA may schedule the update last: at 120 x 1024 tokens of
@@ -319,21 +333,22 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path,
 forge_matmul.defvjp(_forge_matmul_fwd, _forge_matmul_bwd, symbolic_zeros=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 11))
 def forge_matmul_stacked(optimizer, dtype, precision, backend, decay, config, path, x,
-                         kernels, kstates, layer):
+                         kernels, kstates, layer, layout=None):
   """``x @ kernels[layer]`` whose VJP updates layer ``layer`` of the stacks in place."""
-  del optimizer, backend, decay, config, path, kstates
+  del optimizer, backend, decay, config, path, layout, kstates
   return _dot(x, jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False).astype(dtype), precision)
 
 
-def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, path, x,
-                              kernels, kstates, layer):
+def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, path,
+                              x, kernels, kstates, layer, layout=None):
   w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
   return _dot(x, w.astype(dtype), precision), (x, kernels, kstates, layer)
 
 
-def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, config, path, res, dy):
+def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, config, path, layout,
+                              res, dy):
   name = "/".join(path)
   _check_fused_backward_allowed(name)
   _check_optimizer(optimizer)
@@ -348,9 +363,9 @@ def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, confi
   )
   # No per-layer skip here (train_step guards a stack's step as a whole): a cond around the
   # in-place update of a stack makes XLA copy the stack.
-  new_kernels, new_opt, sq = _fused.fused_linear_update(
-      x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
-      decay=decay, config=config, return_grad_sq_norm=True, stream=stream,
+  new_kernels, new_opt, sq = _update(
+      layout, name, x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
+      decay=decay, config=config, stream=stream,
   )
   new_opt = new_opt._replace(count=_float0_like(new_opt.count))
   sq = jax.lax.dynamic_update_index_in_dim(
@@ -380,6 +395,12 @@ class Dense(nn.Module):
       ``"mosaic"``, ``"interpret"``, ``"mosaic_interpret"``; see
       :func:`forge_jax.fused_linear_update`).
     tile_config: the kernel's tile configuration (``None``: per-shape default).
+    parallel: ``None`` (the weight whole on every device), ``"column"`` (split on its output
+      features over ``tensor_parallel.axis``) or ``"row"`` (split on its input features).
+    tensor_parallel: the :class:`forge_jax.TensorParallel` of a ``parallel`` layer. The
+      fused update then runs on each device's slice of the weight and its optimizer state
+      (see :mod:`forge_jax._parallel`); the model's parameters must be placed on the mesh
+      that way (:func:`forge_jax.shard_tree`).
   """
 
   features: int
@@ -393,6 +414,8 @@ class Dense(nn.Module):
   decay: bool = True
   backend: str = "auto"
   tile_config: Any = None
+  parallel: Optional[str] = None
+  tensor_parallel: Any = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -408,6 +431,14 @@ class Dense(nn.Module):
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
     dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias, dtype=self.dtype)
     inputs = jnp.asarray(inputs, dtype)
+    layout = self._layout()
+    if layout is not None:
+      # The layouts the update's shard_map reads (all tokens and features into a column-parallel
+      # layer, feature-split into a row-parallel one), fixed here so that the partitioner moves
+      # activations (an all-gather of x under sequence parallelism) rather than weights.
+      tp, kind = layout
+      inputs = tp.constrain(inputs, _parallel.P() if kind == "column" else
+                            tp.features_spec(inputs.ndim))
     if self.has_variable(FORGE_STATE, "kernel") or self.is_mutable_collection(FORGE_STATE):
       self._count_call()
       kstate = self.variable(
@@ -416,18 +447,38 @@ class Dense(nn.Module):
       # The full path names the layer in errors and seeds its stochastic-rounding stream
       # (layers of a ScannedStack share it and differ by layer index).
       path = (*_PATH_PREFIX.get(), *self.scope.path)
-      static = (self.optimizer, dtype, self.precision, self.backend, self.decay, self.tile_config, path)
+      static = (self.optimizer, dtype, self.precision, self.backend, self.decay, self.tile_config,
+                path)
       raw_kernel = self.scope.get_variable("params", "kernel")
       raw_state = self.scope.get_variable(FORGE_STATE, "kernel")
       if isinstance(raw_kernel, StackSlice) and isinstance(raw_state, StackSlice):
-        y = forge_matmul_stacked(*static, inputs, raw_kernel.stack, raw_state.stack, raw_kernel.layer)
+        y = forge_matmul_stacked(*static, inputs, raw_kernel.stack, raw_state.stack, raw_kernel.layer,
+                                 layout)
       else:
-        y = forge_matmul(*static, inputs, kernel, kstate)
+        y = forge_matmul(*static, inputs, kernel, kstate, layout)
     else:  # no optimizer state given: evaluation, an ordinary Dense
       y = _dot(inputs, kernel.astype(dtype), self.precision)
     if bias is not None:
       y = y + jnp.reshape(bias.astype(dtype), (1,) * (y.ndim - 1) + (-1,))
+    if layout is not None and layout[1] == "column":
+      y = layout[0].constrain(y, layout[0].features_spec(y.ndim))
     return y
+
+  def _layout(self):
+    if (self.parallel is None) != (self.tensor_parallel is None):
+      raise ValueError(
+          f"forge_jax.Dense {self._path()}: parallel={self.parallel!r} and tensor_parallel="
+          f"{self.tensor_parallel!r} go together: pass both (a forge_jax.TensorParallel and "
+          "'column' or 'row') or neither.")
+    if self.parallel is None:
+      return None
+    if self.parallel not in _parallel.LAYOUTS:
+      raise ValueError(f"forge_jax.Dense {self._path()}: parallel={self.parallel!r} is not one "
+                       f"of {_parallel.LAYOUTS} (or None).")
+    if not isinstance(self.tensor_parallel, _parallel.TensorParallel):
+      raise ValueError(f"forge_jax.Dense {self._path()}: tensor_parallel="
+                       f"{self.tensor_parallel!r} must be a forge_jax.TensorParallel.")
+    return (self.tensor_parallel, self.parallel)
 
   def _path(self) -> str:
     try:

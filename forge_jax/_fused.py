@@ -298,6 +298,8 @@ def fused_linear_update(
     config: Any = None,
     return_grad_sq_norm: bool = False,
     stream: Any = 0,
+    element_offset: Optional[tuple] = None,
+    sum_sq_over: Optional[str] = None,
 ):
   """Applies one optimizer step to ``w`` from ``x`` and ``dy``, never forming ``dW``.
 
@@ -339,6 +341,14 @@ def fused_linear_update(
     stream: which weight this is (an int or uint32 scalar), folded into the
       stochastic-rounding seed so that different weights get independent
       random bits (``forge_jax.Dense`` passes a hash of its module path).
+    element_offset: ``(row0, col0, N)`` when ``w`` is the slice starting at
+      (``row0``, ``col0``) of a ``[K, N]`` weight split over devices (tensor
+      parallelism, :mod:`forge_jax._parallel`): stochastic rounding then hashes
+      each element's index in the whole weight, so its bits do not depend on the
+      split. Only the ``"xla"`` backend takes it when bits are drawn.
+    sum_sq_over: a mesh axis name (inside ``jax.shard_map``): the squared
+      gradient norm is summed over it, the whole weight's (what a per-layer
+      stabilizer and ``return_grad_sq_norm`` see).
 
   The optimizer's :class:`forge_jax.Precision` decides the write-back: with
   ``weight_rounding="stochastic"`` a bfloat16 ``w`` is rounded with bits
@@ -377,12 +387,26 @@ def fused_linear_update(
                               stochastic_weights=weight_codec.needs_bits, case=case)
   if x2.shape[0] == 0:
     resolved = "xla"  # no tokens: dW = 0, the decay-only step (the kernels need a tile of tokens)
+  draws_bits = weight_codec.needs_bits or any(
+      isinstance(q, numerics.QuantizedArray) and q.codec.needs_bits for q in slots)
+  if element_offset is not None and draws_bits:
+    if resolved != "xla":
+      raise ValueError(
+          f"backend={backend!r} ({resolved}) draws stochastic-rounding bits from each "
+          "element's index in its own tile grid, which under tensor parallelism is the index "
+          "in the device's slice, not in the whole weight: the rounded values would depend on "
+          "the number of devices. Use backend='xla' or 'auto' (which takes 'xla' for "
+          "stochastic rounding) for tensor-parallel layers with stochastic rounding.")
+    from forge_jax import _parallel  # pylint: disable=g-import-not-at-top
+    rounding["index"] = _parallel.global_element_index(w.shape, element_offset)
   new_w, new_slots, sq = _run_backend(
       resolved,
       x2, dy2, w, slots, scalars, update_fn,
       layer=layer, config=config, rounding=rounding,
       compute_grad_sq_norm=return_grad_sq_norm or rule.norm_scope is not None,
   )
+  if sum_sq_over is not None and sq is not None:
+    sq = jax.lax.psum(sq, sum_sq_over)
   new_slots = tuple(_lowp.view_like(n, s) for n, s in zip(new_slots, rule.slots_of(state)))
   # A stack's layers are updated one call each within one step: the caller
   # advances the shared count once, after the last layer.

@@ -55,7 +55,10 @@ def mark_backward(dy, path: str, stacked: bool = False):
   return backward_p.bind(dy, path=path, stacked=stacked)
 
 
-# Primitives whose body runs once per device or shard, each on its part of the data.
+# Primitives whose body runs once per device or shard, each on its part of the data. A
+# tensor-parallel layer's own shard_map (forge_jax._parallel) holds no marker: the marker is
+# bound on the whole dy before it, once per layer, and the shard_map only splits the update of
+# the weight's slices, whose gradients are complete on each device.
 _MAPPED = ("shard_map", "xla_pmap", "pmap")
 
 

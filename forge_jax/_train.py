@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from flax import traverse_util
@@ -344,6 +345,26 @@ def _explicit_split(tracer) -> int:
   return n
 
 
+def _split_axes(sharding) -> list:
+  """The mesh axes (of size > 1) a NamedSharding splits an array over."""
+  spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+  if spec is None or mesh is None:
+    return []
+  sizes = dict(mesh.shape)
+  names = [n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))]
+  return [n for n in names if sizes.get(n, 1) > 1]
+
+
+def _split_parts(sharding) -> int:
+  """Into how many parts a NamedSharding splits an array (0 for other shardings)."""
+  spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+  if spec is None or mesh is None:
+    return 0
+  sizes = dict(mesh.shape)
+  return int(np.prod([sizes[n] for e in spec if e is not None
+                      for n in (e if isinstance(e, tuple) else (e,))]))
+
+
 def _check_not_data_parallel(state: TrainState, batch):
   if not forge_paths(state.forge_state):
     return
@@ -357,13 +378,20 @@ def _check_not_data_parallel(state: TrainState, batch):
       sharding = getattr(leaf, "sharding", None)
       devices = 0 if sharding is None or sharding.is_fully_replicated else len(sharding.device_set)
     if devices > 1:
+      axes = _split_axes(sharding)
+      parts = _explicit_split(leaf) if isinstance(leaf, jax.core.Tracer) else (
+          _split_parts(sharding) or devices)
+      split = (f"over {devices} devices" if parts == devices else
+               f"into {parts} parts over {devices} devices")
+      where = f" by the mesh axes {axes}" if axes else ""
       raise ValueError(
-          f"the batch is split over {devices} devices ({sharding}). "
-          "Under data parallelism each FORGE weight would need the all-reduced "
+          f"the batch is split {split}{where} ({sharding}). "
+          "Under data parallelism (or FSDP) each FORGE weight would need the all-reduced "
           "gradient of the whole batch before its update, but the fused kernel "
           "consumes each device's partial gradient tile by tile and never forms "
-          "it. Replicate the batch (tensor or sequence parallelism keep each "
-          "shard's gradient complete), or train these layers with "
+          "it. Replicate the batch over those axes (tensor parallelism, "
+          "forge_jax.TensorParallel, splits the weights instead and keeps each "
+          "slice's gradient complete), or train these layers with "
           "flax.linen.Dense + optax."
       )
 

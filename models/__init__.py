@@ -32,7 +32,10 @@ from models._loss import cross_entropy
 from models._model import CausalLM
 from models._model import DecoderBlock
 from models._model import DecoderStack
+from models._model import check_tensor_parallel
 from models._model import param_labels
+from models._model import shard_train_state
+from models._layers import TENSOR_PARALLEL_LAYOUT
 from models.hf_io import config_from_hf
 from models.hf_io import config_to_hf
 from models.hf_io import load_checkpoint
@@ -48,8 +51,10 @@ __all__ = [
     "DecoderStack",
     "ModelConfig",
     "RopeScaling",
+    "TENSOR_PARALLEL_LAYOUT",
     "config_from_hf",
     "config_to_hf",
+    "check_tensor_parallel",
     "cross_entropy",
     "dense",
     "get_config",
@@ -58,4 +63,5 @@ __all__ = [
     "params_from_hf",
     "params_to_hf",
     "save_checkpoint",
+    "shard_train_state",
 ]

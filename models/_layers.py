@@ -22,16 +22,37 @@ from models._config import ModelConfig
 
 RopeBxLxH2 = tuple[jax.Array, jax.Array]  # (sin, cos), float32, [B, L, H/2]
 
+# Megatron's layout of every linear layer under tensor parallelism: q/k/v and gate/up split on
+# their outputs (heads, F), o/down on their inputs, so that attention and the SwiGLU run on each
+# device's heads and F slice without communication; the untied LM head is vocabulary-parallel.
+TENSOR_PARALLEL_LAYOUT = {
+    "q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
+    "gate_proj": "column", "up_proj": "column", "down_proj": "row", "lm_head": "column",
+    # The [V, D] embedding split over the vocabulary (a row split of the table): its optax
+    # states and gradient stay on the device that owns the rows, and a tied head computes its
+    # V/P logits from the local rows.
+    "embed_tokens": "row",
+}
+
+
+def _constrain(tp: Any, x: jax.Array, spec_name: str) -> jax.Array:
+  """``x`` laid out as ``tp``'s ``spec_name`` spec (``heads``, ``features``, ``between``); as
+  is without tensor parallelism."""
+  if tp is None:
+    return x
+  return tp.constrain(x, getattr(tp, f"{spec_name}_spec")(x.ndim))
+
 
 def dense(cfg: ModelConfig, features: int, name: str, optimizer: Any = None,
-          use_bias: bool = False) -> nn.Module:
+          use_bias: bool = False, tensor_parallel: Any = None) -> nn.Module:
   """Builds every linear layer of the model: the one seam for FORGE.
 
   ``cfg.linear == "flax"`` gives ``nn.Dense`` (its gradient goes to optax);
   ``"forge"`` gives ``forge_jax.Dense``, which has the same ``params``
   (``kernel`` [in, out], ``bias``) and applies ``optimizer`` to the kernel tile
   by tile inside its backward GEMM, keeping the optimizer state in a variable
-  collection of its own.
+  collection of its own. With ``tensor_parallel`` (a ``forge_jax.TensorParallel``) a
+  FORGE layer is split over its mesh axis as :data:`TENSOR_PARALLEL_LAYOUT` says for ``name``.
   """
   kernel_init = nn.initializers.normal(stddev=cfg.init_std)
   common = dict(use_bias=use_bias, dtype=jnp.dtype(cfg.dtype),
@@ -47,7 +68,11 @@ def dense(cfg: ModelConfig, features: int, name: str, optimizer: Any = None,
         "ModelConfig(linear='forge') needs a FORGE optimizer: "
         "CausalLM(cfg, optimizer=forge_jax.adamw(...))"
     )
-  return forge_jax.Dense(features, optimizer=optimizer, backend=cfg.forge_backend, **common)
+  layout = {}
+  if tensor_parallel is not None:
+    layout = dict(parallel=TENSOR_PARALLEL_LAYOUT[name], tensor_parallel=tensor_parallel)
+  return forge_jax.Dense(features, optimizer=optimizer, backend=cfg.forge_backend, **common,
+                         **layout)
 
 
 class RMSNorm(nn.Module):
@@ -128,16 +153,18 @@ class Attention(nn.Module):
 
   cfg: ModelConfig
   optimizer: Any = None
+  tensor_parallel: Any = None
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, rope: RopeBxLxH2) -> jax.Array:
-    cfg, opt = self.cfg, self.optimizer
+    cfg, opt, tp = self.cfg, self.optimizer, self.tensor_parallel
     b, l, _ = x_BxLxD.shape
     n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     bias = cfg.attention_bias
-    q_BxLxNxH = dense(cfg, n * h, "q_proj", opt, bias)(x_BxLxD).reshape(b, l, n, h)
-    k_BxLxKxH = dense(cfg, k * h, "k_proj", opt, bias)(x_BxLxD).reshape(b, l, k, h)
-    v_BxLxKxH = dense(cfg, k * h, "v_proj", opt, bias)(x_BxLxD).reshape(b, l, k, h)
+    heads = lambda t: _constrain(tp, t, "heads")
+    q_BxLxNxH = heads(dense(cfg, n * h, "q_proj", opt, bias, tp)(x_BxLxD).reshape(b, l, n, h))
+    k_BxLxKxH = heads(dense(cfg, k * h, "k_proj", opt, bias, tp)(x_BxLxD).reshape(b, l, k, h))
+    v_BxLxKxH = heads(dense(cfg, k * h, "v_proj", opt, bias, tp)(x_BxLxD).reshape(b, l, k, h))
     if cfg.qk_norm:
       q_BxLxNxH = _norm(cfg, "q_norm")(q_BxLxNxH)
       k_BxLxKxH = _norm(cfg, "k_norm")(k_BxLxKxH)
@@ -147,8 +174,9 @@ class Attention(nn.Module):
     out_BxLxNxH = jax.nn.dot_product_attention(
         q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True,
         implementation=attention_implementation(cfg))
-    out_BxLxNxH = checkpoint_name(out_BxLxNxH, "attention_out")
-    return dense(cfg, cfg.hidden_size, "o_proj", opt, bias)(out_BxLxNxH.reshape(b, l, n * h))
+    out_BxLxNxH = checkpoint_name(heads(out_BxLxNxH), "attention_out")
+    out_BxLxD = dense(cfg, cfg.hidden_size, "o_proj", opt, bias, tp)(out_BxLxNxH.reshape(b, l, n * h))
+    return _constrain(tp, out_BxLxD, "between")
 
 
 class Mlp(nn.Module):
@@ -156,11 +184,14 @@ class Mlp(nn.Module):
 
   cfg: ModelConfig
   optimizer: Any = None
+  tensor_parallel: Any = None
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-    cfg, opt = self.cfg, self.optimizer
-    gate_BxLxF = dense(cfg, cfg.intermediate_size, "gate_proj", opt)(x_BxLxD)
-    up_BxLxF = dense(cfg, cfg.intermediate_size, "up_proj", opt)(x_BxLxD)
-    hidden_BxLxF = checkpoint_name(jax.nn.silu(gate_BxLxF) * up_BxLxF, "mlp_hidden")
-    return dense(cfg, cfg.hidden_size, "down_proj", opt)(hidden_BxLxF)
+    cfg, opt, tp = self.cfg, self.optimizer, self.tensor_parallel
+    gate_BxLxF = dense(cfg, cfg.intermediate_size, "gate_proj", opt, tensor_parallel=tp)(x_BxLxD)
+    up_BxLxF = dense(cfg, cfg.intermediate_size, "up_proj", opt, tensor_parallel=tp)(x_BxLxD)
+    hidden_BxLxF = _constrain(tp, jax.nn.silu(gate_BxLxF) * up_BxLxF, "features")
+    hidden_BxLxF = checkpoint_name(hidden_BxLxF, "mlp_hidden")
+    out_BxLxD = dense(cfg, cfg.hidden_size, "down_proj", opt, tensor_parallel=tp)(hidden_BxLxF)
+    return _constrain(tp, out_BxLxD, "between")

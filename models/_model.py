@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from models._config import ModelConfig
-from models._layers import Attention, Mlp, RopeBxLxH2, _norm, dense
+from models._layers import TENSOR_PARALLEL_LAYOUT
+from models._layers import Attention, Mlp, RopeBxLxH2, _constrain, _norm, dense
 from models._layers import rope_inv_frequencies, rope_sin_cos
 
 
@@ -38,14 +39,16 @@ class DecoderBlock(nn.Module):
 
   cfg: ModelConfig
   optimizer: Any = None
+  tensor_parallel: Any = None
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, rope: RopeBxLxH2) -> jax.Array:
-    cfg, opt = self.cfg, self.optimizer
-    attn_BxLxD = Attention(cfg, opt, name="self_attn")(_norm(cfg, "input_layernorm")(x_BxLxD), rope)
+    cfg, opt, tp = self.cfg, self.optimizer, self.tensor_parallel
+    attn = Attention(cfg, opt, tp, name="self_attn")
+    attn_BxLxD = attn(_norm(cfg, "input_layernorm")(x_BxLxD), rope)
     h_BxLxD = x_BxLxD + attn_BxLxD
-    mlp_BxLxD = Mlp(cfg, opt, name="mlp")(_norm(cfg, "post_attention_layernorm")(h_BxLxD))
-    return h_BxLxD + mlp_BxLxD
+    mlp_BxLxD = Mlp(cfg, opt, tp, name="mlp")(_norm(cfg, "post_attention_layernorm")(h_BxLxD))
+    return _constrain(tp, h_BxLxD + mlp_BxLxD, "between")
 
 
 class _ScanBody(nn.Module):
@@ -104,11 +107,12 @@ class DecoderStack(nn.Module):
 
   cfg: ModelConfig
   optimizer: Any = None
+  tensor_parallel: Any = None
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, rope: RopeBxLxH2) -> jax.Array:
     cfg = self.cfg
-    block = functools.partial(DecoderBlock, cfg, self.optimizer)
+    block = functools.partial(DecoderBlock, cfg, self.optimizer, self.tensor_parallel)
     if cfg.scan_layers:
       body = _maybe_remat(_ScanBody, cfg)
       scanned = nn.scan(body, variable_axes={True: 0}, split_rngs={"params": True},
@@ -117,11 +121,11 @@ class DecoderStack(nn.Module):
       return x_BxLxD
     block_cls = _maybe_remat(DecoderBlock, cfg)
     for i in range(cfg.num_layers):
-      x_BxLxD = block_cls(cfg, self.optimizer, name=f"layers_{i}")(x_BxLxD, rope)
+      x_BxLxD = block_cls(cfg, self.optimizer, self.tensor_parallel, name=f"layers_{i}")(x_BxLxD, rope)
     return x_BxLxD
 
 
-def _decoder(cfg: ModelConfig, optimizer: Any) -> nn.Module:
+def _decoder(cfg: ModelConfig, optimizer: Any, tp: Any = None) -> nn.Module:
   """The layer stack, named ``decoder``: FORGE scanned stacks get their own VJP.
 
   With ``linear="forge"`` and ``scan_layers=True`` the stack is a
@@ -132,9 +136,9 @@ def _decoder(cfg: ModelConfig, optimizer: Any) -> nn.Module:
   activation checkpointing (``cfg.remat``).
   """
   if not (cfg.scan_layers and cfg.linear == "forge"):
-    return DecoderStack(cfg, optimizer, name="decoder")
+    return DecoderStack(cfg, optimizer, tp, name="decoder")
   import forge_jax  # pylint: disable=g-import-not-at-top  (forge is optional here)
-  block = functools.partial(DecoderBlock, cfg, optimizer)
+  block = functools.partial(DecoderBlock, cfg, optimizer, tp)
   return forge_jax.ScannedStack(block, cfg.num_layers, remat=cfg.remat != "none",
                                 remat_policy=_remat_policy(cfg), name="decoder")
 
@@ -148,10 +152,16 @@ class CausalLM(nn.Module):
       FORGE linear layer applies in its backward; required when
       ``cfg.linear == "forge"``, unused otherwise. Which parameters FORGE
       updates and which are left to optax: :func:`param_labels`.
+    tensor_parallel: ``None``, or a ``forge_jax.TensorParallel``: the model is split
+      Megatron-style over its mesh axis (:data:`TENSOR_PARALLEL_LAYOUT`: attention heads,
+      the SwiGLU's F, a vocabulary-parallel untied LM head; embeddings and norms
+      replicated), with sequence parallelism between the blocks if it says so. Place the
+      train state with :func:`shard_train_state` (docs/parallel.md).
   """
 
   cfg: ModelConfig
   optimizer: Any = None
+  tensor_parallel: Any = None
 
   @property
   def forge_layer_names(self) -> tuple[str, ...]:
@@ -166,9 +176,11 @@ class CausalLM(nn.Module):
       tokens_BxL: int token ids.
       positions_BxL: RoPE positions; ``0 .. L-1`` per row by default.
     """
-    cfg = self.cfg
+    cfg, tp = self.cfg, self.tensor_parallel
     if jnp.ndim(tokens_BxL) != 2:
       raise ValueError(f"tokens_BxL has shape {jnp.shape(tokens_BxL)}: pass [batch, length] ids")
+    if tp is not None:
+      check_tensor_parallel(cfg, tp, jnp.shape(tokens_BxL)[1])
     if positions_BxL is not None and jnp.shape(positions_BxL) != jnp.shape(tokens_BxL):
       raise ValueError(f"positions_BxL has shape {jnp.shape(positions_BxL)}, tokens_BxL "
                        f"{jnp.shape(tokens_BxL)}: pass one position per token ([batch, length])")
@@ -177,14 +189,54 @@ class CausalLM(nn.Module):
                      embedding_init=nn.initializers.normal(stddev=cfg.init_std),
                      name="embed_tokens")
     x_BxLxD = embed(tokens_BxL)
+    if tp is not None:
+      # Each device looks up all tokens in its rows of the vocabulary-split table (the
+      # partitioner sums the [B, L, D] partial results), so the table's gradient is complete on
+      # the device that owns the rows: under sequence parallelism the backward all-gathers the
+      # [B, L, D] cotangent instead of all-reducing a [V, D] embedding gradient.
+      x_BxLxD = _constrain(tp, tp.constrain(x_BxLxD, jax.sharding.PartitionSpec()), "between")
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
     rope = rope_sin_cos(positions_BxL, rope_inv_frequencies(cfg))
-    x_BxLxD = _decoder(cfg, self.optimizer)(x_BxLxD, rope)
+    x_BxLxD = _decoder(cfg, self.optimizer, tp)(x_BxLxD, rope)
     x_BxLxD = _norm(cfg, "norm")(x_BxLxD)
     if cfg.tie_word_embeddings:
-      return embed.attend(x_BxLxD)
-    return dense(cfg, cfg.vocab_size, "lm_head", self.optimizer)(x_BxLxD)
+      if tp is None:
+        return embed.attend(x_BxLxD)
+      # Vocabulary-parallel, as the untied head: all tokens against the device's rows.
+      logits_BxLxV = embed.attend(tp.constrain(x_BxLxD, jax.sharding.PartitionSpec()))
+      return _constrain(tp, logits_BxLxV, "features")
+    return dense(cfg, cfg.vocab_size, "lm_head", self.optimizer, tensor_parallel=tp)(x_BxLxD)
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: Any, length: int | None = None) -> None:
+  """Raises ValueError if ``cfg`` cannot be split Megatron-style over ``tp``'s axis."""
+  p, axis = tp.size, tp.axis
+  fix = f"choose a model with sizes divisible by {p} or a {axis!r} axis of a divisor of them"
+  for what, size in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+                     ("intermediate_size", cfg.intermediate_size)):
+    if size % p:
+      raise ValueError(
+          f"{what}={size} is not divisible by the {axis!r} axis size {p}: tensor parallelism "
+          f"gives each device whole heads and an equal slice of the MLP; {fix}.")
+  if cfg.vocab_size % p:
+    raise ValueError(
+        f"vocab_size={cfg.vocab_size} is not divisible by the {axis!r} axis size {p}: the "
+        f"embeddings and the LM head are split over the vocabulary; {fix} (or pad the "
+        "vocabulary).")
+  if tp.sequence_parallel and length is not None and length % p:
+    raise ValueError(
+        f"a sequence of {length} tokens is not divisible by the {axis!r} axis size {p}: "
+        "sequence parallelism splits the tokens of each sequence evenly over the devices; "
+        f"pad the sequences to a multiple of {p} or pass sequence_parallel=False.")
+
+
+def shard_train_state(tp: Any, state: Any) -> Any:
+  """A TrainState (or variables, or params) of a :class:`CausalLM` placed on ``tp``'s mesh:
+  the linear layers' weights and their optimizer states (FORGE's and optax's) split as
+  :data:`TENSOR_PARALLEL_LAYOUT` says, everything else replicated."""
+  import forge_jax  # pylint: disable=g-import-not-at-top
+  return jax.device_put(state, forge_jax.shard_tree(tp, state, TENSOR_PARALLEL_LAYOUT))
 
 
 def param_labels(cfg: ModelConfig, params: Any) -> Any:

@@ -31,6 +31,7 @@ def fused_dw_update_reference(
     weight_codec: Optional[numerics.Codec] = None,
     seed: Optional[Any] = None,
     step: Optional[Any] = None,
+    index: Optional[Array] = None,
 ):
   """Plain-jnp reference: the same contract as the kernels.
 
@@ -47,6 +48,9 @@ def fused_dw_update_reference(
     weight_codec: the weight's write-back (see :func:`fused_dw_update`).
     seed: the rounding seed (stochastic rounding).
     step: the optimizer step (stochastic rounding).
+    index: the uint32 index each element of the [K, N] update hashes its bits
+      from (default: its own ``row * N + col``); a slice of a weight split over
+      devices passes its elements' indices in the whole weight.
 
   Returns:
     ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless
@@ -74,7 +78,7 @@ def fused_dw_update_reference(
   bits = None
   if any(c.needs_bits for c in codecs):
     key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
-    bits = numerics.element_bits(key, numerics.matrix_index(g.shape))
+    bits = numerics.element_bits(key, numerics.matrix_index(g.shape) if index is None else index)
   n_w = len(codecs[0].col_divisors())
   new_parts, i = [], 0
   for j, (c, value) in enumerate(zip(codecs, (w32 + u, *new))):
