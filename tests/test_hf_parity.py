@@ -17,18 +17,25 @@ import models
 from models import hf_io
 from models._layers import rope_inv_frequencies
 
-torch = transformers = None  # imported by _torch_and_transformers
+torch = transformers = None  # imported by import_torch_and_transformers
+
+
+def import_torch_and_transformers():
+  """Imports torch and transformers into this module (other test modules that use its helpers
+  call it too), or skips the calling test without them."""
+  global torch, transformers  # pylint: disable=global-statement
+  torch = pytest.importorskip(
+      "torch", reason="the parity tests need torch (pip install -e '.[test]')")
+  transformers = pytest.importorskip(
+      "transformers", reason="the parity tests need transformers (pip install -e '.[test]')")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _torch_and_transformers():
   """Imported when this module's tests run, not when pytest collects it: every xdist worker
   collects every module, and torch with transformers take about 5 s of CPU to import."""
-  global torch, transformers  # pylint: disable=global-statement
-  torch = pytest.importorskip(
-      "torch", reason="the parity tests need torch (pip install -e '.[test]')")
-  transformers = pytest.importorskip(
-      "transformers", reason="the parity tests need transformers (pip install -e '.[test]')")
+  import_torch_and_transformers()
+
 
 # Compile time dominates these tests (tests/conftest.py); the logits stay within ATOL/RTOL.
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")

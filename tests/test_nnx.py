@@ -224,6 +224,7 @@ def test_hf_checkpoint_round_trip_and_logits_parity(tmp_path):
   """A transformers Qwen3 checkpoint loads into the NNX model with HF's logits; the NNX
   model saves the same tensors back."""
   from tests import test_hf_parity as hf  # pylint: disable=g-import-not-at-top (needs torch)
+  hf.import_torch_and_transformers()
   cfg = models.get_config("tiny-qwen3", tie_word_embeddings=False, num_layers=1)
   expected = hf._hf_logits(hf._random_hf_checkpoint(cfg, tmp_path / "hf"), hf._tokens(cfg))
   loaded_cfg, model = mnnx.load_checkpoint(tmp_path / "hf", rngs=nnx.Rngs(0), scan_layers=False)
