@@ -21,7 +21,7 @@ torch = transformers = None  # imported by import_torch_and_transformers
 
 
 def import_torch_and_transformers():
-  """Imports torch and transformers into this module (other test modules that use its helpers
+  """Imports torch and transformers into this module (other test modules that use its functions
   call it too), or skips the calling test without them."""
   global torch, transformers  # pylint: disable=global-statement
   torch = pytest.importorskip(
