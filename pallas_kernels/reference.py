@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import numerics
-from pallas_kernels.contract import UpdateFn, codecs_for, parts_of, rebuild, rounding_ints, zero_after
+from pallas_kernels.contract import (UpdateFn, apply_update, codecs_for, grad_sq_terms, parts_of,
+                                     rebuild, rounding_ints, zero_after)
 
 Array = jax.Array
 
@@ -43,7 +44,8 @@ def fused_dw_update_reference(
     scalars: pytree of float32 0-d arrays passed to ``update_fn``.
     update_fn: the elementwise rule (see the module docstring).
     layer: int32 scalar index into the leading axis of stacked ``w``/slots.
-    compute_grad_sq_norm: also return ``sum(dW**2)`` in float32.
+    compute_grad_sq_norm: also return ``sum(dW**2)`` in float32 (NaN if an element of
+      ``dW`` is not finite: :func:`~pallas_kernels.contract.grad_sq_terms`).
     weight_codec: the weight's write-back (see :func:`fused_dw_update`).
     seed: the rounding seed (stochastic rounding).
     step: the optimizer step (stochastic rounding).
@@ -70,14 +72,14 @@ def fused_dw_update_reference(
   w_l, slots_l = rebuild(codecs, parts_l)
   w32 = codecs[0].decode(codecs[0].parts(w_l))
   slots32 = tuple(c.decode(c.parts(s)) for c, s in zip(codecs[1:], slots_l))
-  u, new = update_fn(g, w32, slots32, scalars)
+  new_w32, new = apply_update(update_fn, g, w32, slots32, scalars)
   bits = None
   if any(c.needs_bits for c in codecs):
     key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
     bits = numerics.element_bits(key, numerics.matrix_index(g.shape))
   n_w = len(codecs[0].col_divisors())
   new_parts, i = [], 0
-  for j, (c, value) in enumerate(zip(codecs, (w32 + u, *new))):
+  for j, (c, value) in enumerate(zip(codecs, (new_w32, *new))):
     m = len(c.col_divisors())
     bits_j = numerics.value_bits(bits, j) if c.needs_bits else None
     new_parts += c.encode(value, tuple(p.dtype for p in parts_l[i : i + m]), bits_j)
@@ -99,5 +101,5 @@ def fused_dw_update_reference(
     new_parts = new_w_parts + update(parts[n_w:], new_parts[n_w:],
                                      layer_i32 + zero_after(new_w_parts[0]).astype(jnp.int32))
   new_w, new_slots = rebuild(codecs, new_parts)
-  norm = jnp.sum(g * g) if compute_grad_sq_norm else None
+  norm = jnp.sum(grad_sq_terms(g)) if compute_grad_sq_norm else None
   return new_w, new_slots, norm

@@ -1,0 +1,226 @@
+"""The in-kernel non-finite guard: an element whose gradient is NaN or infinite keeps its weight
+and optimizer state, on every backend, and is counted.
+
+The gradients are crafted so that only chosen elements of dW are not finite: a token whose x row
+is 2**100 at one feature (zero elsewhere) and whose dy row is +-2**100 at one output contributes
++-2**200 (+-inf in float32) to one element of dW and exact zeros to every other; a token whose dy
+holds one NaN (x zero) makes one column of dW NaN (0 * NaN is NaN). The run without those tokens
+(their rows zero) computes the same dW everywhere else, bit for bit: a normal update to compare
+with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import forge_jax
+from forge_jax import _fused
+import pallas_kernels
+from pallas_kernels import numerics
+
+pytestmark = [
+    pytest.mark.usefixtures("fast_cpu_compiles"),  # tests/conftest.py
+    # The crafted 2**100 * 2**100 overflows on purpose (the Mosaic interpreter's numpy matmul).
+    pytest.mark.filterwarnings("ignore:overflow encountered in matmul:RuntimeWarning"),
+]
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+BIG = 2.0**100
+INF_AT, NEG_INF_AT, NAN_COLUMN = (5, 7), (40, 50), 30
+
+
+def _bits(a) -> np.ndarray:
+  """The stored bits of an array (NaN payloads and the sign of zero included)."""
+  a = np.asarray(a)
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _assert_bits(a, b, where=None):
+  a, b = _bits(a), _bits(b)
+  if where is not None:
+    a, b = a[where], b[where]
+  np.testing.assert_array_equal(a, b)
+
+
+def _crafted(t=64, k=64, n=64, seed=0):
+  """(clean x, dy), (poisoned x, dy) in bfloat16 and the mask of the non-finite elements of dW."""
+  kx, kd = jax.random.split(jax.random.PRNGKey(seed))
+  x = np.array(jax.random.normal(kx, (t, k), F32))
+  dy = np.array(jax.random.normal(kd, (t, n), F32)) / np.sqrt(t)
+  x[:3], dy[:3] = 0.0, 0.0
+  bad_x, bad_dy = x.copy(), dy.copy()
+  (ki, ni), (kn, nn) = INF_AT, NEG_INF_AT
+  bad_x[0, ki], bad_dy[0, ni] = BIG, BIG  # 2**200: inf
+  bad_x[1, kn], bad_dy[1, nn] = BIG, -BIG
+  bad_dy[2, NAN_COLUMN] = np.nan
+  cast = lambda *a: tuple(jnp.asarray(v, BF16) for v in a)
+  clean, bad = cast(x, dy), cast(bad_x, bad_dy)
+  g = np.asarray(jnp.dot(bad[0].astype(F32).T, bad[1].astype(F32),
+                         precision=jax.lax.Precision.HIGHEST))
+  mask = ~np.isfinite(g)
+  assert g[INF_AT] == np.inf and g[NEG_INF_AT] == -np.inf and np.isnan(g[:, NAN_COLUMN]).all()
+  assert mask.sum() == 2 + k  # nothing else
+  return clean, bad, mask
+
+
+def _adamw(precision=None):
+  return forge_jax.adamw(1e-2, weight_decay=0.1, precision=precision)
+
+
+def _state(opt, w):
+  state = opt.init(w)
+  # A step in already: non-zero moments, so keeping them is visible.
+  g = jax.random.normal(jax.random.PRNGKey(7), w.shape, F32)
+  return opt.update(g, state, w)[1]
+
+
+def _run(backend, opt, x, dy, w, state):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", _fused.BackendFallbackWarning)  # the kernel itself ran
+    return jax.jit(functools.partial(forge_jax.fused_linear_update, optimizer=opt,
+                                     backend=backend, return_grad_sq_norm=True))(x, dy, w, state)
+
+
+def _slots(state):
+  return [s for s in state[1:]]
+
+
+def _check_guard(backend, precision, w_dtype, exact_states=True):
+  opt = _adamw(precision)
+  clean, bad, mask = _crafted(n=128 if precision and precision.state_dtype == "int8" else 64)
+  w = jax.random.normal(jax.random.PRNGKey(1), mask.shape, F32).astype(w_dtype)
+  state = _state(opt, w)
+  new_w, new_state, sq = _run(backend, opt, *bad, w, state)
+  want_w, want_state, want_sq = _run(backend, opt, *clean, w, state)
+  assert np.isnan(float(sq)) and np.isfinite(float(want_sq))
+  _assert_bits(new_w, w, mask)  # guarded: the old weight, bit for bit
+  _assert_bits(new_w, want_w, ~mask)  # the others: the normal update
+  assert int(new_state.count) == int(want_state.count)
+  for got, old, want in zip(_slots(new_state), _slots(state), _slots(want_state)):
+    if exact_states:
+      _assert_bits(got, old, mask)
+      _assert_bits(got, want, ~mask)
+    else:  # int8: blocks of 64 along N
+      block = got.codec.block
+      poisoned = mask.reshape(mask.shape[0], -1, block).any(-1)
+      elem = np.repeat(poisoned, block, axis=1)
+      _assert_bits(got.codes, want.codes, ~elem)
+      _assert_bits(got.scale, want.scale, ~poisoned)
+      # The guarded element is re-encoded from its old value with its block's new scale:
+      # within one code step of it (stochastic rounding; half a step to nearest).
+      dec, dec_old = np.asarray(got.dequantize())[mask], np.asarray(old.dequantize())[mask]
+      qmap = got.codec.qmap
+      if qmap.kind == "linear":
+        step = np.repeat(np.asarray(got.scale), block, axis=1)[mask] / qmap.max_code
+      else:
+        step = np.abs(dec_old) * 2.0**-qmap.mantissa_bits
+      assert np.all(np.abs(dec - dec_old) <= step * (1 + 1e-6)), np.abs(dec - dec_old) / step
+  if backend == "mosaic_interpret" and not exact_states:
+    return  # the interpreter is slow; its float case runs the guard off
+  # The guard off: the same kernel writes what the rule computes there.
+  off = _adamw(dataclasses.replace(precision or forge_jax.Precision(), nonfinite="propagate"))
+  prop_w, _, prop_sq = _run(backend, off, *bad, w, state)
+  assert np.isnan(np.asarray(prop_w, F32)[mask]).all() and np.isnan(float(prop_sq))
+  _assert_ulps(prop_w, new_w, backend, ~mask)
+  # And a finite step is the same with the guard on and off.
+  got = jax.tree.leaves(_run(backend, off, *clean, w, state))
+  _assert_ulps(got[0], want_w, backend)
+  for a, b in zip(got[1:], jax.tree.leaves((want_state, want_sq))):
+    _assert_bits(a, b)
+
+
+def _assert_ulps(a, b, backend, where=None):
+  """Bit for bit, but for a weight written by a kernel under an interpreter: within 2 ulp. The
+  kernel's arithmetic is the same with and without the guard (it selects after ``w + u``), but
+  the interpreters run the kernel body as XLA:CPU code, whose fusions (and so which multiplies
+  it contracts into FMAs) change with the selects around them (seen on 0.2% of the elements)."""
+  if backend == "xla":
+    return _assert_bits(a, b, where)
+  a, b = _bits(a).astype(np.int64), _bits(b).astype(np.int64)
+  if where is not None:
+    a, b = a[where], b[where]
+  assert np.abs(a - b).max() <= 2
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret", "mosaic_interpret"])
+def test_guard_float_states(backend):
+  _check_guard(backend, None, F32)
+
+
+_NEAREST = lambda q: numerics.QuantMap(q.kind, q.signed, q.mantissa_bits, "nearest")
+_INT8 = forge_jax.Precision(state_dtype="int8", min_quantized_size=0)
+# The Mosaic GPU interpreter cannot run stochastic rounding: its int8 case rounds to nearest.
+_INT8_NEAREST = forge_jax.Precision(state_dtype="int8", min_quantized_size=0,
+                                    signed_map=_NEAREST(_INT8.signed_map),
+                                    unsigned_map=_NEAREST(_INT8.unsigned_map))
+
+
+@pytest.mark.parametrize("backend, precision", [("xla", _INT8), ("interpret", _INT8),
+                                                ("mosaic_interpret", _INT8_NEAREST)])
+def test_guard_int8_states(backend, precision):
+  _check_guard(backend, precision, F32, exact_states=False)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_guard_stochastically_rounded_bf16_weights(backend):
+  _check_guard(backend, forge_jax.Precision("stochastic", state_dtype="float32"), BF16)
+
+
+def test_precision_nonfinite_is_checked():
+  with pytest.raises(ValueError, match=r"nonfinite='drop' must be one of \('skip', 'propagate'\)"):
+    forge_jax.Precision(nonfinite="drop")
+
+
+def test_optax_face_keeps_non_finite_elements_and_finite_steps_are_unchanged():
+  """The optax face runs the same guard (train_step's other parameters go through it)."""
+  w = jax.random.normal(jax.random.PRNGKey(0), (4, 8), F32)
+  g = jax.random.normal(jax.random.PRNGKey(1), (4, 8), F32)
+  bad = g.at[1, 2].set(jnp.nan).at[3, 0].set(-jnp.inf)
+  mask = ~np.isfinite(np.asarray(bad))
+  off = forge_jax.Precision(nonfinite="propagate")
+  for make in (_adamw, functools.partial(forge_jax.lion, 1e-3),
+               functools.partial(forge_jax.sgd, 1e-1, momentum=0.9)):
+    opt = make(precision=None)
+    state = _state(opt, w)
+    u, new = opt.update(bad, state, w)
+    u_clean, new_clean = opt.update(g, state, w)
+    _assert_bits(u, np.full(u.shape, -0.0, np.float32), mask)
+    _assert_bits(u, u_clean, ~mask)
+    for a, old, b in zip(jax.tree.leaves(new)[1:], jax.tree.leaves(state)[1:],
+                         jax.tree.leaves(new_clean)[1:]):
+      _assert_bits(a, old, mask)
+      _assert_bits(a, b, ~mask)
+    # The guard off: NaN where the gradient is, as optax; a finite step is the same bit for bit.
+    assert np.isnan(np.asarray(make(precision=off).update(bad, state, w)[0])[1, 2])
+    for a, b in zip(jax.tree.leaves(make(precision=off).update(g, state, w)),
+                    jax.tree.leaves((u_clean, new_clean))):
+      _assert_bits(a, b)
+
+
+def test_guarded_rule_lowers_for_cuda_in_the_mosaic_kernel():
+  """abs, lt and select in the epilogue: what Mosaic GPU's warpgroup lowering has (it has no
+  is_finite), with the NaN-marking norm, float and int8 states."""
+  from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
+  from tests._lowering import skip_if_cuda_lowering_needs_a_gpu  # pylint: disable=g-import-not-at-top
+  rule = _adamw().rule
+  sds = jax.ShapeDtypeStruct
+  x, dy = sds((256, 256), BF16), sds((256, 256), BF16)
+  w = sds((256, 256), F32)
+  update = pallas_kernels.skip_non_finite(_fused._RuleUpdate(rule, True))  # pylint: disable=protected-access
+  for slots in [tuple(sds((256, 256), F32) for _ in rule.slot_names),
+                tuple(numerics.QuantizedArray(sds((256, 256), jnp.int8), sds((256, 4), F32),
+                                              _INT8.codec(name)) for name in rule.slot_names)]:
+    cfg = mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
+    kernel = jax.jit(functools.partial(mosaic.fused_dw_update_mosaic, update_fn=update,
+                                       config=cfg, compute_grad_sq_norm=True))
+    with skip_if_cuda_lowering_needs_a_gpu():
+      text = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0)), seed=jnp.uint32(1),
+                          step=jnp.int32(2)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
