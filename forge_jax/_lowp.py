@@ -79,13 +79,14 @@ class Precision:
       ``state_dtype="int8"`` (as bitsandbytes' ``min_8bit_size``): biases,
       norms and small layers, where quantization saves nothing worth its error.
     seed: the stochastic-rounding seed.
-    nonfinite: what an element whose gradient is NaN or infinite does:
+    nonfinite: what a FORGE kernel's element whose gradient is NaN or
+      infinite does in the fused update (every backend, ``"xla"`` included):
       ``"skip"`` (the default): its weight and every state keep their old
       values (an int8 state's element is re-encoded from its old value with
       the block's other, updated values); ``"propagate"``: the rule runs on
       it as on any value (the weight and states become NaN or infinite, as
-      with optax). The same in the fused kernels, the XLA backend and the
-      optax ``update``; for finite gradients the two are bit-identical.
+      with optax). The optax ``update`` (the parameters FORGE does not
+      manage) has no guard: it stays optax's arithmetic and propagates.
   """
 
   weight_rounding: str = "nearest"

@@ -38,7 +38,6 @@ from forge_jax import _lowp
 from forge_jax import _rules
 from forge_jax._lowp import Precision
 from forge_jax._rules import ElementwiseRule, ScalarOrSchedule
-from pallas_kernels import contract
 from pallas_kernels import numerics
 
 MaskOrFn = Optional[Union[Any, Callable[[Any], Any]]]
@@ -204,18 +203,16 @@ def apply_rule(
   ``optax.apply_updates`` gives ``round(w + u)`` as the kernels do (exact
   unless one update changes a weight's magnitude by more than 2**15; then
   within one bfloat16 ulp). ``step`` (the count) and ``stream`` (which
-  parameter) seed its random bits. With ``precision.nonfinite="skip"`` an
-  element whose gradient is not finite gets ``u = -0.0`` and its old slots,
-  as in the kernels. This is the XLA reference the kernels are tested against.
+  parameter) seed its random bits. This is the XLA reference the kernels are
+  tested against.
   """
   precision = _lowp.DEFAULT if precision is None else precision
   compute = jnp.promote_types(jnp.result_type(g), jnp.float32)
   up = lambda x: None if x is None else jnp.asarray(x).astype(compute)
   stored = tuple(_lowp.from_float_view(s) for s in slots)
-  old = tuple(_lowp.decode_slot(s, compute) for s in stored)
-  u, new_slots = rule.update(up(g), up(w), old, scalars, decay=decay)
-  if precision.skips_non_finite:  # the kernels' guard (pallas_kernels.contract)
-    u, new_slots = contract.keep_non_finite(up(g), old, u, tuple(new_slots))
+  u, new_slots = rule.update(
+      up(g), up(w), tuple(_lowp.decode_slot(s, compute) for s in stored), scalars, decay=decay
+  )
   round_w = precision.stochastic and w is not None and jnp.result_type(w) != compute
   bits = None
   if round_w or any(numerics.codec_of(s).needs_bits for s in stored):
@@ -230,10 +227,7 @@ def apply_rule(
     w32 = up(w)
     new_w = numerics.stochastic_round(w32 + u, bits, jnp.result_type(w))
     # Both are bfloat16 values: their difference is exact in float32.
-    u_w = new_w.astype(compute) - w32
-    if precision.skips_non_finite:  # -0.0, not the difference's +0.0: w + -0.0 is w
-      u_w = jnp.where(contract.finite(up(g)), u_w, -0.0)
-    return u_w, new_slots
+    return new_w.astype(compute) - w32, new_slots
   return u.astype(jnp.result_type(g)), new_slots
 
 

@@ -160,7 +160,7 @@ def keep_non_finite(g: Array, slots: Sequence[Array], u: Array, new_slots: Seque
   was: ``u = -0.0`` there (``w + -0.0`` is ``w`` for every ``w``, ``-0.0`` included, where
   ``+0.0`` would turn ``-0.0`` into ``+0.0``) and each new slot its old value. Per element an
   abs, a compare and one select per stored value; no pass of its own. For callers that return
-  ``u`` (the optax face); the kernels use :func:`apply_update`."""
+  ``u``; the kernels use :func:`apply_update`."""
   ok = finite(g)
   u = jnp.where(ok, u, -0.0)
   return u, tuple(jnp.where(ok, n, s) for n, s in zip(new_slots, slots))

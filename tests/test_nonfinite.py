@@ -178,30 +178,13 @@ def test_precision_nonfinite_is_checked():
     forge_jax.Precision(nonfinite="drop")
 
 
-def test_optax_face_keeps_non_finite_elements_and_finite_steps_are_unchanged():
-  """The optax face runs the same guard (train_step's other parameters go through it)."""
+def test_optax_face_is_optax_for_non_finite_gradients():
+  """The optax face (train_step's other parameters) keeps optax's arithmetic: NaN in, NaN out."""
   w = jax.random.normal(jax.random.PRNGKey(0), (4, 8), F32)
-  g = jax.random.normal(jax.random.PRNGKey(1), (4, 8), F32)
-  bad = g.at[1, 2].set(jnp.nan).at[3, 0].set(-jnp.inf)
-  mask = ~np.isfinite(np.asarray(bad))
-  off = forge_jax.Precision(nonfinite="propagate")
-  for make in (_adamw, functools.partial(forge_jax.lion, 1e-3),
-               functools.partial(forge_jax.sgd, 1e-1, momentum=0.9)):
-    opt = make(precision=None)
-    state = _state(opt, w)
-    u, new = opt.update(bad, state, w)
-    u_clean, new_clean = opt.update(g, state, w)
-    _assert_bits(u, np.full(u.shape, -0.0, np.float32), mask)
-    _assert_bits(u, u_clean, ~mask)
-    for a, old, b in zip(jax.tree.leaves(new)[1:], jax.tree.leaves(state)[1:],
-                         jax.tree.leaves(new_clean)[1:]):
-      _assert_bits(a, old, mask)
-      _assert_bits(a, b, ~mask)
-    # The guard off: NaN where the gradient is, as optax; a finite step is the same bit for bit.
-    assert np.isnan(np.asarray(make(precision=off).update(bad, state, w)[0])[1, 2])
-    for a, b in zip(jax.tree.leaves(make(precision=off).update(g, state, w)),
-                    jax.tree.leaves((u_clean, new_clean))):
-      _assert_bits(a, b)
+  g = jax.random.normal(jax.random.PRNGKey(1), (4, 8), F32).at[1, 2].set(jnp.nan)
+  opt = _adamw()
+  u, _ = opt.update(g, _state(opt, w), w)
+  assert np.isnan(np.asarray(u)[1, 2]) and np.isfinite(np.delete(np.asarray(u).ravel(), 10)).all()
 
 
 def test_guarded_rule_lowers_for_cuda_in_the_mosaic_kernel():
