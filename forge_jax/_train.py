@@ -410,9 +410,10 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
     (FORGE kernels, each layer of a ``ScannedStack`` counted apart, and the
     others) had a gradient element that is NaN or infinite (0 on a skipped
     step). A finite loss with such a gradient takes the step; by default
-    (``Precision(nonfinite="skip")``) every element whose gradient is not
-    finite keeps its weight and optimizer state, the others are updated, and
-    ``grad_norm`` is NaN (README, "Non-finite values").
+    (``Precision(nonfinite="skip")``) every FORGE kernel element whose
+    gradient is not finite keeps its weight and optimizer state, the others
+    are updated, the optax-managed parameters take optax's update (NaN
+    there), and ``grad_norm`` is NaN (README, "Non-finite values").
 
   Raises:
     ValueError: while tracing, before anything changes, when a FORGE layer's
