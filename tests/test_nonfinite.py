@@ -207,3 +207,16 @@ def test_guarded_rule_lowers_for_cuda_in_the_mosaic_kernel():
       text = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0)), seed=jnp.uint32(1),
                           step=jnp.int32(2)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_benchmarks_time_the_guard_against_its_absence():
+  """bench_lowp's NAME_noguard configurations and bench_models' forge*_noguard rows are their
+  twins with the guard off, and nothing else changed."""
+  from experiments import bench_lowp, bench_models  # pylint: disable=g-import-not-at-top
+  for name in ("fp32", "bf16_sr_int8"):
+    (w, on), (w_off, off) = bench_lowp.CONFIGS[name], bench_lowp.CONFIGS[name + "_noguard"]
+    assert w == w_off and on.nonfinite == "skip" and off == dataclasses.replace(on, nonfinite="propagate")
+  for name in ("forge", "forge_int8"):
+    on = bench_models._forge_optimizer(name).precision  # pylint: disable=protected-access
+    off = bench_models._forge_optimizer(name + "_noguard").precision  # pylint: disable=protected-access
+    assert on.nonfinite == "skip" and off == dataclasses.replace(on, nonfinite="propagate")
