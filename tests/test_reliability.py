@@ -444,6 +444,10 @@ def test_grad_with_respect_to_inputs_alone_works_through_forge_layers():
   np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match=r"forge_jax.Dense head was traced outside .*inputs alone"):
     jax.grad(lambda p: loss({**variables, "params": p}, batch["x"]))(variables["params"])
+  # Over the whole variables jax refuses the int32 step counts of "forge_state" before any
+  # FORGE code runs (its own TypeError); past that check (allow_int) FORGE's message comes.
+  with pytest.raises(ValueError, match=r"forge_jax.Dense head was traced outside .*inputs alone"):
+    jax.grad(lambda v: loss(v, batch["x"]), allow_int=True)(variables)
 
 
 def test_checkpoint_mismatch_is_short_and_old_checkpoints_restore(tmp_path):
