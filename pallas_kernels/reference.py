@@ -72,7 +72,8 @@ def fused_dw_update_reference(
   w_l, slots_l = rebuild(codecs, parts_l)
   w32 = codecs[0].decode(codecs[0].parts(w_l))
   slots32 = tuple(c.decode(c.parts(s)) for c, s in zip(codecs[1:], slots_l))
-  new_w32, new = apply_update(update_fn, g, w32, slots32, scalars)
+  # A stack's slots are written after its weight already (below).
+  new_w32, new = apply_update(update_fn, g, w32, slots32, scalars, slots_after_weight=layer is None)
   bits = None
   if any(c.needs_bits for c in codecs):
     key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
