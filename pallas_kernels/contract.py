@@ -127,18 +127,12 @@ def grad_sq_terms(g: Array) -> Array:
 
 
 def apply_update(update_fn: UpdateFn, g: Array, w: Array, slots: Sequence[Array], scalars: Any,
-                 rule: Any = None, slots_after_weight: bool = False) -> tuple[Array, tuple[Array, ...]]:
+                 rule: Any = None) -> tuple[Array, tuple[Array, ...]]:
   """``(new w, new slots)`` in float32: ``w + u`` and the rule's slots, with every element whose
   gradient is not finite left at ``w`` and ``slots`` if ``update_fn`` is :func:`skip_non_finite`'s.
 
   ``rule``: what to call instead of the unwrapped ``update_fn`` (the Mosaic kernel's traced
   copy of it). Selecting after the add costs one compare and one select per stored value.
-
-  ``slots_after_weight`` (whole arrays under XLA): the slots' selects depend on the new weight,
-  so XLA computes the weight first. The weight needs the rule's new slots before the select,
-  which no slot output holds any more: XLA recomputes them from the old slots inside the
-  weight's fusion, and without the order it cannot overwrite the old slots in place (a copy of
-  every slot per layer, and per-layer ``lax.cond`` outputs that stop aliasing their inputs).
   """
   inner, skip = unwrap(update_fn)
   u, new_slots = (rule or inner)(g, w, tuple(slots), scalars)
@@ -151,9 +145,7 @@ def apply_update(update_fn: UpdateFn, g: Array, w: Array, slots: Sequence[Array]
   if not skip:
     return new_w, new_slots
   ok = finite(g)
-  new_w = jnp.where(ok, new_w, w)
-  ok_slots = ok & (zero_after(new_w) == 0.0) if slots_after_weight else ok
-  return new_w, tuple(jnp.where(ok_slots, n, s) for n, s in zip(new_slots, slots))
+  return jnp.where(ok, new_w, w), tuple(jnp.where(ok, n, s) for n, s in zip(new_slots, slots))
 
 
 def unwrap(update_fn: UpdateFn) -> tuple[UpdateFn, bool]:
