@@ -154,7 +154,11 @@ def _assert_close(a, b, where=None):
   np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret", "mosaic_interpret"])
+_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Triton and Mosaic kernels")
+_COMPILED = [pytest.param("pallas", marks=_GPU), pytest.param("mosaic", marks=_GPU)]
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret", "mosaic_interpret"] + _COMPILED)
 def test_guard_float_states(backend):
   _check_guard(backend, None, F32)
 
@@ -167,13 +171,14 @@ _INT8_NEAREST = forge_jax.Precision(state_dtype="int8", min_quantized_size=0,
                                     unsigned_map=_NEAREST(_INT8.unsigned_map))
 
 
-@pytest.mark.parametrize("backend, precision", [("xla", _INT8), ("interpret", _INT8),
-                                                ("mosaic_interpret", _INT8_NEAREST)])
+@pytest.mark.parametrize("backend, precision", [
+    ("xla", _INT8), ("interpret", _INT8), ("mosaic_interpret", _INT8_NEAREST),
+    pytest.param("pallas", _INT8, marks=_GPU), pytest.param("mosaic", _INT8, marks=_GPU)])
 def test_guard_int8_states(backend, precision):
   _check_guard(backend, precision, F32, exact_states=False)
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("backend", ["xla", "interpret"] + _COMPILED)
 def test_guard_stochastically_rounded_bf16_weights(backend):
   _check_guard(backend, forge_jax.Precision("stochastic", state_dtype="float32"), BF16)
 
