@@ -47,6 +47,13 @@ projections on the H200, against a checkout of an older commit in /tmp/old::
       --shapes 4096x4096 4096x1024 4096x14336 14336x4096 --impls mosaic \
       --configs fp32_bf16 fp32_int8 bf16_rtn_bf16 bf16_sr_bf16 bf16_rtn_int8 bf16_sr_int8 \
       --baseline-tree /tmp/old --baseline-configs fp32_int8 bf16_sr_bf16 bf16_sr_int8
+
+What the kernels' non-finite guard costs: each configuration beside its ``_noguard`` twin
+(``Precision(nonfinite="propagate")``), e.g.::
+
+    PYTHONPATH=$PWD python -m experiments.bench_lowp --out $OUT --tokens 1024 4096 \
+      --shapes 4096x4096 4096x14336 14336x4096 --impls pallas mosaic \
+      --configs fp32 fp32_noguard bf16_rtn_bf16 bf16_rtn_bf16_noguard bf16_sr_int8 bf16_sr_int8_noguard
 """
 
 from __future__ import annotations
@@ -87,6 +94,13 @@ CONFIGS: dict[str, tuple[Any, forge_jax.Precision]] = {
     "bf16_sr_int8": (BF16, P("stochastic", state_dtype="int8")),
     "bf16_sr_int8_b256": (BF16, P("stochastic", state_dtype="int8", block_size=256)),
 }
+# Each configuration with the kernels' non-finite guard off (Precision(nonfinite="propagate")),
+# to time what the guard costs side by side: opt-in (--configs fp32 fp32_noguard ...). A tree
+# whose Precision has no guard (--baseline-tree) gets none of them.
+NOGUARD = "_noguard"
+if "nonfinite" in {f.name for f in dataclasses.fields(P)}:
+  CONFIGS.update({name + NOGUARD: (w, dataclasses.replace(p, nonfinite="propagate"))
+                  for name, (w, p) in list(CONFIGS.items())})
 BASELINES = {"optax_fp32": F32, "optax_bf16": BF16}
 REFERENCE = "fp32"  # speed-up column: against the fp32 fused kernel
 UPDATE_TOL = 1e-2  # relative Frobenius error of the weight update vs the xla row
@@ -295,7 +309,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--tokens", type=int, nargs="+", default=None,
                       help=f"T values (default {bench_fused_dw.TOKENS})")
   parser.add_argument("--shapes", type=bench_fused_dw._parse_kn, nargs="+", default=None, help="KxN shapes")
-  parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+  parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
+                      default=[c for c in CONFIGS if not c.endswith(NOGUARD)],
+                      help=f"storage configurations; NAME{NOGUARD}: NAME with the non-finite guard off")
   impls_default = ["xla", "pallas", *BASELINES]
   parser.add_argument("--impls", nargs="+", default=impls_default, choices=impls_default + ["mosaic"],
                       help="mosaic: the Mosaic GPU kernel too (opt-in)")

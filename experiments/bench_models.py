@@ -23,6 +23,8 @@ of ``models`` with random weights on random tokens:
   - ``forge_int8``: forge_jax.adamw with int8 optimizer states
     (``Precision(state_dtype="int8")``, blocks of 64 along N);
   - ``forge_int8_sr``: int8 states and stochastically rounded weights;
+  - ``forge_noguard``, ``forge_int8_noguard``: ``forge``, ``forge_int8`` with the kernels'
+    non-finite guard off (``Precision(nonfinite="propagate")``): what the guard costs a step;
   - a FORGE implementation with the suffix ``_xla``, ``_pallas`` or
     ``_mosaic`` (``forge_xla``, ``forge_int8_xla``, ...): that
     ``ModelConfig.forge_backend`` (default ``"auto"``): ``_xla`` is FORGE's
@@ -109,7 +111,8 @@ import subprocess
 import sys
 import time
 
-IMPLS = ("optax", "optax_clip", "forge", "forge_sr", "forge_int8", "forge_int8_sr")
+IMPLS = ("optax", "optax_clip", "forge", "forge_sr", "forge_int8", "forge_int8_sr",
+         "forge_noguard", "forge_int8_noguard")
 UNROLLED = "_unrolled"
 FORGE_BACKENDS = ("xla", "pallas", "mosaic")  # optional "_<backend>" suffix of a forge impl
 REMAT = "full"  # --remat's default
@@ -221,6 +224,8 @@ def _forge_optimizer(base: str):
       "forge_sr": {"weight_rounding": "stochastic"},
       "forge_int8": {"state_dtype": "int8"},
       "forge_int8_sr": {"state_dtype": "int8", "weight_rounding": "stochastic"},
+      "forge_noguard": {"nonfinite": "propagate"},
+      "forge_int8_noguard": {"state_dtype": "int8", "nonfinite": "propagate"},
   }
   if base not in precision:
     return None

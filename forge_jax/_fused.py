@@ -149,6 +149,15 @@ class _RuleUpdate:
     return self.rule.update(g, w, slots, s, decay=self.decay)
 
 
+def _update_fn(rule, decay: bool, precision) -> Any:
+  """The elementwise rule every backend runs: the optimizer's, guarded against non-finite
+  gradient elements unless ``precision.nonfinite == "propagate"``. The Mosaic epilogue, the
+  Triton kernel and ``"xla"`` all apply it through ``pallas_kernels.contract.apply_update``, so
+  they cannot differ in it."""
+  update_fn = _RuleUpdate(rule, decay)
+  return pallas_kernels.skip_non_finite(update_fn) if precision.skips_non_finite else update_fn
+
+
 def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
                 compute_grad_sq_norm, rounding=None):
   """The Mosaic GPU kernel, or a fallback backend if it cannot run this call.
@@ -372,8 +381,8 @@ def fused_linear_update(
   scalars = rule.scalars(count, *step)
   if after is not None:
     scalars = _order_after(scalars, after)
-  update_fn = _RuleUpdate(rule, decay)
   precision = opt.precision
+  update_fn = _update_fn(rule, decay, precision)
   weight_codec = _lowp.weight_codec(precision, w.dtype)
   # Used only by codecs that round stochastically (the weight's, or a slot's).
   rounding = dict(weight_codec=weight_codec, seed=numerics.stream_seed(precision.seed, stream), step=count)

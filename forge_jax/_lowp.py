@@ -31,6 +31,7 @@ from pallas_kernels import numerics
 from pallas_kernels.numerics import QuantMap, QuantizedArray
 
 WEIGHT_ROUNDINGS = ("nearest", "stochastic")
+NONFINITE = ("skip", "propagate")
 # Second moments are squares (or sums of squares): a signed map would waste
 # its sign bit and a linear one its small values.
 NONNEGATIVE_SLOTS = frozenset({"nu", "sum_of_squares"})
@@ -78,6 +79,14 @@ class Precision:
       ``state_dtype="int8"`` (as bitsandbytes' ``min_8bit_size``): biases,
       norms and small layers, where quantization saves nothing worth its error.
     seed: the stochastic-rounding seed.
+    nonfinite: what a FORGE kernel's element whose gradient is NaN or
+      infinite does in the fused update (every backend, ``"xla"`` included):
+      ``"skip"`` (the default): its weight and every state keep their old
+      values (an int8 state's element is re-encoded from its old value with
+      the block's other, updated values); ``"propagate"``: the rule runs on
+      it as on any value (the weight and states become NaN or infinite, as
+      with optax). The optax ``update`` (the parameters FORGE does not
+      manage) has no guard: it stays optax's arithmetic and propagates.
   """
 
   weight_rounding: str = "nearest"
@@ -87,8 +96,14 @@ class Precision:
   unsigned_map: QuantMap = DEFAULT_UNSIGNED_MAP
   min_quantized_size: int = 4096
   seed: int = 0
+  nonfinite: str = "skip"
 
   def __post_init__(self):
+    if self.nonfinite not in NONFINITE:
+      raise ValueError(
+          f"nonfinite={self.nonfinite!r} must be one of {NONFINITE}: 'skip' leaves an element "
+          "whose gradient is not finite unchanged, 'propagate' updates it as any other."
+      )
     if self.weight_rounding not in WEIGHT_ROUNDINGS:
       raise ValueError(
           f"weight_rounding={self.weight_rounding!r} must be one of {WEIGHT_ROUNDINGS}."
@@ -127,6 +142,10 @@ class Precision:
   @property
   def stochastic(self) -> bool:
     return self.weight_rounding == "stochastic"
+
+  @property
+  def skips_non_finite(self) -> bool:
+    return self.nonfinite == "skip"
 
   def codec(self, slot_name: str) -> numerics.BlockQuantized:
     """The int8 codec of a slot (by its optax name)."""

@@ -31,6 +31,7 @@ from forge_jax import _lowp
 from forge_jax import _optimizers
 from forge_jax import _reuse
 from forge_jax import _rules
+from pallas_kernels.contract import grad_sq_terms
 
 FORGE_STATE = _dense.FORGE_STATE
 
@@ -163,9 +164,17 @@ def _check_all_updated(paths, counts) -> None:
         NoBackwardPassWarning, stacklevel=4)
 
 
-def _tree_sq_norm(tree) -> jax.Array:
+def _leaf_sq_norms(tree) -> list:
+  """Each leaf's squared norm, NaN where the leaf has a non-finite element (as the kernels
+  compute theirs: pallas_kernels.contract.grad_sq_terms), in the same pass."""
   leaves = [x for x in jax.tree.leaves(tree) if x is not None]
-  return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.zeros((), jnp.float32))
+  return [jnp.sum(grad_sq_terms(x.astype(jnp.float32))) for x in leaves]
+
+
+def _nonfinite_count(sq_norms) -> jax.Array:
+  """How many of the squared norms (one per parameter array, one per layer of a stack) are NaN:
+  the arrays whose gradient has a non-finite element."""
+  return sum((jnp.sum(jnp.isnan(q)).astype(jnp.int32) for q in sq_norms), jnp.zeros((), jnp.int32))
 
 
 def carry_grad_norm(prev_norm, grad_norm, applied=True) -> jax.Array:
@@ -218,9 +227,10 @@ def _plain(tree):
 
 
 def _apply_cotangents(state: TrainState, paths, cts, finite):
-  """The step's new (params, forge_state, opt_state, step, grad_norm) from the backward pass's
-  cotangents. FORGE kernels and states come updated (or, where ``finite`` is false, kept) by
-  their layers; the rest is updated by the optax form and kept where ``finite`` is false."""
+  """The step's new (params, forge_state, opt_state, step, grad_norm, nonfinite_grads) from the
+  backward pass's cotangents. FORGE kernels and states come updated (or, where ``finite`` is
+  false, kept) by their layers; the rest is updated by the optax form and kept where ``finite``
+  is false."""
   keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   ct_params, ct_forge = cts
   ct_forge = _lowp.from_float_view(ct_forge)
@@ -239,15 +249,18 @@ def _apply_cotangents(state: TrainState, paths, cts, finite):
 
   flat_ct = _dense.flat_variables(ct_forge)
   flat_old = _dense.flat_variables(state.forge_state)
-  new_forge, forge_sq = {}, jnp.zeros((), jnp.float32)
+  new_forge, forge_sq = {}, []
   for p, ct in flat_ct.items():
     old = flat_old[p]
     count = jnp.where(finite, _rules.safe_increment(old.opt.count), old.opt.count)
     new_forge[p] = _dense.KernelState(ct.opt._replace(count=count), old.grad_sq_norm)
-    forge_sq = forge_sq + jnp.sum(ct.grad_sq_norm)
-  grad_norm = jnp.where(finite, jnp.sqrt(forge_sq + _tree_sq_norm(grads_rest)), jnp.nan)
+    forge_sq.append(ct.grad_sq_norm)  # one per layer of a ScannedStack
+  rest_sq = _leaf_sq_norms(grads_rest)
+  total = lambda sqs: sum((jnp.sum(q) for q in sqs), jnp.zeros((), jnp.float32))
+  grad_norm = jnp.where(finite, jnp.sqrt(total(forge_sq) + total(rest_sq)), jnp.nan)
+  nonfinite = jnp.where(finite, _nonfinite_count(forge_sq + rest_sq), 0)
   step = jnp.where(finite, _rules.safe_increment(state.step), state.step)
-  return params, traverse_util.unflatten_dict(new_forge), opt_state, step, grad_norm
+  return params, traverse_util.unflatten_dict(new_forge), opt_state, step, grad_norm, nonfinite
 
 
 def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
@@ -293,12 +306,13 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
     finite = jnp.isfinite(loss)
     def unchanged(_):
       return (_plain(state.params), _plain(state.forge_state), state.opt_state, state.step,
-              jnp.full((), jnp.nan, jnp.float32))
+              jnp.full((), jnp.nan, jnp.float32), jnp.zeros((), jnp.int32))
     def backward(_):
       cts = jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(ones))
       out = _apply_cotangents(state, paths, cts, True)
       return (_plain(out[0]), _plain(out[1]), *out[2:])
-    params, forge_state, opt_state, step, grad_norm = jax.lax.cond(finite, backward, unchanged, None)
+    params, forge_state, opt_state, step, grad_norm, nonfinite = jax.lax.cond(
+        finite, backward, unchanged, None)
   else:
     # jax traces each custom VJP's backward pass once per linearization: a fresh one, traced
     # with the flag (the first one's forward pass is dead code).
@@ -306,11 +320,13 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
     finite = jnp.isfinite(loss)
     bwd, ct_tree, _ = _backward_jaxpr(vjp_fn, loss, state.optimizer, apply=finite)
     cts = jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(ones))
-    params, forge_state, opt_state, step, grad_norm = _apply_cotangents(state, paths, cts, finite)
+    params, forge_state, opt_state, step, grad_norm, nonfinite = _apply_cotangents(
+        state, paths, cts, finite)
   skipped = jnp.zeros([], jnp.int32) if state.skipped_steps is None else state.skipped_steps
   skipped = jnp.where(finite, skipped, _rules.safe_increment(skipped))
   metrics = {"loss": loss, "grad_norm": grad_norm, "clip_scale": clip_scale,
-             "skipped": jnp.logical_not(finite), "skipped_steps": skipped}
+             "skipped": jnp.logical_not(finite), "skipped_steps": skipped,
+             "nonfinite_grads": nonfinite}
   if has_aux:
     metrics["aux"] = aux
   # A skipped step keeps the last finite norm (its own is NaN).
@@ -418,8 +434,14 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
     clipping), ``metrics["skipped"]`` (the loss was
     not finite: nothing was updated, ``grad_norm`` is NaN),
     ``metrics["skipped_steps"]`` (all such steps so far) and ``metrics["aux"]``
-    if any. A finite loss with a non-finite gradient takes the step: elements
-    whose gradient is not finite become non-finite, and ``grad_norm`` says so.
+    if any, and ``metrics["nonfinite_grads"]``: how many parameter arrays
+    (FORGE kernels, each layer of a ``ScannedStack`` counted apart, and the
+    others) had a gradient element that is NaN or infinite (0 on a skipped
+    step). A finite loss with such a gradient takes the step; by default
+    (``Precision(nonfinite="skip")``) every FORGE kernel element whose
+    gradient is not finite keeps its weight and optimizer state, the others
+    are updated, the optax-managed parameters take optax's update (NaN
+    there), and ``grad_norm`` is NaN (README, "Non-finite values").
 
   Raises:
     ValueError: while tracing, before anything changes, when a FORGE layer's

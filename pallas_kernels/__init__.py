@@ -9,6 +9,7 @@ the Triton-lowered kernel (any CUDA GPU) and :mod:`pallas_kernels.mosaic` the Mo
 """
 
 from pallas_kernels.contract import check_quantized
+from pallas_kernels.contract import skip_non_finite
 from pallas_kernels.contract import zero_after
 from pallas_kernels.fused_dw import TileConfig
 from pallas_kernels.fused_dw import default_tile_config
@@ -22,6 +23,7 @@ __all__ = [
     "default_tile_config",
     "fused_dw_update",
     "fused_dw_update_reference",
+    "skip_non_finite",
     "store_cast",
     "zero_after",
 ]

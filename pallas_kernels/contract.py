@@ -22,11 +22,25 @@ the one slice that is read and rewritten, so a loop over layers updates a
 stacked parameter in place without slicing copies.
 
 Every implementation returns ``(new_w, new_slots, grad_sq_norm)``, the last
-``None`` unless ``compute_grad_sq_norm``.
+``None`` unless ``compute_grad_sq_norm``. The squared norm is summed from
+:func:`grad_sq_terms`: NaN when any element of ``dW`` is not finite (``inf``
+only when finite elements overflow), so it marks a non-finite gradient.
+
+Non-finite gradient elements: with an ``update_fn`` wrapped by
+:func:`skip_non_finite`, an element whose gradient is NaN or infinite keeps
+its weight and every slot at their old float32 values (written back through
+the codecs: bit for bit the stored values for float arrays, including a
+stochastically rounded bfloat16 weight; an int8 slot's element is re-encoded
+from its old value with its block's other, updated values). Every
+implementation applies the rule through :func:`apply_update`, the one place
+the guard lives: it selects after the weight's ``w + u``, so a compiler that
+contracts the rule's last multiply into that add (an FMA) does so with the
+guard on and off alike, and a finite step is bit-identical either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -98,6 +112,77 @@ def pack_scalars(scalars: Any) -> tuple[Array, Any]:
   # A zero-length input is not a valid Triton argument: keep one dummy entry.
   packed = [jnp.asarray(leaf, jnp.float32) for leaf in leaves] or [jnp.zeros((), jnp.float32)]
   return jnp.stack(packed), treedef
+
+
+def finite(g: Array) -> Array:
+  """Where ``g`` is finite: ``|g| < inf`` (False for NaN and +-inf). Spelled with ``abs`` and
+  ``lt``, which every backend lowers (Mosaic GPU has no ``is_finite``)."""
+  return jnp.abs(g) < jnp.inf
+
+
+def grad_sq_terms(g: Array) -> Array:
+  """``g * g`` where ``g`` is finite, NaN where it is not: summed, a squared norm that is NaN
+  exactly when an element is not finite (a finite ``g`` whose square overflows gives ``inf``)."""
+  return jnp.where(finite(g), g * g, jnp.nan)
+
+
+def apply_update(update_fn: UpdateFn, g: Array, w: Array, slots: Sequence[Array], scalars: Any,
+                 rule: Any = None) -> tuple[Array, tuple[Array, ...]]:
+  """``(new w, new slots)`` in float32: ``w + u`` and the rule's slots, with every element whose
+  gradient is not finite left at ``w`` and ``slots`` if ``update_fn`` is :func:`skip_non_finite`'s.
+
+  ``rule``: what to call instead of the unwrapped ``update_fn`` (the Mosaic kernel's traced
+  copy of it). Selecting after the add costs one compare and one select per stored value.
+  """
+  inner, skip = unwrap(update_fn)
+  u, new_slots = (rule or inner)(g, w, tuple(slots), scalars)
+  new_w, new_slots = w + u, tuple(new_slots)
+  if len(new_slots) != len(slots):
+    raise ValueError(
+        f"update_fn returned {len(new_slots)} slots for {len(slots)} slot inputs; "
+        "it must return (u, new_slots) with one new slot per slot."
+    )
+  if not skip:
+    return new_w, new_slots
+  ok = finite(g)
+  return jnp.where(ok, new_w, w), tuple(jnp.where(ok, n, s) for n, s in zip(new_slots, slots))
+
+
+def unwrap(update_fn: UpdateFn) -> tuple[UpdateFn, bool]:
+  """``(the rule, whether non-finite elements are skipped)``."""
+  if isinstance(update_fn, SkipNonFinite):
+    return update_fn.update_fn, True
+  return update_fn, False
+
+
+def keep_non_finite(g: Array, slots: Sequence[Array], u: Array, new_slots: Sequence[Array]):
+  """``(u, new_slots)`` of an update with every element whose gradient is not finite left as it
+  was: ``u = -0.0`` there (``w + -0.0`` is ``w`` for every ``w``, ``-0.0`` included, where
+  ``+0.0`` would turn ``-0.0`` into ``+0.0``) and each new slot its old value. Per element an
+  abs, a compare and one select per stored value; no pass of its own. For callers that return
+  ``u``; the kernels use :func:`apply_update`."""
+  ok = finite(g)
+  u = jnp.where(ok, u, -0.0)
+  return u, tuple(jnp.where(ok, n, s) for n, s in zip(new_slots, slots))
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipNonFinite:
+  """``update_fn`` guarded against non-finite gradient elements (see :func:`apply_update`):
+  hashable and equal by value when ``update_fn`` is (the kernels cache their traces by it).
+  Called directly, it returns ``u = -0.0`` and the old slots there (:func:`keep_non_finite`)."""
+
+  update_fn: UpdateFn
+
+  def __call__(self, g, w, slots, scalars):
+    u, new_slots = self.update_fn(g, w, slots, scalars)
+    return keep_non_finite(g, slots, u, tuple(new_slots))
+
+
+def skip_non_finite(update_fn: UpdateFn) -> UpdateFn:
+  """``update_fn`` that leaves elements with a non-finite gradient unchanged (see the module
+  docstring)."""
+  return SkipNonFinite(update_fn)
 
 
 def zero_after(x: Array) -> Array:

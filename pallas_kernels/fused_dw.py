@@ -47,8 +47,8 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 from pallas_kernels import numerics
-from pallas_kernels.contract import (UpdateFn, check_quantized, codecs_for, pack_scalars, parts_of,
-                                     rebuild, rounding_ints)
+from pallas_kernels.contract import (UpdateFn, apply_update, check_quantized, codecs_for,
+                                     grad_sq_terms, pack_scalars, parts_of, rebuild, rounding_ints)
 
 Array = jax.Array
 
@@ -268,13 +268,7 @@ def _fused_dw_kernel(
       [scalars_ref[j] for j in range(scalars_treedef.num_leaves)]
   )
   w32 = values32[0]
-  u, new_slots = update_fn(g, w32, tuple(values32[1:]), scalars)
-  new_slots = tuple(new_slots)
-  if len(new_slots) != len(codecs) - 1:
-    raise ValueError(
-        f"update_fn returned {len(new_slots)} slots for {len(codecs) - 1} slot inputs; "
-        "it must return (u, new_slots) with one new slot per slot."
-    )
+  new_w32, new_slots = apply_update(update_fn, g, w32, tuple(values32[1:]), scalars)
 
   bits = None
   if any(c.needs_bits for c in codecs):
@@ -285,7 +279,7 @@ def _fused_dw_kernel(
     bits = numerics.element_bits(key, numerics.element_index(rows[:, None], cols[None, :], n))
 
   i = 0
-  for j, (c, value) in enumerate(zip(codecs, (w32 + u,) + new_slots)):
+  for j, (c, value) in enumerate(zip(codecs, (new_w32,) + new_slots)):
     m = len(c.col_divisors())
     refs_i, views_i = out_refs[i : i + m], views[i : i + m]
     bits_j = numerics.value_bits(bits, j) if c.needs_bits else None
@@ -295,7 +289,7 @@ def _fused_dw_kernel(
     i += m
   if with_norm:
     # Masked-off rows and columns of g are exact zeros (masked loads).
-    norm_ref[pid_k, pid_n] = jnp.sum(g * g)
+    norm_ref[pid_k, pid_n] = jnp.sum(grad_sq_terms(g))
 
 
 # ----------------------------------------------------------------------------
@@ -402,7 +396,8 @@ def fused_dw_update(
     layer: int32 scalar (may be traced) selecting the slice of stacked
       ``w``/slots; clamped to ``[0, L)`` like ``lax.dynamic_index_in_dim``.
     config: tiling; :func:`default_tile_config` when None.
-    compute_grad_sq_norm: also return ``sum(dW**2)`` (float32).
+    compute_grad_sq_norm: also return ``sum(dW**2)`` (float32; NaN if an element of ``dW``
+      is not finite).
     interpret: run the same kernel in Pallas interpret mode (CPU).
     weight_codec: how the new weight is written back
       (:class:`~pallas_kernels.numerics.Cast`, round to nearest, by default;

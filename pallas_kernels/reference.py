@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import numerics
-from pallas_kernels.contract import UpdateFn, codecs_for, parts_of, rebuild, rounding_ints, zero_after
+from pallas_kernels.contract import (UpdateFn, apply_update, codecs_for, grad_sq_terms, parts_of,
+                                     rebuild, rounding_ints, unwrap, zero_after)
 
 Array = jax.Array
 
@@ -44,7 +45,8 @@ def fused_dw_update_reference(
     scalars: pytree of float32 0-d arrays passed to ``update_fn``.
     update_fn: the elementwise rule (see the module docstring).
     layer: int32 scalar index into the leading axis of stacked ``w``/slots.
-    compute_grad_sq_norm: also return ``sum(dW**2)`` in float32.
+    compute_grad_sq_norm: also return ``sum(dW**2)`` in float32 (NaN if an element of
+      ``dW`` is not finite: :func:`~pallas_kernels.contract.grad_sq_terms`).
     weight_codec: the weight's write-back (see :func:`fused_dw_update`).
     seed: the rounding seed (stochastic rounding).
     step: the optimizer step (stochastic rounding).
@@ -74,18 +76,39 @@ def fused_dw_update_reference(
   w_l, slots_l = rebuild(codecs, parts_l)
   w32 = codecs[0].decode(codecs[0].parts(w_l))
   slots32 = tuple(c.decode(c.parts(s)) for c, s in zip(codecs[1:], slots_l))
-  u, new = update_fn(g, w32, slots32, scalars)
   bits = None
   if any(c.needs_bits for c in codecs):
     key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
     bits = numerics.element_bits(key, numerics.matrix_index(g.shape) if index is None else index)
+
+  def encode(values, first):
+    out, i = [], sum(len(c.col_divisors()) for c in codecs[:first])
+    for j, (c, value) in enumerate(zip(codecs[first:], values), start=first):
+      m = len(c.col_divisors())
+      bits_j = numerics.value_bits(bits, j) if c.needs_bits else None
+      out += c.encode(value, tuple(p.dtype for p in parts_l[i : i + m]), bits_j)
+      i += m
+    return out
+
   n_w = len(codecs[0].col_divisors())
-  new_parts, i = [], 0
-  for j, (c, value) in enumerate(zip(codecs, (w32 + u, *new))):
-    m = len(c.col_divisors())
-    bits_j = numerics.value_bits(bits, j) if c.needs_bits else None
-    new_parts += c.encode(value, tuple(p.dtype for p in parts_l[i : i + m]), bits_j)
-    i += m
+  if unwrap(update_fn)[1] and layer is None:
+    # Whole arrays: with the guard's selects on the slots, no slot output holds the rule's new
+    # slots any more, so XLA recomputes them from the old slots inside the weight's fusion, and
+    # it overwrites the old slots in place only if that fusion provably comes first (else a
+    # copy of every state per layer, and per-layer lax.cond outputs that stop aliasing their
+    # inputs: tests/test_flax_binding.py). The slots' update reads a gradient that depends on
+    # the written weight (g + -0.0, bit for bit g). Ordering it through the selects' mask
+    # instead changed the FMAs XLA contracts in the slots' fusion (up to 117 ulp from optax on
+    # first moments near zero: tests/test_optimizers.py); this keeps that fusion as it was.
+    # (A stack's slots are written after its weight below.)
+    new_w32, _ = apply_update(update_fn, g, w32, slots32, scalars)
+    w_parts = encode((new_w32,), 0)
+    g_after = g - jnp.abs(zero_after(w_parts[0]))  # g + -0.0: g bit for bit
+    _, new = apply_update(update_fn, g_after, w32, slots32, scalars)
+    new_parts = list(w_parts) + encode(new, 1)
+  else:
+    new_w32, new = apply_update(update_fn, g, w32, slots32, scalars)
+    new_parts = encode((new_w32, *new), 0)
   if layer is not None:
     # The weight's update reads the old slots (its step needs their new
     # values), and nothing orders that read before the slots' in-place
@@ -103,5 +126,5 @@ def fused_dw_update_reference(
     new_parts = new_w_parts + update(parts[n_w:], new_parts[n_w:],
                                      layer_i32 + zero_after(new_w_parts[0]).astype(jnp.int32))
   new_w, new_slots = rebuild(codecs, new_parts)
-  norm = jnp.sum(g * g) if compute_grad_sq_norm else None
+  norm = jnp.sum(grad_sq_terms(g)) if compute_grad_sq_norm else None
   return new_w, new_slots, norm

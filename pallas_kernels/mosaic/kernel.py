@@ -37,7 +37,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import numerics
-from pallas_kernels.contract import UpdateFn, rounding_ints
+from pallas_kernels.contract import UpdateFn, apply_update, grad_sq_terms, rounding_ints, unwrap
 from pallas_kernels.mosaic import config as mcfg
 from pallas_kernels.mosaic import rule_eval
 from pallas_kernels.mosaic.config import MosaicTileConfig
@@ -143,7 +143,8 @@ class _Epilogue:
   """
 
   plan: _Plan
-  rule: rule_eval.TracedRule
+  rule: rule_eval.TracedRule  # the rule unwrapped from update_fn, traced
+  update_fn: Any  # what says whether non-finite gradient elements are skipped
   scalars_treedef: Any
   sc_gmem: Any
   layer_gmem: Any  # [layer, rounding key bits] (int32)
@@ -252,18 +253,18 @@ class _Epilogue:
         w32 = w_raw.astype(jnp.float32)
         s32 = tuple(self._decode_slot(raw, codec) for raw, codec in zip(s_raw, plan.codecs))
       with _region("epi_math"):
-        u, new_slots = self.rule(g, w32, s32, scalar_leaves)
+        new_w32, new_slots = apply_update(self.update_fn, g, w32, s32, scalar_leaves, rule=self.rule)
       with _region("epi_write"):
         bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
         if plan.stochastic:
-          w_ref[...] = numerics.stochastic_round(w32 + u, bits, w_ref.dtype)
+          w_ref[...] = numerics.stochastic_round(new_w32, bits, w_ref.dtype)
         else:
-          w_ref[...] = store_cast(w32 + u, w_ref.dtype)
+          w_ref[...] = store_cast(new_w32, w_ref.dtype)
         for i, (ref, new, codec) in enumerate(zip(s_refs, new_slots, plan.codecs)):
           sr = codec is not None and codec.needs_bits
           self._write_slot(ref, codec, new, numerics.value_bits(bits, 1 + i) if sr else None)
         if plan.with_norm:
-          part = jnp.sum(g * g, axis=1)
+          part = jnp.sum(grad_sq_terms(g), axis=1)
           row_sums[r] = part if r not in row_sums else row_sums[r] + part
       with _region("epi_store"):
         plgpu.commit_smem()
@@ -288,7 +289,7 @@ class _Epilogue:
 
 
 def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm_gmem, *,
-                  plan: _Plan, rule, scalars_treedef, slot_dtypes):
+                  plan: _Plan, rule, update_fn, scalars_treedef, slot_dtypes):
   """One block: the persistent ping-pong loop over its ``W`` tiles.
 
   Barriers: ``stage_ready[w * S + s]`` (two TMA arrivals) completes only for steps of
@@ -366,7 +367,7 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
     def _compute_warpgroup():
       registers = min(256, (512 - mcfg.MEMORY_REGISTERS) // _WGS) // 8 * 8
       plgpu.set_max_registers(registers, action="increase")
-      epi = _Epilogue(plan, rule, scalars_treedef, sc_gmem, layer_gmem, w_gmem, slot_gmems,
+      epi = _Epilogue(plan, rule, update_fn, scalars_treedef, sc_gmem, layer_gmem, w_gmem, slot_gmems,
                       norm_gmem, w_ring, slot_rings, ring_ready, norm_smem, wg_idx)
       xt = xt_smem.at[wg_idx] if plan.interpreting else None
 
@@ -454,7 +455,7 @@ def fused_dw_update_mosaic(
     config_checked: ``config`` came from :func:`~pallas_kernels.mosaic.select_config` for these
       very operands, so it is not checked again.
     compute_grad_sq_norm: also return ``sum(dW**2)`` in float32 (from per-row partial sums the
-      kernel writes, summed by XLA).
+      kernel writes, summed by XLA; NaN if an element of ``dW`` is not finite).
     interpret: run on CPU under the Mosaic GPU interpreter (``True`` or an
       ``InterpretGPUParams``).
     weight_codec: ``None``/``numerics.Cast()`` (round to nearest) or
@@ -524,7 +525,7 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
                with_norm=compute_grad_sq_norm, interpreting=params is not None,
                stochastic=isinstance(codec, numerics.StochasticRound),
                codecs=tuple(s.codec if mcfg.quantized(s) else None for s in slots))
-  rule = rule_eval.trace_rule(update_fn, (cfg.epi_m, cfg.epi_n), len(slots), scalars)
+  rule = rule_eval.trace_rule(unwrap(update_fn)[0], (cfg.epi_m, cfg.epi_n), len(slots), scalars)
   flat = lambda a: a.reshape(num_layers * k, n)  # one [L*K, N] array; the layer is a row offset
   # One row of per-W-row partial sums per column tile; NaN makes a missed entry loud.
   norm_init = jnp.full((n // cfg.tile_n, k), jnp.nan, jnp.float32) if compute_grad_sq_norm else None
@@ -534,7 +535,8 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
       lowering_semantics=getattr(plgpu.LoweringSemantics, rule_eval.LOWERING_SEMANTICS),
       unsafe_no_auto_barriers=cfg.no_auto_barriers,
       **({} if profile is None else dict(profile_space=profile[0], profile_dir=profile[1])))
-  body = functools.partial(_fused_kernel, plan=plan, rule=rule, scalars_treedef=treedef,
+  body = functools.partial(_fused_kernel, plan=plan, rule=rule, update_fn=update_fn,
+                           scalars_treedef=treedef,
                            slot_dtypes=tuple(mcfg.stored_dtype(s) for s in slots))
 
   def stateful(refs):
