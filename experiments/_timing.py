@@ -269,3 +269,27 @@ def short_error(exc: BaseException, limit: int = 600) -> str:
 
 def log(*args: Any) -> None:
   print(*args, flush=True, file=sys.stdout)
+
+
+def check_tree(tree: pathlib.Path) -> pathlib.Path:
+  """``tree`` resolved, or a ValueError if it is not a checkout of this repository."""
+  tree = tree.resolve()
+  if not (tree / "pallas_kernels").is_dir():
+    raise ValueError(f"--baseline-tree {tree} has no pallas_kernels/: pass a checkout of this "
+                     "repository (e.g. git archive COMMIT | tar -x -C DIR)")
+  return tree
+
+
+def run_on_tree(script: str, args: Sequence[str], out: pathlib.Path, tree: pathlib.Path,
+                path: Sequence[pathlib.Path], result: str) -> dict:
+  """Runs ``script`` with ``args --out out`` in a subprocess whose PYTHONPATH starts with
+  ``path`` (a baseline tree's kernels), from ``tree``; returns its ``out/result`` JSON."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  paths = [str(p) for p in path]
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]))
+  cmd = [sys.executable, str(pathlib.Path(script).resolve()), *args, "--out", str(out)]
+  log(f"baseline: {' '.join(cmd)} (PYTHONPATH={':'.join(paths)})")
+  proc = subprocess.run(cmd, env=env, cwd=tree, check=False)
+  if proc.returncode != 0:
+    raise RuntimeError(f"the baseline run on {tree} ended with {proc.returncode}")
+  return json.loads((out / result).read_text())

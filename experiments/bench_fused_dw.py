@@ -614,10 +614,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def run_baseline(tree: pathlib.Path, argv: Sequence[str], out: pathlib.Path) -> dict:
   """This script's run on another checkout: a subprocess with ``tree`` first on PYTHONPATH, so
   ``pallas_kernels`` and ``forge_jax`` are the tree's (this file is the harness for both)."""
-  tree, out = tree.resolve(), out.resolve()
-  if not (tree / "pallas_kernels").is_dir():
-    raise ValueError(f"--baseline-tree {tree} has no pallas_kernels/: pass a checkout of this "
-                     "repository (e.g. git archive COMMIT | tar -x -C DIR)")
+  tree, out = _timing.check_tree(tree), out.resolve()
   rest, skip = [], False
   for a in argv:  # the same run without --baseline-tree / --out
     if skip or a in ("--baseline-tree", "--out"):
@@ -625,13 +622,7 @@ def run_baseline(tree: pathlib.Path, argv: Sequence[str], out: pathlib.Path) -> 
       continue
     if not a.startswith(("--baseline-tree=", "--out=")):
       rest.append(a)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
-  cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *rest, "--out", str(out)]
-  _timing.log(f"baseline: {' '.join(cmd)} (PYTHONPATH={tree})")
-  proc = subprocess.run(cmd, env=env, cwd=tree, check=False)
-  if proc.returncode != 0:
-    raise RuntimeError(f"the baseline run on {tree} ended with {proc.returncode}")
-  return json.loads((out / "bench_fused_dw.json").read_text())
+  return _timing.run_on_tree(__file__, rest, out, tree, [tree], "bench_fused_dw.json")
 
 
 def compare_markdown(info: dict, baseline: dict, rows: list[dict], tree: pathlib.Path) -> str:

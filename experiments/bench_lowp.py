@@ -63,9 +63,7 @@ import dataclasses
 import functools
 import gc
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -375,10 +373,7 @@ def run_baseline(tree: pathlib.Path, argv: Sequence[str], configs: Optional[Sequ
                  out: pathlib.Path) -> dict:
   """This script's run on another checkout: a subprocess with the tree's ``pallas_kernels`` and
   ``forge_jax`` and this tree's ``experiments`` (the harness for both), for ``configs``."""
-  tree, out = tree.resolve(), out.resolve()
-  if not (tree / "pallas_kernels").is_dir():
-    raise ValueError(f"--baseline-tree {tree} has no pallas_kernels/: pass a checkout of this "
-                     "repository (e.g. git archive COMMIT | tar -x -C DIR)")
+  tree, out = _timing.check_tree(tree), out.resolve()
   dropped = {"--baseline-tree", "--out", "--baseline-configs", "--mosaic-variants"}
   dropped |= {"--configs"} if configs else set()
   rest, skipping = [], False
@@ -394,15 +389,12 @@ def run_baseline(tree: pathlib.Path, argv: Sequence[str], configs: Optional[Sequ
   shim = out / "harness"
   shim.mkdir(parents=True, exist_ok=True)
   link = shim / "experiments"
+  harness = pathlib.Path(__file__).resolve().parent
+  if link.is_symlink() and link.resolve() != harness:  # left by a run from another checkout
+    link.unlink()
   if not link.exists():
-    link.symlink_to(pathlib.Path(__file__).resolve().parent, target_is_directory=True)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(tree), os.environ.get("PYTHONPATH", "")]))
-  cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *rest, "--out", str(out)]
-  _timing.log(f"baseline: {' '.join(cmd)} (PYTHONPATH={shim}:{tree})")
-  proc = subprocess.run(cmd, env=env, cwd=tree, check=False)
-  if proc.returncode != 0:
-    raise RuntimeError(f"the baseline run on {tree} ended with {proc.returncode}")
-  return json.loads((out / "bench_lowp.json").read_text())
+    link.symlink_to(harness, target_is_directory=True)
+  return _timing.run_on_tree(__file__, rest, out, tree, [shim, tree], "bench_lowp.json")
 
 
 def compare_markdown(info: dict, baseline: dict, rows: list[dict], tree: pathlib.Path) -> str:
