@@ -28,6 +28,7 @@ import math
 import os
 import pathlib
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -182,6 +183,59 @@ def time_layer_update(update: LayerUpdate, carry: Any, **timing) -> tuple[Timing
   t, carry = time_steps(update.run, carry, **timing)
   per = update.calls
   return Timing(t.median_ms / per, t.min_ms / per, tuple(r / per for r in t.repeats_ms), t.iters), carry
+
+
+_NOT_KERNELS = ("XLA Modules", "XLA Ops", "Steps", "Source code", "Launch Stats", "TensorFlow Ops",
+                "Framework Ops", "XLA TraceMe")  # derived lines of a device plane: not kernels
+
+
+def _op_kind(op: str) -> str:
+  """The kind of an HLO op or kernel name: ``loop_fusion.12`` -> ``loop_fusion``."""
+  return re.split(r"[.\d]", op, maxsplit=1)[0].rstrip("_-") or op
+
+
+def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict[str, Any]:
+  """Where the device time of ``calls`` calls goes: ``run()`` (which runs them and blocks) under
+  ``jax.profiler.trace``, read back with ``jax.profiler.ProfileData``.
+
+  Returns ``{"calls", "device_ms" (per call, kernels of every GPU stream summed), "by_kind"
+  ({kind: ms per call}, kind = the HLO op name without its number), "top" ([{"op", "kernel",
+  "ms", "count"}] per call, longest first)}``. Kernels are grouped by the HLO op the profiler
+  attributes them to (``hlo_op``), else by kernel name. Empty totals on a backend without device
+  planes (CPU).
+  """
+  import tempfile
+  from jax.profiler import ProfileData
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      run()
+    paths = sorted(pathlib.Path(tmp).rglob("*.xplane.pb"))
+    if not paths:
+      return {"calls": calls, "device_ms": float("nan"), "by_kind": {}, "top": [],
+              "error": "no trace written"}
+    data = ProfileData.from_file(str(paths[-1]))
+  ops: dict[str, list] = {}
+  for plane in data.planes:
+    if not plane.name.startswith("/device:"):
+      continue
+    for line in plane.lines:
+      if line.name in _NOT_KERNELS:
+        continue
+      for event in line.events:
+        stats = dict(event.stats)
+        op = str(stats.get("hlo_op") or event.name)
+        entry = ops.setdefault(op, [0.0, 0, event.name])
+        entry[0] += event.duration_ns / 1e6
+        entry[1] += 1
+  by_kind: dict[str, float] = {}
+  for op, (ms, _, _) in ops.items():
+    kind = _op_kind(op)
+    by_kind[kind] = by_kind.get(kind, 0.0) + ms / calls
+  rows = sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]
+  return {"calls": calls, "device_ms": sum(v[0] for v in ops.values()) / calls,
+          "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+          "top": [{"op": op, "kernel": name[:120], "ms": ms / calls, "count": n / calls}
+                  for op, (ms, n, name) in rows]}
 
 
 def out_dir(path: Optional[str]) -> pathlib.Path:

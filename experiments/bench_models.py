@@ -40,7 +40,8 @@ of ``models`` with random weights on random tokens:
   as ``--mem-fraction``), ``:api=nnx`` (a FORGE row's model in Flax NNX:
   ``models.nnx.CausalLM`` trained by ``forge_jax.nnx.train_step``, against the
   default ``api=linen``), ``:mesh=P`` (a FORGE row on a P-device mesh, tensor-parallel
-  over it: docs/parallel.md; ``:mesh=1`` measures what a 1-device mesh costs), e.g.
+  over it: docs/parallel.md; ``:mesh=1`` measures what a 1-device mesh costs), ``:xla=dsf``
+  (XLA flags for that row's worker, by name: ``XLA_FLAG_SETS``; several joined by ``+``), e.g.
   ``optax_unrolled:remat=none:master=float32:mem=0.95``.
   The row's ``impl`` is the whole name; its ``remat``, ``param_dtype`` and
   ``mem_fraction`` are recorded. The model config validates the combination
@@ -116,7 +117,18 @@ IMPLS = ("optax", "optax_clip", "forge", "forge_sr", "forge_int8", "forge_int8_s
 UNROLLED = "_unrolled"
 FORGE_BACKENDS = ("xla", "pallas", "mosaic")  # optional "_<backend>" suffix of a forge impl
 REMAT = "full"  # --remat's default
-ROW_OPTIONS = ("remat", "master", "mem", "api", "mesh")  # ":key=value" after a row's implementation name
+ROW_OPTIONS = ("remat", "master", "mem", "api", "mesh", "xla")
+# ":xla=NAME[+NAME]": XLA flags a row's worker runs with (appended to $XLA_FLAGS), by name.
+XLA_FLAG_SETS = {
+    # cuBLAS GEMMs and copies read a dynamic slice of a stacked operand in place (a scanned
+    # stack's per-layer weight) instead of copying it out first.
+    "dsf": "--xla_gpu_enable_dynamic_slice_fusion=true",
+    # a while loop's body unrolled by two (the scanned stack's layers), so that one layer's work
+    # can overlap the next's.
+    "dbuf": "--xla_gpu_enable_while_loop_double_buffering=true",
+    # jax's default on GPU is on: the latency-hiding scheduler's view of a row, off.
+    "nolhs": "--xla_gpu_enable_latency_hiding_scheduler=false",
+}  # ":key=value" after a row's implementation name
 APIS = ("linen", "nnx")  # the front end of a row (":api=nnx")
 SKIPPED = "skipped: time budget"
 TIMING = "median3"  # meta["timing"]: how step_ms was taken (absent: mean of 5 after 1 warm-up)
@@ -178,7 +190,18 @@ def parse_spec(spec: str) -> tuple[str, dict]:
       raise ValueError(f"mesh={options['mesh']!r} in {spec!r}: a FORGE row's tensor-parallel size, "
                        "an int >= 1 (mesh=1: the model on a 1-device mesh), e.g. forge:mesh=1")
     options["mesh"] = int(options["mesh"])
+  if "xla" in options:
+    unknown = [f for f in options["xla"].split("+") if f not in XLA_FLAG_SETS]
+    if unknown:
+      raise ValueError(f"xla={options['xla']!r} in {spec!r}: unknown flag set(s) {unknown}; "
+                       f"one or more of {sorted(XLA_FLAG_SETS)} joined by '+', e.g. xla=dsf+dbuf")
   return name, options
+
+
+def xla_flags(spec: str) -> str:
+  """The XLA flags of a row's ``:xla=`` option ("" without one)."""
+  names = parse_spec(spec)[1].get("xla")
+  return " ".join(XLA_FLAG_SETS[n] for n in names.split("+")) if names else ""
 
 
 def row_settings(spec: str, remat: str = REMAT, master_dtype: str | None = None,
@@ -485,7 +508,7 @@ def _build_nnx_step(cfg, row, opt, data, loss: str, on_compiled, compile_first: 
 
 def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
            attention: str, steps: int, loss: str = "lean", compile_first: bool = False,
-           remat: str = REMAT, master_dtype: str | None = None) -> dict:
+           remat: str = REMAT, master_dtype: str | None = None, profile: bool = False) -> dict:
   import jax
 
   from experiments import _timing
@@ -508,6 +531,16 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   row["tokens_per_s"] = batch * tokens / (timing.median_ms / 1e3)
   row["loss"] = float(metrics["loss"])
   row["peak_gib"] = _peak_gib(jax)
+  if profile:  # after the timing, so that the trace costs it nothing
+    def run():
+      nonlocal state, metrics
+      for _ in range(steps):
+        state, metrics = step(state)
+      jax.block_until_ready((state, metrics))
+    try:
+      row["profile"] = _timing.device_profile(run, steps)
+    except Exception as e:  # pylint: disable=broad-except  (the timed row stands without it)
+      row["profile"] = {"error": _timing.short_error(e)}
   return row
 
 
@@ -557,12 +590,16 @@ class Runner:
              "--dtype", args.dtype, "--attention", args.attention, "--steps", str(args.steps),
              "--loss", args.loss, "--remat", args.remat]
             + (["--master-dtype", args.master_dtype] if args.master_dtype else [])
-            + (["--compile-first"] if args.compile_first else []))
+            + (["--compile-first"] if args.compile_first else [])
+            + (["--profile"] if args.profile else []))
 
   def row_env(self, impl: str, preallocate: bool) -> dict:
     """The environment of a row's worker: its own allocator limit (``:mem=``) or the run's."""
     mem = row_settings(impl, mem_fraction=self.args.mem_fraction)["mem_fraction"]
-    return worker_env(mem, preallocate, self.args.compile_cache)
+    env = worker_env(mem, preallocate, self.args.compile_cache)
+    if xla_flags(impl):
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags(impl)).strip()
+    return env
 
   def precompile(self, cells) -> list:
     """Compiles every (model, impl, batch, tokens) of ``cells`` into the persistent compilation
@@ -633,6 +670,8 @@ class Runner:
           row["error_detail"] = _oom_detail(proc.stderr)
     row["wall_s"] = time.monotonic() - t0
     row["mem_fraction"] = settings["mem_fraction"]
+    if xla_flags(impl):
+      row["xla_flags"] = xla_flags(impl)
     pre = self.compiled.get((model_name, impl, batch, tokens), {})
     if "compile_s" in pre and "compile_s" not in row:  # the step came from the precompile's cache
       row["compile_s"] = pre["compile_s"]
@@ -812,6 +851,27 @@ def markdown(rows, meta) -> str:
   return "\n".join(lines) + "\n"
 
 
+def profile_markdown(rows, meta, kinds: int = 12, ops: int = 15) -> str:
+  """Each profiled row's device time per step: by HLO op kind, then its longest ops."""
+  out = [f"# Where a step's device time goes\n\n`{meta['command']}`  \n{meta['date']}, "
+         f"{meta['device']}, jax {meta['jax']}\n"]
+  for r in rows:
+    prof = r.get("profile")
+    if not prof or "top" not in prof:
+      if prof:
+        out.append(f"## {r['model']} {r['impl']}: no profile ({prof.get('error')})\n")
+      continue
+    out.append(f"## {r['model']} {r['impl']} {r['batch']}x{r['tokens']}: step {_fmt(r.get('step_ms'), '.1f')} ms, "
+               f"kernels {prof['device_ms']:.1f} ms/step\n")
+    out.append("| op kind | ms/step |\n|---|---:|")
+    out += [f"| {k} | {v:.2f} |" for k, v in list(prof["by_kind"].items())[:kinds]]
+    out.append("\n| op | kernel | ms/step | calls/step |\n|---|---|---:|---:|")
+    out += [f"| {_cell(t['op'])} | {_cell(t['kernel'][:60])} | {t['ms']:.2f} | {t['count']:g} |"
+            for t in prof["top"][:ops]]
+    out.append("")
+  return "\n".join(out) + "\n"
+
+
 def capacity_summary(model_name: str, impl: str, tokens: int, tried: list[dict]) -> dict:
   fits = [r for r in tried if _ok(r)]
   failed = [r for r in tried if not _ok(r) and r["error"] != SKIPPED]
@@ -960,7 +1020,8 @@ def _meta(args, argv) -> dict:
           "timeout_s": args.timeout, "time_budget_s": args.time_budget,
           "max_batch": args.max_batch, "mem_fraction": args.mem_fraction,
           "preallocate": args.preallocate, "compile_first": args.compile_first,
-          "compile_cache": args.compile_cache is not None, "precompile": args.precompile}
+          "compile_cache": args.compile_cache is not None, "precompile": args.precompile,
+          "profile": args.profile}
 
 
 def _table(args, impls, meta, runner):
@@ -981,6 +1042,8 @@ def _table(args, impls, meta, runner):
     md = markdown(rows, meta)
     _write(paths["md"], md)
     plot_table(rows, paths["png"])
+    if args.profile:
+      _write(os.path.join(args.out, f"{tag}.profile.md"), profile_markdown(rows, meta))
   print(md)
   return rows
 
@@ -1062,6 +1125,10 @@ def main(argv=None):
   parser.add_argument("--precompile", type=int, default=0,
                       help="compile every row's step first, this many processes at a time, into "
                            "--compile-cache (implies --compile-first); then time the rows one by one")
+  parser.add_argument("--profile", action="store_true",
+                      help="after timing, trace --steps more steps with jax.profiler and record "
+                           "where the device time goes (row['profile']: ms per step by HLO op kind "
+                           "and the longest ops; <tag>.profile.md)")
   parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--worker")
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -1085,7 +1152,7 @@ def main(argv=None):
   if args.worker:
     row = worker(args.models, args.worker, int(args.batch), int(args.tokens), args.dtype,
                  args.attention, args.steps, args.loss, args.compile_first, args.remat,
-                 args.master_dtype)
+                 args.master_dtype, args.profile)
     print("ROW " + json.dumps(row), flush=True)
     return
   try:

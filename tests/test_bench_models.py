@@ -8,6 +8,7 @@ optimizations (compile time dominates here).
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -315,6 +316,30 @@ def test_row_options_override_the_run_and_refuse_bad_values():
       bench_models.parse_spec(bad)
   with pytest.raises(SystemExit):
     bench_models.main(["--impls", "optax:mem=0"])
+
+
+def test_xla_flag_sets_reach_the_workers_env(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  args = argparse.Namespace(mem_fraction=None, compile_cache=None)
+  runner = bench_models.Runner(args)
+  env = runner.row_env("forge:remat=none:xla=dsf+dbuf", False)
+  assert env["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=1 "
+                              "--xla_gpu_enable_dynamic_slice_fusion=true "
+                              "--xla_gpu_enable_while_loop_double_buffering=true")
+  assert runner.row_env("forge", False)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
+  with pytest.raises(ValueError, match=r"unknown flag set\(s\) \['fast'\].*dsf"):
+    bench_models.parse_spec("forge:xla=dsf+fast")
+
+
+def test_profile_markdown_lists_each_profiled_row():
+  prof = {"calls": 2, "device_ms": 10.0, "by_kind": {"loop_fusion": 6.0, "copy": 4.0},
+          "top": [{"op": "copy.3", "kernel": "copy_kernel", "ms": 4.0, "count": 32.0}]}
+  rows = [{"model": "m", "impl": "forge", "batch": 1, "tokens": 8, "step_ms": 11.0, "profile": prof},
+          {"model": "m", "impl": "optax", "batch": 1, "tokens": 8, "profile": {"error": "no CUPTI"}},
+          {"model": "m", "impl": "forge_xla", "batch": 1, "tokens": 8}]
+  md = bench_models.profile_markdown(rows, {"command": "c", "date": "d", "device": "H200", "jax": "0"})
+  assert "| copy | 4.00 |" in md and "| copy.3 | copy_kernel | 4.00 | 32 |" in md
+  assert "no profile (no CUPTI)" in md and "forge_xla" not in md
 
 
 def test_rounding_and_state_implementations():
