@@ -189,9 +189,19 @@ _NOT_KERNELS = ("XLA Modules", "XLA Ops", "Steps", "Source code", "Launch Stats"
                 "Framework Ops", "XLA TraceMe")  # derived lines of a device plane: not kernels
 
 
-def _op_kind(op: str) -> str:
-  """The kind of an HLO op or kernel name: ``loop_fusion.12`` -> ``loop_fusion``."""
-  return re.split(r"[.\d]", op, maxsplit=1)[0].rstrip("_-") or op
+_GEMM_KERNELS = ("nvjet", "cutlass", "xmma", "gemm", "sm90_", "cublas")
+
+
+def _kernel_kind(name: str) -> str:
+  """A kernel's kind, for totals: ``gemm`` (cuBLAS/CUTLASS library kernels and XLA's Triton GEMM
+  fusions), ``copy`` (memcpy and XLA copy kernels), else the kernel's name without its numbers
+  (``loop_fusion_12`` -> ``loop_fusion``, ``input_reduce_fusion`` ...)."""
+  low = name.lower()
+  if any(k in low for k in _GEMM_KERNELS):
+    return "gemm"
+  if "memcpy" in low or "memset" in low or re.match(r"(wrapped_)?copy", low):
+    return "copy" if "memset" not in low else "memset"
+  return re.sub(r"(_?\d+)+$", "", re.split(r"[.(<]", name, maxsplit=1)[0]) or name
 
 
 def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict[str, Any]:
@@ -199,10 +209,10 @@ def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict
   ``jax.profiler.trace``, read back with ``jax.profiler.ProfileData``.
 
   Returns ``{"calls", "device_ms" (per call, kernels of every GPU stream summed), "by_kind"
-  ({kind: ms per call}, kind = the HLO op name without its number), "top" ([{"op", "kernel",
-  "ms", "count"}] per call, longest first)}``. Kernels are grouped by the HLO op the profiler
-  attributes them to (``hlo_op``), else by kernel name. Empty totals on a backend without device
-  planes (CPU).
+  ({kind: ms per call}: :func:`_kernel_kind`), "top" ([{"kernel", "ops", "ms", "count"}] per
+  call, longest first)}``, grouped by kernel name (XLA runs most of a step inside command
+  buffers, so the profiler's ``hlo_op`` of a kernel is often its command buffer; ``ops`` lists up
+  to four). Empty totals on a backend without device planes (CPU).
   """
   import tempfile
   from jax.profiler import ProfileData
@@ -214,7 +224,7 @@ def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict
       return {"calls": calls, "device_ms": float("nan"), "by_kind": {}, "top": [],
               "error": "no trace written"}
     data = ProfileData.from_file(str(paths[-1]))
-  ops: dict[str, list] = {}
+  kernels: dict[str, list] = {}  # kernel name -> [ms, count, the HLO ops it ran for]
   for plane in data.planes:
     if not plane.name.startswith("/device:"):
       continue
@@ -222,20 +232,20 @@ def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict
       if line.name in _NOT_KERNELS:
         continue
       for event in line.events:
-        stats = dict(event.stats)
-        op = str(stats.get("hlo_op") or event.name)
-        entry = ops.setdefault(op, [0.0, 0, event.name])
+        entry = kernels.setdefault(event.name, [0.0, 0, set()])
         entry[0] += event.duration_ns / 1e6
         entry[1] += 1
+        op = dict(event.stats).get("hlo_op")
+        if op and len(entry[2]) < 4:
+          entry[2].add(str(op))
   by_kind: dict[str, float] = {}
-  for op, (ms, _, _) in ops.items():
-    kind = _op_kind(op)
-    by_kind[kind] = by_kind.get(kind, 0.0) + ms / calls
-  rows = sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]
-  return {"calls": calls, "device_ms": sum(v[0] for v in ops.values()) / calls,
+  for name, (ms, _, _) in kernels.items():
+    by_kind[_kernel_kind(name)] = by_kind.get(_kernel_kind(name), 0.0) + ms / calls
+  rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+  return {"calls": calls, "device_ms": sum(v[0] for v in kernels.values()) / calls,
           "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-          "top": [{"op": op, "kernel": name[:120], "ms": ms / calls, "count": n / calls}
-                  for op, (ms, n, name) in rows]}
+          "top": [{"kernel": name[:160], "ops": sorted(ops), "ms": ms / calls, "count": n / calls}
+                  for name, (ms, n, ops) in rows]}
 
 
 def out_dir(path: Optional[str]) -> pathlib.Path:

@@ -851,7 +851,7 @@ def markdown(rows, meta) -> str:
   return "\n".join(lines) + "\n"
 
 
-def profile_markdown(rows, meta, kinds: int = 12, ops: int = 15) -> str:
+def profile_markdown(rows, meta, kinds: int = 14, ops: int = 25) -> str:
   """Each profiled row's device time per step: by HLO op kind, then its longest ops."""
   out = [f"# Where a step's device time goes\n\n`{meta['command']}`  \n{meta['date']}, "
          f"{meta['device']}, jax {meta['jax']}\n"]
@@ -865,9 +865,9 @@ def profile_markdown(rows, meta, kinds: int = 12, ops: int = 15) -> str:
                f"kernels {prof['device_ms']:.1f} ms/step\n")
     out.append("| op kind | ms/step |\n|---|---:|")
     out += [f"| {k} | {v:.2f} |" for k, v in list(prof["by_kind"].items())[:kinds]]
-    out.append("\n| op | kernel | ms/step | calls/step |\n|---|---|---:|---:|")
-    out += [f"| {_cell(t['op'])} | {_cell(t['kernel'][:60])} | {t['ms']:.2f} | {t['count']:g} |"
-            for t in prof["top"][:ops]]
+    out.append("\n| kernel | ms/step | calls/step | HLO ops |\n|---|---:|---:|---|")
+    out += [f"| {_cell(t['kernel'][:70])} | {t['ms']:.2f} | {t['count']:g} | "
+            f"{_cell(', '.join(t['ops'])[:60])} |" for t in prof["top"][:ops]]
     out.append("")
   return "\n".join(out) + "\n"
 

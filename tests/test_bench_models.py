@@ -333,13 +333,18 @@ def test_xla_flag_sets_reach_the_workers_env(monkeypatch):
 
 def test_profile_markdown_lists_each_profiled_row():
   prof = {"calls": 2, "device_ms": 10.0, "by_kind": {"loop_fusion": 6.0, "copy": 4.0},
-          "top": [{"op": "copy.3", "kernel": "copy_kernel", "ms": 4.0, "count": 32.0}]}
+          "top": [{"kernel": "copy_kernel", "ops": ["copy.3"], "ms": 4.0, "count": 32.0}]}
   rows = [{"model": "m", "impl": "forge", "batch": 1, "tokens": 8, "step_ms": 11.0, "profile": prof},
           {"model": "m", "impl": "optax", "batch": 1, "tokens": 8, "profile": {"error": "no CUPTI"}},
           {"model": "m", "impl": "forge_xla", "batch": 1, "tokens": 8}]
   md = bench_models.profile_markdown(rows, {"command": "c", "date": "d", "device": "H200", "jax": "0"})
-  assert "| copy | 4.00 |" in md and "| copy.3 | copy_kernel | 4.00 | 32 |" in md
+  assert "| copy | 4.00 |" in md and "| copy_kernel | 4.00 | 32 | copy.3 |" in md
   assert "no profile (no CUPTI)" in md and "forge_xla" not in md
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+  assert [_timing._kernel_kind(k) for k in (
+      "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_TNN", "gemm_fusion_dot_225", "memcpy128",
+      "loop_dynamic_update_slice_fusion_3", "input_reduce_fusion", "wrapped_copy_2")] == [
+      "gemm", "gemm", "copy", "loop_dynamic_update_slice_fusion", "input_reduce_fusion", "copy"]
 
 
 def test_rounding_and_state_implementations():
