@@ -126,6 +126,9 @@ XLA_FLAG_SETS = {
     # a while loop's body unrolled by two (the scanned stack's layers), so that one layer's work
     # can overlap the next's.
     "dbuf": "--xla_gpu_enable_while_loop_double_buffering=true",
+    # every GEMM to cuBLAS (no Triton GEMM fusions): with dsf, a cuBLAS GEMM can read its
+    # operand from the stack in place.
+    "notriton": "--xla_gpu_enable_triton_gemm=false",
     # jax's default on GPU is on: the latency-hiding scheduler's view of a row, off.
     "nolhs": "--xla_gpu_enable_latency_hiding_scheduler=false",
 }  # ":key=value" after a row's implementation name

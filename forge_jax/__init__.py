@@ -64,7 +64,7 @@ from forge_jax._rules import RMSPropState
 from forge_jax._rules import SGDMomentumState
 from forge_jax._rules import SGDState
 from forge_jax._rules import StabilizedRule
-from forge_jax._stack import ScannedStack
+from forge_jax._stack import ScannedStack, save_all_but_elementwise
 from forge_jax._train import NoBackwardPassWarning
 from forge_jax._train import TrainState
 from forge_jax._train import carry_grad_norm
@@ -122,6 +122,7 @@ __all__ = [
     "radam",
     "restore_train_state",
     "rmsprop",
+    "save_all_but_elementwise",
     "save_train_state",
     "sgd",
     "shard_tree",

@@ -74,9 +74,18 @@ def _remat_policy(cfg: ModelConfig) -> Any:
 
 
 def _maybe_remat(cls: type[nn.Module], cfg: ModelConfig) -> type[nn.Module]:
-  """``cls`` wrapped in ``nn.remat`` with the configured policy (or as is)."""
-  if cfg.remat == "none":
+  """``cls`` wrapped in ``nn.remat`` with the configured policy (or as is).
+
+  A scanned block without remat saves every activation except elementwise ones
+  (``forge_jax.save_all_but_elementwise``, as ``forge_jax.ScannedStack`` does): under a scan
+  each saved value is a stacked buffer of its own, and XLA cannot fuse the cheap ops between
+  activations away as it does in an unrolled step.
+  """
+  if cfg.remat == "none" and not cfg.scan_layers:
     return cls
+  if cfg.remat == "none":
+    import forge_jax  # pylint: disable=g-import-not-at-top
+    return nn.remat(cls, policy=forge_jax.save_all_but_elementwise, prevent_cse=False)
   policy = _remat_policy(cfg)
   # Under scan, CSE across iterations cannot undo the remat, and the barrier
   # that prevents it costs speed (flax's advice for remat inside scan).
