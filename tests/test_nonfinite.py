@@ -156,9 +156,13 @@ def _assert_close(a, b, where=None):
 
 _GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Triton and Mosaic kernels")
 _COMPILED = [pytest.param("pallas", marks=_GPU), pytest.param("mosaic", marks=_GPU)]
+# The interpreters' cases are CPU tests: on a GPU their thousands of small ops each go to the
+# device (one mosaic_interpret case ran past 200 s on the H200), and the compiled kernels run.
+_CPU = pytest.mark.skipif(jax.default_backend() == "gpu", reason="interpreters: the CPU's cases")
+_INTERPRETED = [pytest.param("interpret", marks=_CPU), pytest.param("mosaic_interpret", marks=_CPU)]
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret", "mosaic_interpret"] + _COMPILED)
+@pytest.mark.parametrize("backend", ["xla"] + _INTERPRETED + _COMPILED)
 def test_guard_float_states(backend):
   _check_guard(backend, None, F32)
 
@@ -172,13 +176,14 @@ _INT8_NEAREST = forge_jax.Precision(state_dtype="int8", min_quantized_size=0,
 
 
 @pytest.mark.parametrize("backend, precision", [
-    ("xla", _INT8), ("interpret", _INT8), ("mosaic_interpret", _INT8_NEAREST),
+    ("xla", _INT8), pytest.param("interpret", _INT8, marks=_CPU),
+    pytest.param("mosaic_interpret", _INT8_NEAREST, marks=_CPU),
     pytest.param("pallas", _INT8, marks=_GPU), pytest.param("mosaic", _INT8, marks=_GPU)])
 def test_guard_int8_states(backend, precision):
   _check_guard(backend, precision, F32, exact_states=False)
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"] + _COMPILED)
+@pytest.mark.parametrize("backend", ["xla", _INTERPRETED[0]] + _COMPILED)
 def test_guard_stochastically_rounded_bf16_weights(backend):
   _check_guard(backend, forge_jax.Precision("stochastic", state_dtype="float32"), BF16)
 
