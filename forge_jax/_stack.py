@@ -12,7 +12,8 @@ cotangent would hold two copies of the stacked weights and states
   stacked over layers, the residuals its activation checkpointing keeps
   (``remat``/``remat_policy``, as ``nn.remat``/``jax.checkpoint``: the
   default saves only each block's input and recomputes the rest; without
-  remat it saves what the block's backward needs; a
+  remat it saves what the block's backward needs but elementwise functions of
+  it (:func:`save_all_but_elementwise`); a
   ``jax.checkpoint_policies`` policy saves what it allows). The residuals
   never include the stacked kernels and states: the backward reads them live;
 * backward: a ``fori_loop`` from the last layer to the first that carries the
@@ -311,7 +312,8 @@ class ScannedStack(nn.Module):
     length: the number of layers.
     remat: activation checkpointing of each block, as ``nn.remat``: with
       ``False`` the forward pass saves every activation the block's backward
-      needs (fastest, most memory); with ``True`` it saves what
+      needs except elementwise ones (:func:`save_all_but_elementwise`; fastest,
+      most memory); with ``True`` it saves what
       ``remat_policy`` allows and the backward recomputes the rest.
     remat_policy: a ``jax.checkpoint_policies`` policy (e.g. ``dots_saveable``,
       or ``save_anything_except_these_names(...)`` for tensors the block

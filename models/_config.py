@@ -90,7 +90,9 @@ class ModelConfig:
       interpreter. Ignored when ``linear="flax"``.
     scan_layers: ``nn.scan`` over one block (params stacked ``[L, ...]`` under
       ``layers``) or a Python loop (``layers_0`` ... ``layers_{L-1}``).
-    remat: activation checkpointing of each block: ``"none"``, ``"full"``
+    remat: activation checkpointing of each block: ``"none"`` (save every activation the
+      backward needs; scanned, elementwise ones are recomputed:
+      ``forge_jax.save_all_but_elementwise``), ``"full"``
       (save nothing, recompute all) or a ``jax.checkpoint_policies`` name;
       ``"save_only_these_names"`` and ``"save_anything_except_these_names"``
       take their names from ``remat_names``.

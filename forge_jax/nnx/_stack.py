@@ -51,7 +51,8 @@ class ScannedStack(nnx.Module):
     rngs: the :class:`flax.nnx.Rngs` the blocks are initialized from (split per
       layer); only with a constructor.
     remat: activation checkpointing of each block, as ``nnx.remat``: ``False``
-      saves every activation the backward needs; ``True`` saves what
+      saves every activation the backward needs but elementwise ones
+      (``forge_jax.save_all_but_elementwise``); ``True`` saves what
       ``remat_policy`` allows and recomputes the rest.
     remat_policy: a ``jax.checkpoint_policies`` policy; ``None``: only each block's input.
 
