@@ -481,6 +481,32 @@ def test_forge_scanned_training_saves_the_same_residuals_as_optax(remat):
   assert outputs["forge"] == outputs["optax"]
 
 
+def test_scanned_without_remat_saves_no_elementwise_functions_of_an_activation():
+  """Without remat a scanned Llama block keeps its activations, not elementwise functions of them:
+  per layer the gate and up projections and the down projection's input (its FORGE layer keeps
+  it for dW), not also sigmoid(g) and silu(g), and no float32 upcast of the bfloat16 hidden state
+  (forge_jax.save_all_but_elementwise)."""
+  import forge_jax  # pylint: disable=g-import-not-at-top
+  from experiments import bench_models  # pylint: disable=g-import-not-at-top
+
+  batch, tokens = 3, 40
+  data = jnp.zeros((batch, tokens + 1), jnp.int32)
+  cfg = models.get_config("tiny-llama", linear="forge", remat="none", scan_layers=True,
+                          forge_backend="xla", param_dtype="bfloat16", dtype="bfloat16")
+  opt = bench_models._forge_optimizer("forge")
+  model = models.CausalLM(cfg, optimizer=opt)
+  variables = jax.eval_shape(model.init, jax.random.PRNGKey(1), data[:, :-1])
+  state = jax.eval_shape(lambda v: forge_jax.TrainState.create(model.apply, v, opt), variables)
+  loss_fn = functools.partial(bench_models._loss, model.apply)
+  jaxpr = jax.make_jaxpr(lambda s, d: forge_jax.train_step(s, d, loss_fn))(state, data)
+  saved = _forward_scan_residuals(jaxpr.jaxpr, cfg.num_layers)
+  wide = f"bfloat16[{cfg.num_layers},{batch},{tokens},{cfg.intermediate_size}]"
+  assert saved.count(wide) == 3, saved
+  assert not [a for a in saved if a.startswith("float32") and a.endswith(f",{cfg.hidden_size}]")], saved
+  assert forge_jax.save_all_but_elementwise(jax.lax.dot_general_p)
+  assert not forge_jax.save_all_but_elementwise(jax.lax.logistic_p)
+
+
 # ----------------------------------------------------------------------------
 # The loss.
 # ----------------------------------------------------------------------------
