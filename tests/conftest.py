@@ -74,6 +74,30 @@ def fast_subprocess_compiles(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
 
 
+@pytest.fixture(scope="module")
+def module_compilation_cache(tmp_path_factory):
+  """jax's persistent compilation cache, for this module only: a program the module compiles
+  again (the same init or step, built by several tests or runs) is compiled once and loaded after.
+
+  Every program is kept (no minimum compile time or size). ``reset_cache`` makes jax read the
+  settings again (it decides once per process otherwise). A module opts in with
+  ``pytestmark = pytest.mark.usefixtures("module_compilation_cache")``.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental.compilation_cache import compilation_cache as cc  # pylint: disable=g-import-not-at-top
+
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  saved = {n: getattr(jax.config, n) for n in names}
+  for n, v in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0.0, 0)):
+    jax.config.update(n, v)
+  cc.reset_cache()
+  yield
+  for n, v in saved.items():
+    jax.config.update(n, v)
+  cc.reset_cache()
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
 def pytest_xdist_make_scheduler(config, log):
   """--dist loadfile with LONGEST_FIRST's files handed out first (the others after them, in

@@ -17,26 +17,31 @@ import pytest
 
 from experiments import bench_models
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+# tests/conftest.py; the cache compiles once what several tests build in this process (the same
+# model's init, FORGE's step compiled next to its state and from its shapes).
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "module_compilation_cache")
 
 TINY = ["--models", "tiny-qwen3", "--tokens", "16", "--steps", "1"]
 
 
 @pytest.fixture(autouse=True)
-def _cpu_workers(monkeypatch, fast_subprocess_compiles):
-  del fast_subprocess_compiles  # (the workers' XLA_FLAGS)
+def _cpu_workers(monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.delenv("BENCH_TAG", raising=False)
 
 
-def test_table_runs_every_implementation_and_batch(tmp_path):
-  """optax, and int8-state FORGE with stochastically rounded weights, unrolled, without remat (a
-  row option), each in its worker process at batch 2, compiled first into a fresh cache. The rows
-  of a --batch list, batch-major, are checked without workers in
-  test_time_budget_skips_rows_and_still_writes_results; plain FORGE's worker runs in
-  test_capacity_records_every_tried_batch (batches 1 and 2), optax's from a precompiled cache in
-  tests/test_experiments_reproduce.py."""
-  impls = ["optax", "forge_int8_sr_unrolled:remat=none"]
+# Only the tests that start processes set their XLA_FLAGS: jax's cache key holds XLA_FLAGS, so an
+# in-process compile under them would miss what the module-scoped fixtures compiled without.
+@pytest.mark.usefixtures("fast_subprocess_compiles")
+def test_table_row_runs_in_a_worker_process_compiled_into_a_fresh_cache(tmp_path):
+  """int8-state FORGE with stochastically rounded weights, unrolled, without remat (a row
+  option), in its worker process at batch 2, compiled first into a fresh cache: the file's only
+  real worker process. The rows of a --batch list, batch-major, are checked without workers in
+  test_time_budget_skips_rows_and_still_writes_results; plain FORGE's step is built and run in
+  this process by the forge_step fixture; optax's scanned row runs in a worker process of its own
+  in tests/test_experiments_reproduce.py (there its step comes from a precompiled cache, here
+  nothing is cached: one such worker, the costlier step, covers it)."""
+  impls = ["forge_int8_sr_unrolled:remat=none"]
   bench_models.main(["--out", str(tmp_path), *TINY, "--batch", "2",
                      "--impls", ",".join(impls), "--compile-cache", str(tmp_path / "cold_cache"),
                      "--compile-first"])
@@ -54,8 +59,7 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
     # Device time: the median of 3 repeats of back-to-back steps.
     assert len(r["step_ms_repeats"]) == 3 and r["step_ms"] == sorted(r["step_ms_repeats"])[1]
     assert math.isfinite(r["loss"]) and r["wall_s"] > 0
-    assert r["scan"] == ("_unrolled" not in r["impl"])
-    assert r["remat"] == ("none" if "remat=none" in r["impl"] else "full")
+    assert not r["scan"] and r["remat"] == "none"  # the row's options, over the run's
     assert math.isnan(r["peak_gib"])  # CPU: no memory_stats()
     assert r["loss_fn"] == "lean"
     assert math.isnan(r["limit_gib"])  # CPU: no allocator limit reported
@@ -72,28 +76,69 @@ def test_table_runs_every_implementation_and_batch(tmp_path):
     assert (tmp_path / "bench_models.png").stat().st_size > 0
 
 
-def test_worker_loss_kinds_agree(monkeypatch):
+@pytest.fixture(scope="module")
+def forge_step():
+  """FORGE's step on tiny-qwen3 in float32 with the lean loss, compiled next to its state: the
+  row, the metrics of its first step and of one more, and the state after that second step, on
+  the host (the step donates its state, so the tests share these copies, not the step)."""
+  import jax
+  row, step, (state, metrics) = bench_models.build_step("tiny-qwen3", "forge", 1, 16, "float32", "auto")
+  state, metrics2 = step(state)
+  return row, jax.device_get((metrics, metrics2)), jax.device_get(jax.tree.leaves(state))
+
+
+def test_worker_loss_kinds_agree(forge_step):
   """--loss optax (the earlier runs' spelling) and lean train the same step: the same loss to
-  float32 rounding."""
-  rows = {kind: bench_models.worker("tiny-qwen3", "forge", 1, 16, "float32", "auto", 1, kind)
-          for kind in bench_models.LOSSES}
-  assert {k: r["loss_fn"] for k, r in rows.items()} == {k: k for k in bench_models.LOSSES}
-  assert rows["lean"]["loss"] == pytest.approx(rows["optax"]["loss"], rel=1e-5)
+  float32 rounding, before and after an update (so the same gradient too)."""
+  import jax
+  lean_row, lean_metrics, _ = forge_step
+  row, step, (state, metrics) = bench_models.build_step("tiny-qwen3", "forge", 1, 16, "float32", "auto",
+                                                        "optax")
+  assert (lean_row["loss_fn"], row["loss_fn"]) == ("lean", "optax")
+  assert set(bench_models.LOSSES) == {"lean", "optax"}  # a new kind needs its row here
+  optax_metrics = jax.device_get((metrics, step(state)[1]))
+  for lean, optax_ in zip(lean_metrics, optax_metrics):
+    assert float(lean["loss"]) == pytest.approx(float(optax_["loss"]), rel=1e-5)
+  assert float(lean_metrics[1]["loss"]) != float(lean_metrics[0]["loss"])  # the update moved it
 
 
-def test_capacity_records_every_tried_batch(tmp_path):
-  bench_models.main(["--out", str(tmp_path), *TINY, "--capacity", "--max-batch", "2",
+def test_capacity_records_every_tried_batch(monkeypatch, tmp_path):
+  """--capacity doubles the batch until a row fails (out of memory here) and keeps every row it
+  tried. The rows come from a fake worker: this is the search and its tables (real workers run
+  in test_table_row_runs_in_a_worker_process_compiled_into_a_fresh_cache)."""
+  seen = []
+
+  def fake_run(cmd, env=None, timeout=None, **kw):
+    batch = int(cmd[cmd.index("--batch") + 1])
+    seen.append(batch)
+    if batch == 4:
+      return bench_models.subprocess.CompletedProcess(
+          cmd, 1, stdout='PLAN {"init_peak_gib": 0.5, "xla_step_gib": 9.0, "limit_gib": 8.0}\n',
+          stderr="W bfc_allocator.cc:501] Allocator (GPU_0_bfc) ran out of memory trying to "
+                 "allocate 9.00GiB\njax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory\n")
+    row = {"model": "tiny-qwen3", "impl": "forge", "batch": batch, "tokens": 16, "dtype": "bfloat16",
+           "param_dtype": "bfloat16", "scan": True, "remat": "full", "peak_gib": 2.0 * batch,
+           "step_ms": 2.0, "tokens_per_s": 8.0 * batch, "loss": 1.0, "device": "fake", "limit_gib": 8.0}
+    return bench_models.subprocess.CompletedProcess(cmd, 0, stdout="ROW " + json.dumps(row), stderr="")
+
+  monkeypatch.setattr(bench_models.subprocess, "run", fake_run)
+  bench_models.main(["--out", str(tmp_path), *TINY, "--capacity", "--max-batch", "8",
                      "--impls", "forge"])
+  assert seen == [1, 2, 4]  # 8 is not tried once 4 failed
   results = json.loads((tmp_path / "capacity.json").read_text())["results"]
   assert len(results) == 1
   s = results[0]
-  assert [r["batch"] for r in s["tried"]] == [1, 2]
-  assert all("error" not in r for r in s["tried"])
-  assert s["largest_batch"] == 2 and s["first_fail_batch"] is None
-  assert "| tiny-qwen3 | forge | scanned | 16 | 2 |" in (tmp_path / "capacity.md").read_text()
+  assert [r["batch"] for r in s["tried"]] == [1, 2, 4]
+  assert all("error" not in r for r in s["tried"][:2]) and s["tried"][2]["error"] == "OOM"
+  assert s["tried"][2]["xla_step_gib"] == 9.0 and "9.00GiB" in s["tried"][2]["error_detail"]
+  assert (s["largest_batch"], s["peak_gib"], s["tokens_per_s"]) == (2, 4.0, 16.0)
+  assert (s["first_fail_batch"], s["first_fail_error"]) == (4, "OOM") and not s["skipped"]
+  assert "| tiny-qwen3 | forge | scanned | 16 | 2 | 4.00 | 16 | 4 | OOM | 1, 2, 4 (OOM) |" in (
+      tmp_path / "capacity.md").read_text()
 
 
-def test_time_budget_skips_rows_and_still_writes_results(tmp_path):
+@pytest.mark.usefixtures("fast_subprocess_compiles")  # the device probe's process
+def test_time_budget_skips_rows_and_still_writes_results(monkeypatch, tmp_path):
   bench_models.main(["--out", str(tmp_path), *TINY, "--batch", "1,2", "--impls",
                      "optax_clip,forge_unrolled", "--time-budget", "0"])
   rows = json.loads((tmp_path / "bench_models.json").read_text())["rows"]
@@ -104,6 +149,8 @@ def test_time_budget_skips_rows_and_still_writes_results(tmp_path):
   assert "| tiny-qwen3 | 1x16 | forge_unrolled | unrolled |" in (tmp_path / "bench_models.md").read_text()
   # No row ran, so no worker reported the device: it is asked of jax (it read "unknown").
   assert json.loads((tmp_path / "bench_models.json").read_text())["meta"]["device"] == "cpu"
+  # (The device was asked of jax above: the second run names it without starting jax again.)
+  monkeypatch.setattr(bench_models.Runner, "device_name", lambda self: "cpu")
   bench_models.main(["--out", str(tmp_path), *TINY, "--capacity", "--impls", "forge",
                      "--time-budget", "0"])
   s = json.loads((tmp_path / "capacity.json").read_text())["results"][0]
@@ -125,9 +172,12 @@ def test_implementation_names():
 
 
 def test_memory_analysis_compiles_from_shapes_and_finds_the_state_aliased(tmp_path):
+  """FORGE's step from shapes, float32 as forge_step's (the module's compilation cache then holds
+  it), and with int8 states. (The optax branch of memory_analysis.analyse compiles in
+  tests/test_experiments_smoke.py's capacity_plan test.)"""
   from experiments import memory_analysis
-  memory_analysis.main(["--model", "tiny-qwen3", "--tokens", "16", "--impls", "forge,forge_int8,bogus",
-                        "--out", str(tmp_path), "--hlo"])
+  memory_analysis.main(["--model", "tiny-qwen3", "--tokens", "16", "--dtype", "float32",
+                        "--impls", "forge,forge_int8,bogus", "--out", str(tmp_path), "--hlo"])
   rows = json.loads((tmp_path / "memory_analysis.json").read_text())["rows"]
   forge, int8, bogus = rows
   assert "Unknown implementation 'bogus'" in bogus["error"]
@@ -139,15 +189,15 @@ def test_memory_analysis_compiles_from_shapes_and_finds_the_state_aliased(tmp_pa
 
 
 def test_memory_analysis_compares_the_losses(tmp_path):
-  """--loss lean,optax: each impl with each loss, side by side (optax here; FORGE's step compiles
-  in test_memory_analysis_compiles_from_shapes_and_finds_the_state_aliased). (What the lean loss saves shows
-  where the logits dominate, at a real vocabulary: test_models tests it; here tiny-qwen3's
-  256-token vocabulary leaves the peak elsewhere, so only the plumbing is checked.)"""
+  """--loss lean,optax: each impl with each loss, side by side (FORGE's float32 step, whose two
+  losses test_worker_loss_kinds_agree compiles too). (What the lean loss saves shows where the
+  logits dominate, at a real vocabulary: test_models tests it; here tiny-qwen3's 256-token
+  vocabulary leaves the peak elsewhere, so only the plumbing is checked.)"""
   from experiments import memory_analysis
-  memory_analysis.main(["--model", "tiny-qwen3", "--tokens", "16", "--impls", "optax",
+  memory_analysis.main(["--model", "tiny-qwen3", "--tokens", "16", "--dtype", "float32", "--impls", "forge",
                         "--loss", "lean,optax", "--out", str(tmp_path)])
   rows = json.loads((tmp_path / "memory_analysis.json").read_text())["rows"]
-  assert [(r["impl"], r["loss_fn"]) for r in rows] == [("optax", "lean"), ("optax", "optax")]
+  assert [(r["impl"], r["loss_fn"]) for r in rows] == [("forge", "lean"), ("forge", "optax")]
   assert all("error" not in r for r in rows)
   with pytest.raises(SystemExit):
     memory_analysis.main(["--model", "tiny-qwen3", "--loss", "fast", "--out", str(tmp_path)])
@@ -195,13 +245,14 @@ def test_mem_fraction_reaches_the_workers():
 
 def test_memory_analysis_per_layer(tmp_path):
   from experiments import memory_analysis
-  # Two layer counts show the growth; each more unrolled layer is more step to compile.
-  rows = memory_analysis.main(["--model", "tiny-llama", "--tokens", "16", "--impls", "forge_unrolled",
+  # Two layer counts show the growth; each more unrolled layer is more step to compile. optax's
+  # step compiles in about two thirds of FORGE's here; --layers cuts any impl's model alike.
+  rows = memory_analysis.main(["--model", "tiny-llama", "--tokens", "16", "--impls", "optax_unrolled",
                                "--layers", "1,2", "--out", str(tmp_path)])
   assert [r["layers"] for r in rows] == [1, 2] and all("error" not in r for r in rows)
   # An unrolled layer's params are arguments of the step: they grow with the layers.
   assert rows[1]["state_gib"] > rows[0]["state_gib"]
-  assert "| forge_unrolled | lean |" in (tmp_path / "memory_analysis.md").read_text()
+  assert "| optax_unrolled | lean |" in (tmp_path / "memory_analysis.md").read_text()
   synthetic = [{"impl": "a", "loss_fn": "lean", "layers": l, "step": {"temp_gib": 2.0 + 0.5 * l}}
                for l in (1, 2, 4, 8)]
   (g,) = memory_analysis.per_layer(synthetic)
@@ -258,20 +309,19 @@ def test_oom_detail_prefers_the_allocators_line():
   assert bench_models._oom_detail("a: out of memory (warning)\nRESOURCE_EXHAUSTED: final\n").endswith("final")
 
 
-def test_compile_first_builds_the_same_step():
+def test_compile_first_builds_the_same_step(forge_step):
   """--compile-first compiles from the state's shapes before init; the step it runs is the same
-  (same first loss, same state after one step) as the one compiled next to the state. FORGE's
-  step (its state holds the optimizer's slots and step fields, its train_step donates them);
-  optax's takes the same path in build_step (a state's shapes, then lower and compile)."""
+  (same first loss, same state after one more step) as the one compiled next to the state
+  (forge_step). FORGE's step (its state holds the optimizer's slots and step fields, its
+  train_step donates them); optax's takes the same path in build_step (a state's shapes, then
+  lower and compile)."""
   import jax
   import numpy as np
-  outs = []
-  for first in (False, True):
-    row, step, (state, metrics) = bench_models.build_step("tiny-qwen3", "forge", 1, 16, "float32", "auto",
-                                                          compile_first=first)
-    assert row["compile_first"] is first
-    outs.append((jax.device_get(metrics), jax.device_get(jax.tree.leaves(step(state)[0]))))
-  (m0, s0), (m1, s1) = outs
+  row0, (m0, _), s0 = forge_step
+  row1, step, (state, m1) = bench_models.build_step("tiny-qwen3", "forge", 1, 16, "float32", "auto",
+                                                    compile_first=True)
+  assert row0["compile_first"] is False and row1["compile_first"] is True
+  s1 = jax.device_get(jax.tree.leaves(step(state)[0]))
   np.testing.assert_array_equal(np.asarray(m0["loss"]), np.asarray(m1["loss"]))
   assert len(s0) == len(s1) and all(np.array_equal(a, b) for a, b in zip(s0, s1))
 
@@ -293,7 +343,8 @@ def test_compile_first_reaches_the_workers(monkeypatch, tmp_path):
 
 
 def test_precompile_needs_a_compile_cache(tmp_path):
-  """(Workers compiling their own step into a fresh cache: test_table_runs_every_implementation_and_batch.)"""
+  """(Workers compiling their own step into a fresh cache:
+  test_table_row_runs_in_a_worker_process_compiled_into_a_fresh_cache.)"""
   with pytest.raises(SystemExit):
     bench_models.main(["--out", str(tmp_path), *TINY, "--precompile", "2"])  # no --compile-cache
 

@@ -15,7 +15,8 @@ from experiments import data as data_lib
 from experiments import quickstart
 from experiments import train
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+# tests/conftest.py: runs of one configuration (straight, stopped, resumed) compile the same step.
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "module_compilation_cache")
 
 # The runs here share one configuration (convergence.SMOKE's: tiny-qwen3, 12 steps of 2x32
 # bytes, lr 3e-3, warmup 1), so that the compilation cache compiles each program once.
@@ -26,26 +27,6 @@ STEPS = convergence.SMOKE["steps"]
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
   return str(tmp_path_factory.mktemp("data_cache"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """Runs of one configuration (straight, stopped, resumed) compile the same step: compile it once.
-
-  A persistent compilation cache for this module only; ``reset_cache`` makes
-  jax look at the settings again (it decides once per process otherwise).
-  """
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  saved = {n: getattr(jax.config, n) for n in names}
-  for n, v in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0.0, 0)):
-    jax.config.update(n, v)
-  cc.reset_cache()
-  yield
-  for n, v in saved.items():
-    jax.config.update(n, v)
-  cc.reset_cache()
 
 
 def _argv(impl: str, out, cache: str, *extra) -> list[str]:

@@ -10,6 +10,8 @@ import pytest
 
 from experiments import kernel_tools
 
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+
 
 def test_profile_trace_summary():
   ev = lambda name, ph, ts, tid: {"name": name, "ph": ph, "ts": ts, "pid": 1, "tid": tid}
