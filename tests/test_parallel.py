@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 import forge_jax
 import models
+from tests._xla_flags import fast_cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LR = 1e-3
@@ -28,8 +29,7 @@ LR = 1e-3
 def records(tmp_path_factory):
   out = tmp_path_factory.mktemp("parallel") / "records.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-             "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+             XLA_FLAGS=fast_cpu_flags("--xla_force_host_platform_device_count=8"))
   proc = subprocess.run([sys.executable, "-m", "tests._parallel_cases", str(out)], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=1800)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
