@@ -18,7 +18,7 @@ def _knows(option: str, value) -> bool:
 
   try:
     jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options={option: value})
-  except jax.errors.JaxRuntimeError:
+  except (jax.errors.JaxRuntimeError, ValueError):  # "No such compile option"
     return False
   return True
 
