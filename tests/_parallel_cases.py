@@ -271,6 +271,24 @@ def check_errors():
     forge_jax.train_step(state, tokens, functools.partial(loss_fn, model.apply))
 
   attempt("batch_split", batch_split)
+
+  def data_parallel():
+    """Without tensor_parallel, a batch split over a 'data' mesh is refused (each device would
+    hold a partial gradient); a replicated one trains."""
+    from tests.test_flax_binding import MLP, _mse  # pylint: disable=g-import-not-at-top
+    opt = forge_jax.sgd(1e-2)
+    model = MLP(opt)
+    x, y = jnp.ones((16, 8)), jnp.ones((16, 4))
+    state = forge_jax.TrainState.create(model.apply, model.init(jax.random.key(0), x), opt)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    loss = functools.partial(_mse, model.apply)
+    attempt("data_parallel_batch", lambda: forge_jax.train_step(
+        state, jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data"))), loss))
+    replicated = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P()))
+    _, metrics = forge_jax.train_step(state, replicated, loss)
+    record(kind="data_parallel", replicated_loss_finite=bool(jnp.isfinite(metrics["loss"])))
+
+  data_parallel()
   attempt("heads", lambda: build(dataclasses_replace(llama, num_heads=12, num_kv_heads=4), optimizer(), tp8))
   attempt("kv_heads", lambda: build(dataclasses_replace(llama, num_kv_heads=4), optimizer(), tp8))
 

@@ -6,6 +6,8 @@ import pathlib
 
 import pytest
 
+from tests._xla_flags import fast_cpu_flags
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
@@ -13,8 +15,9 @@ pytest.importorskip("ipykernel")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_ablations_notebook_runs(tmp_path, monkeypatch, fast_subprocess_compiles):
-  del fast_subprocess_compiles  # the kernel's XLA_FLAGS: compilation dominates at this size
+def test_ablations_notebook_runs(tmp_path, monkeypatch):
+  # The kernel's XLA_FLAGS: compilation dominates at this size.
+  monkeypatch.setenv("XLA_FLAGS", fast_cpu_flags())
   monkeypatch.setenv("ABLATIONS_OUT", str(tmp_path / "runs"))
   monkeypatch.setenv("FORGE_DATA_CACHE", str(tmp_path / "data"))
   # The runs share their eval (forward) programs: compile each once.

@@ -457,35 +457,5 @@ def test_plain_grad_through_forge_layers_is_an_error():
   assert new["l0"]["kernel"].shape == (8, 24)
 
 
-DATA_PARALLEL_SCRIPT = """
-import functools, jax, jax.numpy as jnp, numpy as np
-import forge_jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tests.test_flax_binding import MLP, _mse
-opt = forge_jax.sgd(1e-2)
-model = MLP(opt)
-x = jnp.ones((16, 8)); y = jnp.ones((16, 4))
-state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), x), opt)
-mesh = Mesh(np.array(jax.devices()), ("data",))
-batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
-try:
-  forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
-except ValueError as e:
-  print("RAISED", "split over 8 devices" in str(e))
-replicated = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P()))
-state, metrics = forge_jax.train_step(state, replicated, functools.partial(_mse, model.apply))
-print("REPLICATED OK", bool(jnp.isfinite(metrics["loss"])))
-"""
-
-
-def test_data_parallel_batch_is_an_error():
-  import os
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=root)
-  out = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], capture_output=True,
-                       text=True, env=env, cwd=root, timeout=300)
-  assert "RAISED True" in out.stdout, out.stdout + out.stderr
-  assert "REPLICATED OK True" in out.stdout, out.stdout + out.stderr
+# A data-parallel batch without tensor_parallel (an error) and a replicated one (trains): in
+# tests/test_parallel.py, whose one 8-device process runs them.

@@ -81,11 +81,17 @@ def _state(opt, w):
   return opt.update(g, state, w)[1]
 
 
-def _run(backend, opt, x, dy, w, state):
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", _fused.BackendFallbackWarning)  # the kernel itself ran
-    return jax.jit(functools.partial(forge_jax.fused_linear_update, optimizer=opt,
-                                     backend=backend, return_grad_sq_norm=True))(x, dy, w, state)
+def _runner(backend, opt):
+  """The jitted update, for both the poisoned and the clean inputs (same shapes: one compile)."""
+  step = jax.jit(functools.partial(forge_jax.fused_linear_update, optimizer=opt, backend=backend,
+                                   return_grad_sq_norm=True))
+
+  def run(x, dy, w, state):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", _fused.BackendFallbackWarning)  # the kernel itself ran
+      return step(x, dy, w, state)
+
+  return run
 
 
 def _slots(state):
@@ -97,8 +103,9 @@ def _check_guard(backend, precision, w_dtype, exact_states=True):
   clean, bad, mask = _crafted(n=128 if precision and precision.state_dtype == "int8" else 64)
   w = jax.random.normal(jax.random.PRNGKey(1), mask.shape, F32).astype(w_dtype)
   state = _state(opt, w)
-  new_w, new_state, sq = _run(backend, opt, *bad, w, state)
-  want_w, want_state, want_sq = _run(backend, opt, *clean, w, state)
+  run = _runner(backend, opt)
+  new_w, new_state, sq = run(*bad, w, state)
+  want_w, want_state, want_sq = run(*clean, w, state)
   assert np.isnan(float(sq)) and np.isfinite(float(want_sq))
   _assert_bits(new_w, w, mask)  # guarded: the old weight, bit for bit
   _assert_bits(new_w, want_w, ~mask)  # the others: the normal update
@@ -126,11 +133,12 @@ def _check_guard(backend, precision, w_dtype, exact_states=True):
     return  # the interpreter is slow; its float case runs the guard off
   # The guard off: the same kernel writes what the rule computes there.
   off = _adamw(dataclasses.replace(precision or forge_jax.Precision(), nonfinite="propagate"))
-  prop_w, _, prop_sq = _run(backend, off, *bad, w, state)
+  run_off = _runner(backend, off)
+  prop_w, _, prop_sq = run_off(*bad, w, state)
   assert np.isnan(np.asarray(prop_w, F32)[mask]).all() and np.isnan(float(prop_sq))
   _assert_close(prop_w, new_w, ~mask)
   # And a finite step is the same with the guard on and off.
-  got = _run(backend, off, *clean, w, state)
+  got = run_off(*clean, w, state)
   _assert_close(got[0], want_w)
   for a, b in zip(_slots(got[1]), _slots(want_state)):
     for pa, pb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 import forge_jax
 import models
+from tests._xla_flags import fast_cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LR = 1e-3
@@ -28,8 +29,7 @@ LR = 1e-3
 def records(tmp_path_factory):
   out = tmp_path_factory.mktemp("parallel") / "records.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-             "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+             XLA_FLAGS=fast_cpu_flags("--xla_force_host_platform_device_count=8"))
   proc = subprocess.run([sys.executable, "-m", "tests._parallel_cases", str(out)], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=1800)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -137,6 +137,7 @@ def test_checkpoint_restores_on_another_mesh(records):
 
 @pytest.mark.parametrize("name, match", [
     ("batch_split", r"split into 2 parts over 8 devices by the mesh axes \['data'\].*all-reduced"),
+    ("data_parallel_batch", r"split over 8 devices"),  # no tensor_parallel (a flax MLP)
     ("heads", r"num_heads=12 is not divisible by the 'tensor' axis size 8"),
     ("kv_heads", r"num_kv_heads=4 is not divisible by the 'tensor' axis size 8"),
     ("quant_block", r"quantization blocks per row.*not divisible by the 'tensor' axis size 8"),
@@ -147,6 +148,13 @@ def test_errors(records, name, match):
   import re  # pylint: disable=g-import-not-at-top
   (r,) = _of(records, "error", name=name)
   assert r["raised"] is not None and re.search(match, r["raised"], re.S), r
+
+
+def test_replicated_batch_trains_without_tensor_parallel(records):
+  """The data-parallel error's counterpart: the same MLP and step on a batch replicated over
+  the 8 devices trains."""
+  (r,) = _of(records, "data_parallel")
+  assert r["replicated_loss_finite"], r
 
 
 def test_no_mesh_adds_no_op():

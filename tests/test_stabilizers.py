@@ -312,10 +312,14 @@ def test_kernel_path_matches_optax_face(case, backend):
   _parity(case[1], backend, 77, 40, 56, F32)
 
 
-MOSAIC_CASES = [  # two stabilizers per case: the interpreter takes ~10 s a step on a CPU
+# Two stabilizers per case, and as few steps as show a clip that binds (``_parity`` asserts
+# one does): the interpreter takes seconds a step on a CPU. The previous norm binds on step 1;
+# layer_clip's scale, read from the state before each step, shows step 1's clip on step 2.
+MOSAIC_CASES = [
     ("adamw_clip_prev_norm_update_clip",
-     lambda: forge_jax.adamw(1e-2, weight_decay=0.1, clip_prev_norm=1.0, update_clip=0.5)),
-    ("adam_atan2_layer_clip", lambda: forge_jax.adam_atan2(1e-2, layer_clip=1.05, layer_clip_decay=0.9)),
+     lambda: forge_jax.adamw(1e-2, weight_decay=0.1, clip_prev_norm=1.0, update_clip=0.5), 2),
+    ("adam_atan2_layer_clip",
+     lambda: forge_jax.adam_atan2(1e-2, layer_clip=1.05, layer_clip_decay=0.9), 3),
 ]
 
 
@@ -323,7 +327,7 @@ MOSAIC_CASES = [  # two stabilizers per case: the interpreter takes ~10 s a step
 def test_mosaic_interpreter_matches_optax_face(case):
   with warnings.catch_warnings():
     warnings.simplefilter("error", _fused.BackendFallbackWarning)  # the kernel itself ran
-    _parity(case[1], "mosaic_interpret", 64, 64, 64, BF16, steps=3)
+    _parity(case[1], "mosaic_interpret", 64, 64, 64, BF16, steps=case[2])
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels need a GPU")
@@ -420,6 +424,9 @@ def test_train_step_matches_optax_loop_with_the_same_rule(kwargs):
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
+  # One loss function for every step: train_step's jit keys its cache on it (a new partial
+  # each step compiles the step again).
+  loss = functools.partial(_mse, model_f.apply)
   prev, scales = 0.0, []
   for batch in batches:
     if "clip_prev_norm" in kwargs:
@@ -427,7 +434,7 @@ def test_train_step_matches_optax_loop_with_the_same_rule(kwargs):
     else:
       want_scale = min(float(jnp.min(opt.rule.grad_scale(*s))) for s in zip(
           *[jax.tree.leaves(t) for t in opt.rule.step_values(opt_state)]))
-    state, metrics = forge_jax.train_step(state, batch, functools.partial(_mse, model_f.apply))
+    state, metrics = forge_jax.train_step(state, batch, loss)
     params_o, opt_state, loss_o, norm_o = optax_step(params_o, opt_state, batch)
     np.testing.assert_allclose(metrics["loss"], loss_o, rtol=1e-5)
     np.testing.assert_allclose(metrics["grad_norm"], norm_o, rtol=1e-4)
@@ -497,8 +504,9 @@ def test_scanned_stack_clips_by_the_global_norm_and_keeps_per_layer_norms():
       return optax.apply_updates(params, updates), opt_state, grads
 
     layer_norms = []
+    loss = functools.partial(_mse, model_f.apply)  # one per run: train_step's jit keys on it
     for batch in batches[:steps]:
-      state, metrics = forge_jax.train_step(state, batch, functools.partial(_mse, model_f.apply))
+      state, metrics = forge_jax.train_step(state, batch, loss)
       params_o, opt_state, grads = optax_step(params_o, opt_state, batch)
       layer_norms.append(np.sqrt(np.sum(np.square(
           np.asarray(grads["stack"]["layers"]["block"]["up"]["kernel"])), axis=(1, 2))))
