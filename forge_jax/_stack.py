@@ -143,12 +143,18 @@ def save_all_but_elementwise(prim, *_, **__) -> bool:
   return prim.name not in _ELEMENTWISE
 
 
+def _policy(remat: bool, policy: Any) -> Callable:
+  """A stacked block's residual policy: ``policy`` (default: only the block's input) when
+  ``remat``, else :func:`save_all_but_elementwise`."""
+  if not remat:
+    return save_all_but_elementwise
+  return policy or jax.checkpoint_policies.nothing_saveable
+
+
 def _checkpointed(fn: Callable, remat: bool, policy: Any) -> Callable:
-  """``fn`` under ``jax.checkpoint``: with ``policy`` when ``remat``, else with
-  :func:`save_all_but_elementwise` (every activation the backward needs, not recomputed,
-  except elementwise ones)."""
+  """``fn`` under ``jax.checkpoint`` with :func:`_policy`."""
   # Under a scan, CSE across iterations cannot undo the remat (flax's advice for remat in scan).
-  return jax.checkpoint(fn, policy=policy if remat else save_all_but_elementwise, prevent_cse=False)
+  return jax.checkpoint(fn, policy=_policy(remat, policy), prevent_cse=False)
 
 
 def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: Any = None):
@@ -341,10 +347,7 @@ class ScannedStack(nn.Module):
           "everything without one.")
     forge_training = self.has_variable(FORGE_STATE, "layers") and not self.is_initializing()
     if not forge_training:
-      policy = save_all_but_elementwise
-      if self.remat:
-        policy = self.remat_policy or jax.checkpoint_policies.nothing_saveable
-      body = nn.remat(_Body, policy=policy, prevent_cse=False)
+      body = nn.remat(_Body, policy=_policy(self.remat, self.remat_policy), prevent_cse=False)
       scan = nn.scan(
           body,
           variable_axes={True: 0},

@@ -70,8 +70,8 @@ def fast_cpu_compiles():
 def fast_subprocess_compiles(monkeypatch):
   """The same for the processes a test starts (XLA_FLAGS, which they read at start-up; the
   numbers are float-identical here, and CPU step times are meaningless anyway)."""
-  flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-  monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+  from tests._xla_flags import FAST_COMPILES  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("XLA_FLAGS", " ".join([os.environ.get("XLA_FLAGS", ""), *FAST_COMPILES]).strip())
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,7 @@ class ScannedStack(nnx.Module):
     if not any(isinstance(v, _linear.OptState) for _, v in flat):
       def body(x_l, s_l):
         return nnx.merge(graphdef, s_l)(x_l, *args), None
-      body = _stack._checkpointed(body, self.remat, policy or jax.checkpoint_policies.nothing_saveable)
+      body = _stack._checkpointed(body, self.remat, policy)
       y, _ = jax.lax.scan(body, x, state, length=self.length)
       return y
 
