@@ -20,10 +20,10 @@ optimizer's elementwise rule to each tile as soon as it is complete:
 * ``"auto"``: on a Hopper GPU, the faster of the Mosaic kernel and ``"xla"`` for the
   layer's tokens, shape, weight dtype, state format and rounding, from the
   measured table ``forge_jax/auto_table.json`` (:mod:`forge_jax._auto`). Off
-  the table: the Mosaic kernel for float states, ``"xla"`` for int8 states and
-  stochastically rounded weights. Where the Mosaic kernel cannot run (not a
-  Hopper GPU, shapes or dtypes off its tiling), the Triton kernel for float
-  states and ``"xla"`` otherwise, silently (nobody asked for Mosaic);
+  the table: the Mosaic kernel for float states (weights rounded to nearest or
+  stochastically), ``"xla"`` for int8 states. Where the Mosaic kernel cannot run
+  (not a Hopper GPU, shapes or dtypes off its tiling), the Triton kernel for
+  float states rounded to nearest and ``"xla"`` otherwise, silently (nobody asked for Mosaic);
   ``"xla"`` off GPUs (see :func:`_resolve_backend`).
 """
 
@@ -79,16 +79,23 @@ def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_wei
   if backend == "auto":
     if platform != "gpu":
       return "xla"
-    # The rule for a call outside the table. int8 slots and stochastically
-    # rounded bfloat16 weights: XLA's dot + fused update, measured faster than
-    # both kernels on the H200 (AdamW, T=1024, 4096x4096 / 4096x14336: int8 XLA
-    # 0.20/0.60 ms, Mosaic 0.44-0.47/1.50-1.61, Triton 0.79-2.80; SR XLA
-    # 0.128/0.399, Mosaic 0.206/0.655, Triton 0.179/0.556;
-    # experiments/results/h200/lowp_mosaic/). Float states: the Mosaic kernel
-    # wherever it can run (a Hopper GPU, its shapes and dtypes; _mosaic_problem
-    # says), else the Triton kernel (Llama-3.1-8B pure bf16, 1x1024 tokens:
-    # 144.8 ms a step against 169.0 with the Triton kernel, bench_models_mosaic.md).
-    without_table = "xla" if quantized_slots or stochastic_weights else _AUTO_MOSAIC
+    # The rule for a call outside the table, from per-layer times side by side on the H200
+    # (AdamW, bf16 weights, T=1024 / 4096; experiments/results/h200/int8_epilogue/lowp/):
+    # - int8 slots: XLA's dot + fused update. The kernel's int8 epilogue is 1.4-3.3x slower
+    #   on the large Llama-3.1-8B shapes (4096x4096 T=1024: 0.336 against 0.182 ms; 4096x14336:
+    #   1.106 against 0.559); it is faster only where each SM holds about one tile (4096x1024).
+    # - stochastically rounded bfloat16 weights, float states: the Mosaic kernel, 1.10-1.23x
+    #   faster than XLA on the large shapes (4096x4096 T=1024: 0.112 against 0.129 ms;
+    #   4096x14336: 0.335 against 0.411; 1.07-1.08x slower at 4096x1024); XLA where the
+    #   kernel cannot run (the Triton kernel is slower than XLA there).
+    # - float states: the Mosaic kernel wherever it can run (a Hopper GPU, its shapes and
+    #   dtypes; _mosaic_problem says), else the Triton kernel (Llama-3.1-8B pure bf16,
+    #   1x1024 tokens: 144.8 ms a step against 169.0 with the Triton kernel,
+    #   bench_models_mosaic.md).
+    if quantized_slots:
+      without_table = "xla"
+    else:
+      without_table = _AUTO_MOSAIC_OR_XLA if stochastic_weights else _AUTO_MOSAIC
     # The table compares the Mosaic kernel with XLA: it says nothing where the kernel cannot run.
     if case is not None and _mosaic_device_problem() is None:
       choice = _auto.table().choose(*case, sr=stochastic_weights)
@@ -97,7 +104,7 @@ def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_wei
       if choice == "mosaic":
         # Where the Mosaic kernel cannot run after all, the rule's fallback: the
         # Triton kernel for float states, XLA for what it is slower at.
-        return _AUTO_MOSAIC if without_table == _AUTO_MOSAIC else _AUTO_MOSAIC_OR_XLA
+        return _AUTO_MOSAIC_OR_XLA if quantized_slots or stochastic_weights else _AUTO_MOSAIC
     return without_table
   if backend in ("pallas", "mosaic") and platform != "gpu":
     raise ValueError(
