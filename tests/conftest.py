@@ -4,6 +4,7 @@ pytest-xdist hands the test files to its workers."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import os
 import pathlib
@@ -97,21 +98,8 @@ def fast_cpu_compiles():
   jax.config.update("jax_disable_most_optimizations", saved)
 
 
-@pytest.fixture(scope="module")
-def legacy_cpu_emitter():
-  """XLA:CPU's legacy elemental emitter instead of its MLIR fusion emitters, for the compiles
-  of the module (``xla_cpu_use_fusion_emitters=false``, a per-compile option; nothing where
-  this jaxlib lacks the option or the backend is not the CPU).
-
-  It halves compile time, which is most of what these tests spend on a CPU (the suite on the
-  2-core machine: 322 s with it, 384 s without). The HLO passes (fusion, buffer assignment,
-  copies, aliasing) are the same; only each fusion's machine code comes from the other emitter,
-  which may round an element differently. The modules whose checks hold FORGE within a few
-  float32 ulps of optax over several steps (test_flax_binding, test_train_models,
-  test_optimizers) keep the default emitter: under the legacy one 7 of their cases missed
-  their tolerances. Every other module passes under either. A module opts in with
-  ``pytest.mark.usefixtures("legacy_cpu_emitter")``.
-  """
+@contextlib.contextmanager
+def _legacy_cpu_emitter():
   import jax  # pylint: disable=g-import-not-at-top
   from jax._src import compiler  # pylint: disable=g-import-not-at-top
   from tests._xla_flags import knows_option  # pylint: disable=g-import-not-at-top
@@ -132,8 +120,37 @@ def legacy_cpu_emitter():
     return real(*bound.args, **bound.kwargs)
 
   compiler.get_compile_options = legacy
-  yield
-  compiler.get_compile_options = real
+  try:
+    yield
+  finally:
+    compiler.get_compile_options = real
+
+
+@pytest.fixture(scope="module")
+def legacy_cpu_emitter():
+  """XLA:CPU's legacy elemental emitter instead of its MLIR fusion emitters, for the compiles
+  of the module (``xla_cpu_use_fusion_emitters=false``, a per-compile option; nothing where
+  this jaxlib lacks the option or the backend is not the CPU).
+
+  It halves compile time, which is most of what these tests spend on a CPU (the suite on the
+  2-core machine: 322 s with it, 384 s without). The HLO passes (fusion, buffer assignment,
+  copies, aliasing) are the same; only each fusion's machine code comes from the other emitter,
+  which may round an element differently. The modules whose checks hold FORGE within a few
+  float32 ulps of optax over several steps (test_flax_binding, test_train_models,
+  test_optimizers) keep the default emitter: under the legacy one 7 of their cases missed
+  their tolerances. Every other module passes under either. A module opts in with
+  ``pytest.mark.usefixtures("legacy_cpu_emitter")``; a test of those three modules whose
+  comparisons are between programs compiled alike, with ``legacy_cpu_emitter_for_test``.
+  """
+  with _legacy_cpu_emitter():
+    yield
+
+
+@pytest.fixture
+def legacy_cpu_emitter_for_test():
+  """``legacy_cpu_emitter`` for one test."""
+  with _legacy_cpu_emitter():
+    yield
 
 
 @pytest.fixture
