@@ -139,8 +139,9 @@ def legacy_cpu_emitter():
   float32 ulps of optax over several steps (test_flax_binding, test_train_models,
   test_optimizers) keep the default emitter: under the legacy one 7 of their cases missed
   their tolerances. Every other module passes under either. A module opts in with
-  ``pytest.mark.usefixtures("legacy_cpu_emitter")``; a test of those three modules whose
-  comparisons are between programs compiled alike, with ``legacy_cpu_emitter_for_test``.
+  ``pytest.mark.usefixtures("legacy_cpu_emitter")``; a test of those modules that compares
+  nothing with optax (compiled HLO, errors, bit-exact reruns), with
+  ``legacy_cpu_emitter_for_test``.
   """
   with _legacy_cpu_emitter():
     yield
