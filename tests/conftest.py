@@ -124,6 +124,10 @@ def _legacy_cpu_emitter():
     yield
   finally:
     compiler.get_compile_options = real
+    # jax's in-memory caches key a compiled program by function and arguments, not by compile
+    # options: drop the legacy-emitter executables, so a later test of a default-emitter module
+    # that builds the same program compiles it afresh.
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="module")
