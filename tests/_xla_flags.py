@@ -11,7 +11,7 @@ FAST_COMPILES = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expen
 
 
 @functools.cache
-def _knows(option: str, value) -> bool:
+def knows_option(option: str, value) -> bool:
   """Whether this jaxlib's XLA has the debug option: an unknown name in XLA_FLAGS aborts the
   process that reads it, whereas a compile option is refused with an error."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -34,6 +34,6 @@ def fast_cpu_flags(*extra: str) -> str:
   same, only the machine code of each fusion comes from another emitter.
   """
   flags = [*extra, os.environ.get("XLA_FLAGS", ""), *FAST_COMPILES]
-  if _knows("xla_cpu_use_fusion_emitters", False):
+  if knows_option("xla_cpu_use_fusion_emitters", False):
     flags.append("--xla_cpu_use_fusion_emitters=false")
   return " ".join(f for f in flags if f)

@@ -19,6 +19,8 @@ from forge_jax import _fused
 from forge_jax import _lowp
 import pallas_kernels
 
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
+
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 

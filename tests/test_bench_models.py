@@ -19,7 +19,7 @@ from experiments import bench_models
 
 # tests/conftest.py; the cache compiles once what several tests build in this process (the same
 # model's init, FORGE's step compiled next to its state and from its shapes).
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "module_compilation_cache")
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter", "module_compilation_cache")
 
 TINY = ["--models", "tiny-qwen3", "--tokens", "16", "--steps", "1"]
 

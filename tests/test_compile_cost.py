@@ -9,7 +9,7 @@ import pytest
 from experiments import compile_cost
 
 # tests/conftest.py: the fusions are XLA's HLO passes', which still run; only LLVM's are cut.
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")
 
 
 def test_int8_states_add_equations_and_every_count_is_reported(tmp_path):

@@ -21,7 +21,7 @@ from experiments import bench_fused_dw
 from experiments import tune_fused_dw
 from pallas_kernels import fused_dw
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
 
 def test_tune_smoke_survives_a_failing_config_and_writes_results(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from experiments import quickstart
 from experiments import train
 
 # tests/conftest.py: runs of one configuration (straight, stopped, resumed) compile the same step.
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "module_compilation_cache")
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter", "module_compilation_cache")
 
 # The runs here share one configuration (convergence.SMOKE's: tiny-qwen3, 12 steps of 2x32
 # bytes, lr 3e-3, warmup 1), so that the compilation cache compiles each program once.

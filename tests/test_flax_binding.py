@@ -15,6 +15,9 @@ import pytest
 import forge_jax
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+# The default CPU emitter for the comparisons with optax, which hold to a few float32 ulps over
+# several steps; the legacy one (tests/conftest.py: legacy_cpu_emitter_for_test) for the tests
+# that compare nothing with optax (HLO, errors, warnings, bit-exact reruns of one program).
 
 OPTIMIZERS = [
     ("adamw", dict(learning_rate=1e-2, weight_decay=0.1)),
@@ -198,6 +201,7 @@ def _copies(hlo_text):
   return [l.strip() for l in hlo_text.splitlines() if re.search(r"= \S+ copy\(", l)]
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 def test_unrolled_train_step_is_in_place():
   opt = forge_jax.adamw(1e-2)
   model = MLP(opt)
@@ -243,6 +247,7 @@ def test_layers_below_wait_for_each_update():
     assert any({kernel, x} <= shapes for shapes in barriers), (kernel, x, barriers)
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 @pytest.mark.parametrize("case", [OPTIMIZERS[0], OPTIMIZERS[4], OPTIMIZERS[6]], ids=["adamw", "rmsprop_c_m", "sgd_nesterov"])
 def test_scanned_train_step_is_in_place(case):
   """The stacked weights and states of a ScannedStack are updated in place by the xla
@@ -289,6 +294,7 @@ def _mse_kw(apply_fn, kw, variables, batch):
   return jnp.mean((apply_fn(variables, batch["x"], **kw) - batch["y"]) ** 2)
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 @pytest.mark.parametrize("kw", [dict(use_b=False), dict(stop_b=True)], ids=["unused", "stop_gradient"])
 def test_kernel_without_backward_pass_warns(kw):
   """A FORGE kernel is rewritten with its cotangent: without a backward pass it comes back as
@@ -305,6 +311,7 @@ def test_kernel_without_backward_pass_warns(kw):
   assert float(jnp.abs(new_state.params["b"]["kernel"]).sum()) > 0
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 def test_cached_backward_pass_trains_without_a_warning():
   """A backward pass jax reuses from a cache (here a jax.jit'd apply, traced by the first
   step) is seen all the same: train_step reads the backward passes from the step's jaxpr."""
@@ -327,6 +334,7 @@ def test_cached_backward_pass_trains_without_a_warning():
   assert not np.allclose(state.params["l0"]["kernel"], before)
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 def test_stacked_kernel_without_backward_pass_warns():
   opt = forge_jax.adamw(1e-2)
 
@@ -342,6 +350,7 @@ def test_stacked_kernel_without_backward_pass_warns():
     forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 def test_model_and_state_with_different_optimizers_is_an_error():
   model = MLP(forge_jax.adamw(1e-2))
   batch = _batches((16, 8), (16, 4))[0]
@@ -444,6 +453,7 @@ def test_mask_excluding_forge_kernel_is_an_error():
     forge_jax.TrainState.create(model.apply, variables, opt)
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 def test_plain_grad_through_forge_layers_is_an_error():
   opt = forge_jax.adamw(1e-2)
   model = MLP(opt)

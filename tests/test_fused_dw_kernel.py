@@ -33,7 +33,7 @@ from pallas_kernels import fused_dw
 from pallas_kernels import TileConfig, fused_dw_update, fused_dw_update_reference
 from tests._lowering import lower_for_cuda
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
 SMALL = TileConfig(block_k=32, block_n=32, block_t=16, num_warps=4, num_stages=2)
 F32, BF16 = jnp.float32, jnp.bfloat16

@@ -39,7 +39,7 @@ from pallas_kernels.mosaic import kernel as mkernel
 from pallas_kernels.mosaic import rule_eval
 from tests._lowering import lower_for_cuda, skip_if_cuda_lowering_needs_a_gpu
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 # 64x64 tiles and 64x16 epilogue sub-tiles: four sub-tiles per tile, so the two-slot ring

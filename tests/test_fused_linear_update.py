@@ -13,7 +13,7 @@ import forge_jax
 from pallas_kernels import mosaic
 from pallas_kernels.mosaic import config as mosaic_config
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
 # Optimizer cases: (id, forge/optax name, kwargs).
 OPTIMIZERS = [

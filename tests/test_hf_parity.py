@@ -38,7 +38,7 @@ def _torch_and_transformers():
 
 
 # Compile time dominates these tests (tests/conftest.py); the logits stay within ATOL/RTOL.
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")
 
 # float32 on CPU, logits of order 1 from 2-layer models: observed max error 3.3e-6 (2026-11-29).
 ATOL = RTOL = 2e-5

@@ -10,7 +10,7 @@ import pytest
 
 from experiments import kernel_tools
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
 
 def test_profile_trace_summary():

@@ -23,7 +23,7 @@ from experiments import lowp_fidelity
 import pallas_kernels
 from pallas_kernels import numerics as nm
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 P = forge_jax.Precision

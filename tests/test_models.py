@@ -14,7 +14,7 @@ import models
 from models import hf_io
 from models._layers import rope_inv_frequencies, rope_sin_cos
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
 TINY = ("tiny-qwen3", "tiny-llama")
 

@@ -25,7 +25,7 @@ from pallas_kernels import mosaic as fm
 from pallas_kernels import numerics as pallas_numerics
 from pallas_kernels.mosaic import config as mosaic_config
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 

@@ -16,7 +16,7 @@ import models
 import models.nnx as mnnx
 
 # Compile time dominates these tests (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")
 
 LR = 1e-2
 

@@ -26,7 +26,7 @@ import pallas_kernels
 from pallas_kernels import numerics
 
 pytestmark = [
-    pytest.mark.usefixtures("fast_cpu_compiles"),  # tests/conftest.py
+    pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter"),  # tests/conftest.py
     # The crafted 2**100 * 2**100 overflows on purpose (the Mosaic interpreter's numpy matmul).
     pytest.mark.filterwarnings("ignore:overflow encountered in matmul:RuntimeWarning"),
 ]

@@ -28,7 +28,7 @@ def test_readme_main_command_runs_quickstart():
   assert "python -m experiments.quickstart" in _bash_blocks(readme)[0]
 
 
-@pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+@pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 def test_readme_python_examples_run():
   """Each README python block runs on its own, as a reader would paste it (CPU: "auto" is "xla")."""
   readme = (ROOT / "README.md").read_text()

@@ -18,7 +18,7 @@ from forge_jax import _math
 from pallas_kernels import mosaic as fm
 from tests._lowering import skip_if_cuda_lowering_needs_a_gpu
 
-pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _TINY = np.finfo(np.float32).tiny

@@ -17,6 +17,9 @@ import forge_jax
 import models
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
+# The default CPU emitter for the comparisons with optax, which hold to a few float32 ulps over
+# several steps; the legacy one (tests/conftest.py: legacy_cpu_emitter_for_test) for the tests
+# that compare nothing with optax (HLO, errors, warnings, bit-exact reruns of one program).
 
 STEPS = 3
 
@@ -63,6 +66,7 @@ def test_forge_training_matches_optax(name, scan):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), state.params, params)
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 def test_resume_is_bit_exact(tmp_path):
   cfg = models.get_config("tiny-llama", linear="forge", remat="full")
   opt = forge_jax.lion(1e-3, weight_decay=0.1)
@@ -91,6 +95,7 @@ def test_resume_is_bit_exact(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 def test_restore_into_another_model_is_an_error(tmp_path):
   opt = forge_jax.sgd(1e-2)
   cfg = models.get_config("tiny-llama", linear="forge", remat="full")
@@ -111,6 +116,7 @@ def test_restore_into_another_model_is_an_error(tmp_path):
   assert int(forge_jax.restore_train_state(tmp_path / "ckpt", same).step) == 0
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 def test_restore_into_other_dtypes_is_an_error(tmp_path):
   """orbax casts a stored array to the target's dtype; a bfloat16 model restored from a
   float32 checkpoint would resume silently changed, so the dtypes are compared first."""
@@ -278,6 +284,7 @@ def _hlo_shape(a):
   return f"{a.dtype.name.replace('float', 'f')}[{','.join(map(str, a.shape))}]"
 
 
+@pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 def test_scanned_forge_remat_is_bit_exact_with_bfloat16_weights_and_int8_states():
   """Activation checkpointing changes what is saved, not a bit of the result: with bf16 weights
   (stochastic rounding, streams by path and layer) and int8 states, a step of the scanned FORGE
