@@ -20,10 +20,9 @@ optimizer's elementwise rule to each tile as soon as it is complete:
 * ``"auto"``: on a Hopper GPU, the faster of the Mosaic kernel and ``"xla"`` for the
   layer's tokens, shape, weight dtype, state format and rounding, from the
   measured table ``forge_jax/auto_table.json`` (:mod:`forge_jax._auto`). Off
-  the table: the Mosaic kernel for float states (weights rounded to nearest or
-  stochastically), ``"xla"`` for int8 states. Where the Mosaic kernel cannot run
-  (not a Hopper GPU, shapes or dtypes off its tiling), the Triton kernel for
-  float states rounded to nearest and ``"xla"`` otherwise, silently (nobody asked for Mosaic);
+  the table: the Mosaic kernel. Where it cannot run (not a Hopper GPU, shapes or
+  dtypes off its tiling), the Triton kernel for float states with weights rounded
+  to nearest, ``"xla"`` for int8 states and stochastically rounded weights, silently (nobody asked for Mosaic);
   ``"xla"`` off GPUs (see :func:`_resolve_backend`).
 """
 
@@ -81,9 +80,10 @@ def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_wei
       return "xla"
     # The rule for a call outside the table, from per-layer times side by side on the H200
     # (AdamW, bf16 weights, T=1024 / 4096; experiments/results/h200/int8_epilogue/lowp/):
-    # - int8 slots: XLA's dot + fused update. The kernel's int8 epilogue is 1.4-3.3x slower
-    #   on the large Llama-3.1-8B shapes (4096x4096 T=1024: 0.336 against 0.182 ms; 4096x14336:
-    #   1.106 against 0.559); it is faster only where each SM holds about one tile (4096x1024).
+    # - int8 slots: the Mosaic kernel, 1.43-1.64x faster than XLA at T=1024 since its int8
+    #   epilogue runs as a loop (experiments/results/h200/int8_loop/: 4096x4096 0.161 against
+    #   0.230 ms, with SR weights 0.148 against 0.234; 4096x14336 0.456 against 0.743, with SR
+    #   0.460 against 0.755); XLA where the kernel cannot run (the Triton kernel is slower).
     # - stochastically rounded bfloat16 weights, float states: the Mosaic kernel, 1.10-1.23x
     #   faster than XLA on the large shapes (4096x4096 T=1024: 0.112 against 0.129 ms;
     #   4096x14336: 0.335 against 0.411; 1.07-1.08x slower at 4096x1024); XLA where the
@@ -92,10 +92,7 @@ def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_wei
     #   dtypes; _mosaic_problem says), else the Triton kernel (Llama-3.1-8B pure bf16,
     #   1x1024 tokens: 144.8 ms a step against 169.0 with the Triton kernel,
     #   bench_models_mosaic.md).
-    if quantized_slots:
-      without_table = "xla"
-    else:
-      without_table = _AUTO_MOSAIC_OR_XLA if stochastic_weights else _AUTO_MOSAIC
+    without_table = _AUTO_MOSAIC_OR_XLA if quantized_slots or stochastic_weights else _AUTO_MOSAIC
     # The table compares the Mosaic kernel with XLA: it says nothing where the kernel cannot run.
     if case is not None and _mosaic_device_problem() is None:
       choice = _auto.table().choose(*case, sr=stochastic_weights)

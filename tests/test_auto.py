@@ -64,8 +64,8 @@ def test_auto_follows_the_table_and_flips_with_it(fake_gpu, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
 
 
-def test_auto_int8_states_take_the_kernel_when_the_table_says_so(fake_gpu, monkeypatch):
-  """int8 states: XLA off the table (the rule), the kernel where the table picks it, with XLA (not
+def test_auto_int8_states_follow_the_table_and_the_rule(fake_gpu, monkeypatch):
+  """int8 states: what the table picks, and off the table the rule (the kernel), with XLA (not
   the slower Triton kernel) as the fallback where the kernel cannot run."""
   opt = forge_jax.adamw(1e-3, precision=forge_jax.Precision(state_dtype="int8", min_quantized_size=0))
   w = jnp.zeros((256, 128), F32)
@@ -76,9 +76,12 @@ def test_auto_int8_states_take_the_kernel_when_the_table_says_so(fake_gpu, monke
   forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto")
   assert fake_gpu == [_fused._AUTO_MOSAIC_OR_XLA]
   fake_gpu.clear()
-  _use(monkeypatch, _table((1024, 256, 128, "float32", "float32", False, "mosaic")))  # no int8 entry
+  _use(monkeypatch, _table((1024, 256, 128, "float32", "int8", False, "xla")))
   forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto")
-  assert fake_gpu == []  # the rule: XLA
+  assert fake_gpu == []  # the table: XLA
+  _use(monkeypatch, _table((1024, 256, 128, "float32", "float32", False, "xla")))  # no int8 entry
+  forge_jax.fused_linear_update(x, dy, w, state, opt, backend="auto")
+  assert fake_gpu == [_fused._AUTO_MOSAIC_OR_XLA]  # the rule: the kernel
 
 
 def test_resolve_backend_outside_the_table_keeps_the_rule(monkeypatch):
@@ -95,7 +98,7 @@ def test_resolve_backend_outside_the_table_keeps_the_rule(monkeypatch):
   # Stochastically rounded weights: the kernel, XLA (not the Triton kernel) where it cannot run.
   assert (resolve((1024, 4096, 4096, "bfloat16", "bfloat16"), stochastic_weights=True)
           == _fused._AUTO_MOSAIC_OR_XLA)
-  assert resolve(None, quantized_slots=True) == "xla"
+  assert resolve(None, quantized_slots=True) == _fused._AUTO_MOSAIC_OR_XLA
   monkeypatch.setattr(_fused, "_platform", lambda: "cpu")
   assert resolve((1024, 4096, 4096, "bfloat16", "int8"), quantized_slots=True) == "xla"
 
@@ -156,7 +159,7 @@ def test_committed_table_covers_every_preset_layer():
         choice = table.choose(**key)
         assert choice in _auto.CHOICES, (config, t, k, n)
         if not table.provenance["measured"]:
-          assert choice == ("xla" if key["states"] == "int8" else "mosaic")
+          assert choice == "mosaic"
 
 
 def test_shape_classes_lie_within_the_lookup_radius():

@@ -58,6 +58,10 @@ class MosaicTileConfig:
       int8 row scale is read and rewritten by the four threads of a quad, all with the same
       value: each thread's write follows the lane shuffles of the row's new maximum, which
       take every other thread's values, decoded from the old scale after it read it.
+    epi_loop: run the epilogue's sub-tiles as a loop over one copy of their code (each picks its
+      gradient from the accumulator by bit masks: one AND per sub-tile of the tile and element)
+      instead of one copy per sub-tile; the kernel's code shrinks by about the sub-tile count.
+      Needs ``epi_l2_lookahead=0``.
     grid_tile_width: the persistent loop walks bands of this many tiles along ``N`` (L2
       locality of the ``x``/``dy`` blocks).
     num_sms: persistent grid size; ``None`` means the device's SM count.
@@ -73,6 +77,7 @@ class MosaicTileConfig:
   epi_l2_lookahead: int = 0
   mma_in_flight: bool = True
   no_auto_barriers: bool = True
+  epi_loop: bool = False
   grid_tile_width: int = 8
   num_sms: Optional[int] = None
 
@@ -97,9 +102,11 @@ _SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the mai
 #   flight (mosaic_tuned/: main loop at T=16384 1.024 -> 0.883 ms) and no store barriers
 #   (mosaic_barriers/: 0.160 -> 0.155 ms at T=1024) for all of them.
 # - int8 states: one quantization block per sub-tile row (epi_n is replaced by the block);
-#   no store barriers, as for float states (see MosaicTileConfig.no_auto_barriers); with the
-#   one-round hash 15-20% faster than with the barriers (int8_epilogue/), still 1.8-3.6x the
-#   bf16-state kernel on the large Llama-3.1-8B shapes.
+#   no store barriers, as for float states (see MosaicTileConfig.no_auto_barriers); 128x64
+#   tiles (two 64x64 sub-tiles) and the sub-tiles as a loop over one copy of their code
+#   (int8_loop/: bf16 weights, T=1024, 4096x4096 0.359 -> 0.161 ms, with SR 0.375 -> 0.148;
+#   4096x14336 1.212 -> 0.456, with SR 1.291 -> 0.460; XLA 0.230-0.755): the straight-line
+#   int8 epilogue did not fit the instruction cache.
 _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
     (frozenset(when.split()), cfg) for when, cfg in (
         ("float small_grid", _Cfg(tile_m=64, max_concurrent_steps=6)),
@@ -118,10 +125,11 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         ("float", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=16, **_PLAIN)),
         ("float", _Cfg(tile_m=64, epi_n=16, **_PLAIN)),  # K a multiple of 64 only
         ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16, **_PLAIN)),
-        ("int8", _Cfg(epi_n=64)),
-        ("int8", _Cfg(max_concurrent_steps=3, epi_n=64)),
-        ("int8", _Cfg(max_concurrent_steps=2, epi_n=64)),
-        ("int8", _Cfg(tile_m=64, max_concurrent_steps=3, epi_n=64)),
+        ("int8", _Cfg(tile_n=64, epi_n=64, epi_loop=True)),
+        ("int8", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=64, epi_loop=True)),
+        ("int8", _Cfg(tile_n=64, max_concurrent_steps=2, epi_n=64, epi_loop=True)),
+        ("int8", _Cfg(tile_m=64, tile_n=64, max_concurrent_steps=3, epi_n=64, epi_loop=True)),
+        ("int8", _Cfg(max_concurrent_steps=3, epi_n=64, epi_loop=True)),  # blocks of 128
     ))
 _SMALL_GRID_WAVES = 1.5
 
@@ -183,6 +191,9 @@ def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
       (cfg.max_concurrent_steps >= 2,
        f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 2 (one stage per warpgroup)"),
       (cfg.epi_l2_lookahead >= 0, f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"),
+      (not (cfg.epi_loop and cfg.epi_l2_lookahead),
+       f"epi_loop=True needs epi_l2_lookahead=0 (got {cfg.epi_l2_lookahead}): the loop's "
+       "sub-tiles prefetch nothing beyond the ring"),
       (cfg.grid_tile_width >= 1, f"grid_tile_width={cfg.grid_tile_width} must be >= 1"),
   )
   return next((why for ok, why in checks if not ok), None)

@@ -157,8 +157,20 @@ class _Epilogue:
   norm_smem: Any
   wg_idx: Any
 
-  def _window(self, j: int, row0, col0):
-    r, c = self.plan.sub_tiles[j]
+  def _offsets(self, j):
+    """(row, col) offset of sub-tile ``j`` within its tile: ints for a static ``j``, int32
+    scalars for the loop's (``epi_loop``)."""
+    if isinstance(j, int):
+      return self.plan.sub_tiles[j]
+    cfg = self.plan.cfg
+    cols = jnp.int32(cfg.tile_n // cfg.epi_n)
+    return lax.div(j, cols) * cfg.epi_m, lax.rem(j, cols) * cfg.epi_n
+
+  def _ring_slot(self, j):
+    return j % self.plan.depth if isinstance(j, int) else lax.rem(j, jnp.int32(self.plan.depth))
+
+  def _window(self, j, row0, col0):
+    r, c = self._offsets(j)
     return pl.ds(row0 + r, self.plan.cfg.epi_m), pl.ds(col0 + c, self.plan.cfg.epi_n)
 
   def _slot_refs(self, slot: int) -> list:
@@ -166,20 +178,20 @@ class _Epilogue:
     at = lambda ring: ring.at[self.wg_idx, slot]
     return [tuple(map(at, ring)) if isinstance(ring, tuple) else at(ring) for ring in self.slot_rings]
 
-  def _slot_copies(self, j: int, row0, col0, s_refs):
+  def _slot_copies(self, j, row0, col0, s_refs):
     """``(shared buffer, device window)`` of sub-tile ``j`` for every stored part of every state."""
     win = self._window(j, row0, col0)
     for ref, gmem in zip(s_refs, self.slot_gmems):
       if isinstance(gmem, tuple):  # int8: codes, then the scales in the [N/blk, L*K] view
-        r, c = self.plan.sub_tiles[j]
+        r, c = self._offsets(j)
         yield ref[0], gmem[0].at[win]
         yield ref[1], gmem[1].at[lax.div(col0 + c, jnp.int32(self.plan.cfg.epi_n)),
                                  pl.ds(row0 + r, self.plan.cfg.epi_m)]
       else:
         yield ref, gmem.at[win]
 
-  def _fetch(self, j: int, row0, col0) -> None:
-    slot = j % self.plan.depth
+  def _fetch(self, j, row0, col0) -> None:
+    slot = self._ring_slot(j)
     barrier = self.ring_ready.at[self.wg_idx * self.plan.depth + slot]
     plgpu.copy_gmem_to_smem(self.w_gmem.at[self._window(j, row0, col0)],
                             self.w_ring.at[self.wg_idx, slot], barrier)
@@ -235,57 +247,95 @@ class _Epilogue:
     scalars = jax.tree.unflatten(self.scalars_treedef,
                                  [self.sc_gmem[i] for i in range(plan.num_scalars)])
     scalar_leaves = jax.tree.leaves(scalars)
-    row_sums = {}
     ahead = cfg.epi_l2_lookahead
     for j in range(plan.depth, plan.depth + ahead):
       self._prefetch_l2(j, row0, col0)
-    for j, (r, c) in enumerate(plan.sub_tiles):
-      slot = j % plan.depth
-      with _region("epi_wait"):
-        plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * plan.depth + slot])
-      w_ref, s_refs = self.w_ring.at[self.wg_idx, slot], self._slot_refs(slot)
-      with _region("epi_load"):  # swizzled SMEM reads come back in the accumulator's layout
-        w_raw = w_ref[...]
-        s_raw = tuple(tuple(p[...] for p in ref) if isinstance(ref, tuple) else ref[...]
-                      for ref in s_refs)
-      g = acc[r:r + cfg.epi_m, c:c + cfg.epi_n]
-      with _region("epi_decode"):
-        w32 = w_raw.astype(jnp.float32)
-        s32 = tuple(self._decode_slot(raw, codec) for raw, codec in zip(s_raw, plan.codecs))
-      with _region("epi_math"):
-        new_w32, new_slots = apply_update(self.update_fn, g, w32, s32, scalar_leaves, rule=self.rule)
-      with _region("epi_write"):
-        bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
-        if plan.stochastic:
-          w_ref[...] = numerics.stochastic_round(new_w32, bits, w_ref.dtype)
-        else:
-          w_ref[...] = store_cast(new_w32, w_ref.dtype)
-        for i, (ref, new, codec) in enumerate(zip(s_refs, new_slots, plan.codecs)):
-          sr = codec is not None and codec.needs_bits
-          self._write_slot(ref, codec, new, numerics.value_bits(bits, 1 + i) if sr else None)
+    grads = [acc[r:r + cfg.epi_m, c:c + cfg.epi_n] for r, c in plan.sub_tiles]
+    if cfg.epi_loop:
+      # One copy of the sub-tile code, run once per sub-tile: a sub-tile's gradient is picked
+      # from the accumulator's static slices by bit masks (registers cannot be indexed).
+      @pl.loop(0, len(plan.sub_tiles))
+      def _sub_tile(j):
+        g = _pick(grads, j)
+        self._sub_tile(j, g, row0, col0, scalar_leaves)
+    else:
+      row_sums = {}
+      for j, (r, c) in enumerate(plan.sub_tiles):
+        self._sub_tile(j, grads[j], row0, col0, scalar_leaves)
         if plan.with_norm:
-          part = jnp.sum(grad_sq_terms(g), axis=1)
+          part = jnp.sum(grad_sq_terms(grads[j]), axis=1)
           row_sums[r] = part if r not in row_sums else row_sums[r] + part
-      with _region("epi_store"):
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[self._window(j, row0, col0)],
-                                commit_group=False)
-        for smem, gmem in self._slot_copies(j, row0, col0, s_refs):
-          plgpu.copy_smem_to_gmem(smem, gmem, commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
-        if ahead:
-          self._prefetch_l2(j + plan.depth + ahead, row0, col0)
-      if j + plan.depth < len(plan.sub_tiles):
-        with _region("epi_store_read"):  # refill this slot once its results were read out
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        with _region("epi_refill"):
-          self._fetch(j + plan.depth, row0, col0)
     if plan.with_norm:
-      for r, part in row_sums.items():
-        self.norm_smem[self.wg_idx, pl.ds(r, cfg.epi_m)] = part
+      if cfg.epi_loop:
+        self.norm_smem[self.wg_idx, :] = jnp.sum(grad_sq_terms(acc), axis=1)
+      else:
+        for r, part in row_sums.items():
+          self.norm_smem[self.wg_idx, pl.ds(r, cfg.epi_m)] = part
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(self.norm_smem.at[self.wg_idx],
                               self.norm_gmem.at[norm_block, pl.ds(norm_row0, cfg.tile_m)])
+
+  def _sub_tile(self, j, g, row0, col0, scalar_leaves) -> None:
+    """Sub-tile ``j`` (static, or the loop's int32) with gradient ``g``: wait for its ring slot,
+    decode, update, encode, store, refill the slot."""
+    plan, cfg = self.plan, self.plan.cfg
+    r, c = self._offsets(j)
+    slot = self._ring_slot(j)
+    ahead = cfg.epi_l2_lookahead
+    with _region("epi_wait"):
+      plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * plan.depth + slot])
+    w_ref, s_refs = self.w_ring.at[self.wg_idx, slot], self._slot_refs(slot)
+    with _region("epi_load"):  # swizzled SMEM reads come back in the accumulator's layout
+      w_raw = w_ref[...]
+      s_raw = tuple(tuple(p[...] for p in ref) if isinstance(ref, tuple) else ref[...]
+                    for ref in s_refs)
+    with _region("epi_decode"):
+      w32 = w_raw.astype(jnp.float32)
+      s32 = tuple(self._decode_slot(raw, codec) for raw, codec in zip(s_raw, plan.codecs))
+    with _region("epi_math"):
+      new_w32, new_slots = apply_update(self.update_fn, g, w32, s32, scalar_leaves, rule=self.rule)
+    with _region("epi_write"):
+      bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
+      if plan.stochastic:
+        w_ref[...] = numerics.stochastic_round(new_w32, bits, w_ref.dtype)
+      else:
+        w_ref[...] = store_cast(new_w32, w_ref.dtype)
+      for i, (ref, new, codec) in enumerate(zip(s_refs, new_slots, plan.codecs)):
+        sr = codec is not None and codec.needs_bits
+        self._write_slot(ref, codec, new, numerics.value_bits(bits, 1 + i) if sr else None)
+    with _region("epi_store"):
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[self._window(j, row0, col0)],
+                              commit_group=False)
+      for smem, gmem in self._slot_copies(j, row0, col0, s_refs):
+        plgpu.copy_smem_to_gmem(smem, gmem, commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      if ahead:
+        self._prefetch_l2(j + plan.depth + ahead, row0, col0)
+
+    def refill():
+      with _region("epi_store_read"):  # refill this slot once its results were read out
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      with _region("epi_refill"):
+        self._fetch(j + plan.depth, row0, col0)
+
+    if isinstance(j, int):
+      if j + plan.depth < len(plan.sub_tiles):
+        refill()
+    else:
+      pl.when(j + plan.depth < len(plan.sub_tiles))(refill)
+
+
+def _pick(values: Sequence[Array], j) -> Array:
+  """``values[j]`` for an int32 scalar ``j``: float32 arrays of one shape and layout, blended
+  bit for bit (an AND with an all-ones or all-zeros mask each, then ORs; NaNs and infinities
+  of the other entries stay out)."""
+  out = None
+  for i, v in enumerate(values):
+    mask = -(j == i).astype(jnp.int32)  # -1 (all ones) for the chosen entry, else 0
+    part = lax.bitcast_convert_type(v, jnp.int32) & mask
+    out = part if out is None else out | part
+  return lax.bitcast_convert_type(out, jnp.float32)
 
 
 def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm_gmem, *,
