@@ -1134,7 +1134,8 @@ def compare_lowp(rows_path: pathlib.Path, lowp_paths: Sequence[pathlib.Path],
 
 
 def rule_table(tokens=AUTO_TOKENS, shapes=None, configs=None):
-  """The table that reproduces the rule without one (the kernel) over the planned cases, unmeasured: what ships until a GPU run replaces it."""
+  """The table that reproduces the rule without one (the kernel) over the planned cases,
+  unmeasured: what ships until a GPU run replaces it."""
   from forge_jax import _auto  # pylint: disable=g-import-not-at-top
 
   classes = shape_classes(shapes or preset_shapes())
@@ -1143,8 +1144,7 @@ def rule_table(tokens=AUTO_TOKENS, shapes=None, configs=None):
     for t in tokens:
       for config in configs or AUTO_CONFIGS:
         key = auto_case_key(config, AUTO_CONFIGS[config][0], t, *rep)
-        choice = "mosaic"
-        entries.append(dict(key, choice=choice, kernel_ms=None, xla_ms=None))
+        entries.append(dict(key, choice="mosaic", kernel_ms=None, xla_ms=None))
   provenance = {"measured": False, "source": "the rule without a table (forge_jax._fused._resolve_backend), "
                 "over the cases experiments.bench_fused_dw --auto-table measures",
                 "device": None, "date": None, "jax": None, "commit": None}

@@ -22,7 +22,8 @@ optimizer's elementwise rule to each tile as soon as it is complete:
   measured table ``forge_jax/auto_table.json`` (:mod:`forge_jax._auto`). Off
   the table: the Mosaic kernel. Where it cannot run (not a Hopper GPU, shapes or
   dtypes off its tiling), the Triton kernel for float states with weights rounded
-  to nearest, ``"xla"`` for int8 states and stochastically rounded weights, silently (nobody asked for Mosaic);
+  to nearest, ``"xla"`` for int8 states and stochastically rounded weights,
+  silently (nobody asked for Mosaic);
   ``"xla"`` off GPUs (see :func:`_resolve_backend`).
 """
 
@@ -46,8 +47,8 @@ BACKENDS = ("auto", "xla", "pallas", "interpret", "mosaic", "mosaic_interpret")
 # "auto" on a GPU with float states: the Mosaic kernel, "pallas" (no warning) where it
 # cannot run (not a Hopper GPU, shapes or dtypes off its tiling).
 _AUTO_MOSAIC = "auto:mosaic"
-# "auto" where its table picked the Mosaic kernel for int8 states or stochastically rounded
-# weights: "xla" (no warning) where the kernel cannot run (the Triton kernel is slower there).
+# "auto" on a GPU with int8 states or stochastically rounded weights: the Mosaic kernel, "xla"
+# (no warning) where it cannot run (the Triton kernel is slower than XLA there).
 _AUTO_MOSAIC_OR_XLA = "auto:mosaic_or_xla"
 _AUTO = (_AUTO_MOSAIC, _AUTO_MOSAIC_OR_XLA)
 _MOSAIC_BACKENDS = ("mosaic", "mosaic_interpret", *_AUTO)
@@ -78,31 +79,25 @@ def _resolve_backend(backend: str, quantized_slots: bool = False, stochastic_wei
   if backend == "auto":
     if platform != "gpu":
       return "xla"
-    # The rule for a call outside the table, from per-layer times side by side on the H200
-    # (AdamW, bf16 weights, T=1024 / 4096; experiments/results/h200/int8_epilogue/lowp/):
-    # - int8 slots: the Mosaic kernel, 1.43-1.64x faster than XLA at T=1024 since its int8
-    #   epilogue runs as a loop (experiments/results/h200/int8_loop/: 4096x4096 0.161 against
-    #   0.230 ms, with SR weights 0.148 against 0.234; 4096x14336 0.456 against 0.743, with SR
-    #   0.460 against 0.755); XLA where the kernel cannot run (the Triton kernel is slower).
-    # - stochastically rounded bfloat16 weights, float states: the Mosaic kernel, 1.10-1.23x
-    #   faster than XLA on the large shapes (4096x4096 T=1024: 0.112 against 0.129 ms;
-    #   4096x14336: 0.335 against 0.411; 1.07-1.08x slower at 4096x1024); XLA where the
-    #   kernel cannot run (the Triton kernel is slower than XLA there).
-    # - float states: the Mosaic kernel wherever it can run (a Hopper GPU, its shapes and
-    #   dtypes; _mosaic_problem says), else the Triton kernel (Llama-3.1-8B pure bf16,
-    #   1x1024 tokens: 144.8 ms a step against 169.0 with the Triton kernel,
-    #   bench_models_mosaic.md).
-    without_table = _AUTO_MOSAIC_OR_XLA if quantized_slots or stochastic_weights else _AUTO_MOSAIC
+    # The rule for a call outside the table: the Mosaic kernel, from per-layer times side by
+    # side on the H200 (AdamW, bf16 weights, experiments/results/h200/):
+    # - int8 slots: 1.43-1.64x faster than XLA at T=1024 since its int8 epilogue runs as a
+    #   loop (int8_loop/: 4096x4096 0.161 against 0.230 ms, with SR weights 0.148 against
+    #   0.234; 4096x14336 0.456 against 0.743, with SR 0.460 against 0.755);
+    # - stochastically rounded weights, float states: 1.10-1.23x faster than XLA on the large
+    #   shapes (int8_epilogue/lowp/, T=1024: 4096x4096 0.112 against 0.129 ms; 4096x14336
+    #   0.335 against 0.411; 1.07-1.08x slower at 4096x1024);
+    # - float states (Llama-3.1-8B pure bf16, 1x1024 tokens: 144.8 ms a step against 169.0
+    #   with the Triton kernel, bench_models_mosaic.md).
+    # Where the kernel cannot run (_mosaic_problem says): the Triton kernel for float states
+    # rounded to nearest, XLA for the two above (the Triton kernel is slower than XLA there).
+    rule = _AUTO_MOSAIC_OR_XLA if quantized_slots or stochastic_weights else _AUTO_MOSAIC
     # The table compares the Mosaic kernel with XLA: it says nothing where the kernel cannot run.
     if case is not None and _mosaic_device_problem() is None:
       choice = _auto.table().choose(*case, sr=stochastic_weights)
       if choice == "xla":
         return "xla"
-      if choice == "mosaic":
-        # Where the Mosaic kernel cannot run after all, the rule's fallback: the
-        # Triton kernel for float states, XLA for what it is slower at.
-        return _AUTO_MOSAIC_OR_XLA if quantized_slots or stochastic_weights else _AUTO_MOSAIC
-    return without_table
+    return rule
   if backend in ("pallas", "mosaic") and platform != "gpu":
     raise ValueError(
         f"backend={backend!r} needs a GPU, but jax's default backend is {platform!r}: "

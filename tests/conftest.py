@@ -160,8 +160,8 @@ def legacy_cpu_emitter_for_test():
 
 @pytest.fixture
 def fast_subprocess_compiles(monkeypatch):
-  """The same for the processes a test starts, through XLA_FLAGS (which they read at start-up),
-  with the legacy emitter of ``legacy_cpu_emitter`` where this jaxlib has it (tests/_xla_flags:
+  """``fast_cpu_compiles`` for the processes a test starts, through XLA_FLAGS (which they read
+  at start-up), with the legacy emitter of ``legacy_cpu_emitter`` where this jaxlib has it (tests/_xla_flags:
   ``fast_cpu_flags``). Their tests check what the processes write, not values to an ulp, and
   CPU step times are meaningless anyway."""
   from tests._xla_flags import fast_cpu_flags  # pylint: disable=g-import-not-at-top
