@@ -23,8 +23,9 @@ of ``models`` with random weights on random tokens:
   - ``forge_int8``: forge_jax.adamw with int8 optimizer states
     (``Precision(state_dtype="int8")``, blocks of 64 along N);
   - ``forge_int8_sr``: int8 states and stochastically rounded weights;
-  - ``forge_noguard``, ``forge_int8_noguard``: ``forge``, ``forge_int8`` with the kernels'
-    non-finite guard off (``Precision(nonfinite="propagate")``): what the guard costs a step;
+  - ``forge_noguard``, ``forge_int8_noguard``: ``forge``, ``forge_int8`` with the non-finite
+    guard off (``train_step(skip_nonfinite=False)`` and the kernels'
+    ``Precision(nonfinite="propagate")``): what the guard costs a step;
   - a FORGE implementation with the suffix ``_xla``, ``_pallas`` or
     ``_mosaic`` (``forge_xla``, ``forge_int8_xla``, ...): that
     ``ModelConfig.forge_backend`` (default ``"auto"``): ``_xla`` is FORGE's
@@ -371,7 +372,8 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
     lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn)
   elif opt is not None:
     make_state = lambda v: forge_jax.TrainState.create(model.apply, v, opt)
-    lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn)
+    guard = "noguard" not in base
+    lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn, skip_nonfinite=guard)
   else:
     tx, optax_step = optax_baseline(base, loss_fn)
     make_state = lambda v: (v["params"], tx.init(v["params"]))

@@ -263,7 +263,7 @@ def _apply_cotangents(state: TrainState, paths, cts, finite):
   return params, traverse_util.unflatten_dict(new_forge), opt_state, step, grad_norm, nonfinite
 
 
-def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
+def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite: bool = True):
   _reuse.check_no_mapped_axis()
   paths = forge_paths(state.forge_state)
   rule = state.optimizer.rule
@@ -302,7 +302,12 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
   bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer)
   _check_all_updated(paths, counts)
   ones = jnp.ones_like(loss)
-  if not _reuse.per_layer_guard_ok(bwd):
+  if not skip_nonfinite:
+    finite = jnp.ones((), bool)
+    cts = jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(ones))
+    params, forge_state, opt_state, step, grad_norm, nonfinite = _apply_cotangents(
+        state, paths, cts, finite)
+  elif not _reuse.per_layer_guard_ok(bwd):
     finite = jnp.isfinite(loss)
     def unchanged(_):
       return (_plain(state.params), _plain(state.forge_state), state.opt_state, state.step,
@@ -344,7 +349,7 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool):
   return new_state, metrics
 
 
-_train_step_jit = jax.jit(_train_step, static_argnums=(2, 3), donate_argnums=(0,))
+_train_step_jit = jax.jit(_train_step, static_argnums=(2, 3, 4), donate_argnums=(0,))
 
 
 def _explicit_split(tracer) -> int:
@@ -412,7 +417,8 @@ def _check_not_data_parallel(state: TrainState, batch):
       )
 
 
-def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False):
+def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False,
+               skip_nonfinite: bool = True):
   """One FORGE training step: forward, backward with fused updates, optax for the rest.
 
   Args:
@@ -424,6 +430,10 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
       be hashable (a module-level function or a ``functools.partial``), as it
       is a static argument of the jitted step.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    skip_nonfinite: skip the whole step when the loss is not finite, as
+      ``optax.apply_if_finite`` does (the default). ``False`` takes every
+      step as it comes (``metrics["skipped"]`` is then always false); the
+      kernels' per-element guard is the optimizer's ``Precision(nonfinite=)``.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics["loss"]``, ``metrics["grad_norm"]``
@@ -450,12 +460,13 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
       batch is split over devices.
   """
   _check_not_data_parallel(state, batch)
-  return _train_step_jit(state, batch, loss_fn, has_aux)
+  return _train_step_jit(state, batch, loss_fn, has_aux, bool(skip_nonfinite))
 
 
-def _lower(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False):
+def _lower(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False,
+           skip_nonfinite: bool = True):
   _check_not_data_parallel(state, batch)
-  return _train_step_jit.lower(state, batch, loss_fn, has_aux)
+  return _train_step_jit.lower(state, batch, loss_fn, has_aux, bool(skip_nonfinite))
 
 
 train_step.lower = _lower  # type: ignore[attr-defined]

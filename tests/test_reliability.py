@@ -322,6 +322,25 @@ def test_non_finite_loss_skips_the_step_bit_for_bit(where, value):
     np.testing.assert_array_equal(a, b)
 
 
+def test_skip_nonfinite_false_takes_every_step():
+  """``skip_nonfinite=False``: a non-finite loss takes the step (the step count advances, NaN
+  reaches the optax-managed parameters), and a finite step equals the guarded one bit for bit."""
+  opt, model, loss = _SKIP_CASE
+  batch = _batch(key=0)
+  guarded, m_on = forge_jax.train_step(_state(model, batch["x"], opt), batch, loss)
+  plain, m_off = forge_jax.train_step(_state(model, batch["x"], opt), batch, loss,
+                                      skip_nonfinite=False)
+  np.testing.assert_array_equal(m_on["loss"], m_off["loss"])
+  for a, b in zip(jax.tree.leaves(_host((guarded.params, guarded.forge_state, guarded.opt_state))),
+                  jax.tree.leaves(_host((plain.params, plain.forge_state, plain.opt_state))), strict=True):
+    np.testing.assert_array_equal(a, b)
+  plain, metrics = forge_jax.train_step(plain, _poison(_batch(key=1), ("x", (2, 3)), jnp.nan), loss,
+                                        skip_nonfinite=False)
+  assert not bool(metrics["skipped"]) and int(metrics["skipped_steps"]) == 0
+  assert int(plain.step) == 2
+  assert not np.all(np.isfinite(np.asarray(plain.params["embed"]["kernel"])))
+
+
 @jax.custom_vjp
 def _nan_in_cotangent(x):
   return x

@@ -190,7 +190,8 @@ def _train_state(model, optimizer):
   return layout, model_state, _as_train_state(layout, values, optimizer)
 
 
-def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_aux: bool = False):
+def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_aux: bool = False,
+               skip_nonfinite: bool = True):
   """One FORGE training step of an NNX model, updating ``model`` and ``optimizer`` in place.
 
   Args:
@@ -202,6 +203,7 @@ def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_a
       ``has_aux=True``); hashable (a module-level function or a
       ``functools.partial``), as it is a static argument of the jitted step.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    skip_nonfinite: as :func:`forge_jax.train_step`'s.
 
   Returns:
     the metrics of :func:`forge_jax.train_step`: ``loss``, ``grad_norm`` (the
@@ -219,7 +221,7 @@ def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_a
       ``vmap``/``pmap``/``shard_map``, or when the batch is split over devices.
   """
   layout, model_state, state = _train_state(model, optimizer)
-  new, metrics = _train.train_step(state, batch, _Loss(layout, loss_fn), has_aux)
+  new, metrics = _train.train_step(state, batch, _Loss(layout, loss_fn), has_aux, skip_nonfinite)
   _write_back(model, optimizer, layout, model_state, new)
   return metrics
 
@@ -301,11 +303,13 @@ class _Lowered:
     return _Compiled(self._lowered.compile(*args, **kwargs), self._layout)
 
 
-def _lower(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_aux: bool = False):
+def _lower(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_aux: bool = False,
+           skip_nonfinite: bool = True):
   """``train_step``'s jitted step lowered for these arguments; ``.compile()`` gives a step
   callable as ``compiled(model, optimizer, batch)``."""
   layout, _, state = _train_state(model, optimizer)
-  return _Lowered(_train.train_step.lower(state, batch, _Loss(layout, loss_fn), has_aux), layout)
+  return _Lowered(_train.train_step.lower(state, batch, _Loss(layout, loss_fn), has_aux,
+                                          skip_nonfinite), layout)
 
 
 train_step.lower = _lower  # type: ignore[attr-defined]
