@@ -224,8 +224,7 @@ class _Epilogue:
   def finish(self, acc, row0, col0, norm_block, norm_row0) -> None:
     plan, cfg = self.plan, self.plan.cfg
     scalar_leaves = [self.sc_gmem[i] for i in range(plan.num_scalars)]
-    ahead = cfg.epi_l2_lookahead
-    for j in range(plan.depth, plan.depth + ahead):
+    for j in range(plan.depth, plan.depth + cfg.epi_l2_lookahead):
       self._prefetch_l2(j, row0, col0)
     grads = [acc[r:r + cfg.epi_m, c:c + cfg.epi_n] for r, c in plan.sub_tiles]
     if plan.loop:
@@ -258,7 +257,6 @@ class _Epilogue:
     plan, cfg = self.plan, self.plan.cfg
     r, c = self._offsets(j)
     slot = self._ring_slot(j)
-    ahead = cfg.epi_l2_lookahead
     with _region("epi_wait"):
       plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * plan.depth + slot])
     w_ref, s_refs = self.w_ring.at[self.wg_idx, slot], self._slot_refs(slot)
@@ -288,8 +286,8 @@ class _Epilogue:
       for smem, gmem in self._slot_copies(j, row0, col0, s_refs):
         plgpu.copy_smem_to_gmem(smem, gmem, commit_group=False)
       plgpu.commit_smem_to_gmem_group()
-      if ahead:
-        self._prefetch_l2(j + plan.depth + ahead, row0, col0)
+      if cfg.epi_l2_lookahead:
+        self._prefetch_l2(j + plan.depth + cfg.epi_l2_lookahead, row0, col0)
 
     @pl.when(j + plan.depth < len(plan.sub_tiles))  # a Python bool for a static j
     def _refill():

@@ -47,12 +47,11 @@ def lowers_natively(prim) -> bool:
   try:
     from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
 
-    for (lowering_sem, primitive_sem), table in mgpu_lowering.mosaic_lowering_rules.items():
-      if lowering_sem.name == LOWERING_SEMANTICS and primitive_sem.name == "Warpgroup":
-        return prim in table
+    return any(prim in table for (lowering_sem, primitive_sem), table
+               in mgpu_lowering.mosaic_lowering_rules.items()
+               if lowering_sem.name == LOWERING_SEMANTICS and primitive_sem.name == "Warpgroup")
   except Exception:  # pylint: disable=broad-except
-    pass
-  return False
+    return False
 
 
 def active_rewrites(force: bool = False) -> dict[Any, Callable[..., Array]]:
