@@ -212,41 +212,31 @@ class _Epilogue:
     key = self.layer_gmem[1].astype(jnp.uint32)
     return numerics.element_bits(key, base + numerics.element_index(rows, cols, plan.n))
 
-  @staticmethod
-  def _write_slot(ref, codec, value, bits) -> None:
-    if codec is None:
-      ref[...] = store_cast(value, ref.dtype)
-      return
-    codes, scale = codec.encode_block_rows(value, bits)
-    ref[0][...] = codes.astype(ref[0].dtype)
-    ref[1][...] = scale
-
   def finish(self, acc, row0, col0, norm_block, norm_row0) -> None:
     plan, cfg = self.plan, self.plan.cfg
     scalar_leaves = [self.sc_gmem[i] for i in range(plan.num_scalars)]
     for j in range(plan.depth, plan.depth + cfg.epi_l2_lookahead):
       self._prefetch_l2(j, row0, col0)
     grads = [acc[r:r + cfg.epi_m, c:c + cfg.epi_n] for r, c in plan.sub_tiles]
+    row_sums = {}  # row offset -> the gradient's squares summed along N
     if plan.loop:
       # One copy of the sub-tile code, run once per sub-tile: a sub-tile's gradient is picked
       # from the accumulator's static slices by bit masks (registers cannot be indexed).
       @pl.loop(0, len(plan.sub_tiles))
       def _sub_tile(j):
-        g = _pick(grads, j)
-        self._sub_tile(j, g, row0, col0, scalar_leaves)
+        self._sub_tile(j, _pick(grads, j), row0, col0, scalar_leaves)
+
+      if plan.with_norm:
+        row_sums[0] = jnp.sum(grad_sq_terms(acc), axis=1)
     else:
-      row_sums = {}
       for j, (r, c) in enumerate(plan.sub_tiles):
         self._sub_tile(j, grads[j], row0, col0, scalar_leaves)
         if plan.with_norm:
           part = jnp.sum(grad_sq_terms(grads[j]), axis=1)
           row_sums[r] = part if r not in row_sums else row_sums[r] + part
     if plan.with_norm:
-      if plan.loop:
-        self.norm_smem[self.wg_idx, :] = jnp.sum(grad_sq_terms(acc), axis=1)
-      else:
-        for r, part in row_sums.items():
-          self.norm_smem[self.wg_idx, pl.ds(r, cfg.epi_m)] = part
+      for r, part in row_sums.items():
+        self.norm_smem[self.wg_idx, pl.ds(r, part.shape[0])] = part
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(self.norm_smem.at[self.wg_idx],
                               self.norm_gmem.at[norm_block, pl.ds(norm_row0, cfg.tile_m)])
@@ -277,8 +267,12 @@ class _Epilogue:
       else:
         w_ref[...] = store_cast(new_w32, w_ref.dtype)
       for i, (ref, new, codec) in enumerate(zip(s_refs, new_slots, plan.codecs)):
-        sr = codec is not None and codec.needs_bits
-        self._write_slot(ref, codec, new, numerics.value_bits(bits, 1 + i) if sr else None)
+        if codec is None:
+          ref[...] = store_cast(new, ref.dtype)
+        else:  # int8: codes and row scales, stochastic maps from the slot's 16 bits
+          codes, scale = codec.encode_block_rows(
+              new, numerics.value_bits(bits, 1 + i) if codec.needs_bits else None)
+          ref[0][...], ref[1][...] = codes.astype(ref[0].dtype), scale
     with _region("epi_store"):
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[self._window(j, row0, col0)],
