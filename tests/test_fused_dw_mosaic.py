@@ -310,12 +310,11 @@ def test_default_configs_in_the_smem_margin_lower_for_cuda():
   assert set(lowered) >= {("adamw", "float32"), ("adamw", "bfloat16")}, lowered
 
 
-@pytest.mark.parametrize("w_dtype, stacked, loop", [(BF16, True, False), (F32, False, False),
-                                                    (BF16, False, True)])
-def test_stochastic_rounding_and_int8_states_lower_for_cuda(w_dtype, stacked, loop):
+@pytest.mark.parametrize("w_dtype, stacked", [(BF16, True), (F32, False), (BF16, False)])
+def test_stochastic_rounding_and_int8_states_lower_for_cuda(w_dtype, stacked):
   """The SR epilogue (uint32 hash on WGMMA-layout iotas) with forge_jax's default int8 maps
-  (the second moment rounds stochastically) or bf16 states, stacked or not, unrolled or as a
-  loop over the sub-tiles: the default tiling lowers for sm_90 (the interpreter cannot run
+  (the second moment rounds stochastically; the sub-tiles run as a loop) or stacked bf16 states
+  (the sub-tiles unrolled): the default tiling lowers for sm_90 (the interpreter cannot run
   stochastic rounding)."""
   rule = _all_rules()["adamw"].rule
   lead = (3,) if stacked else ()
@@ -329,7 +328,6 @@ def test_stochastic_rounding_and_int8_states_lower_for_cuda(w_dtype, stacked, lo
                                     precision.codec(name)) for name in rule.slot_names)
   cfg = mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
   assert cfg.no_auto_barriers and (stacked or cfg.epi_n == 64)
-  cfg = dataclasses.replace(cfg, epi_loop=loop)
   kw = dict(weight_codec=nm.StochasticRound()) if w_dtype == BF16 else {}
   kernel = jax.jit(functools.partial(mosaic.fused_dw_update_mosaic, update_fn=rule.update,
                                      config=cfg, compute_grad_sq_norm=True, **kw))
@@ -550,24 +548,21 @@ def test_int8_slots_match_reference(name, w_dtype, layers):
         np.testing.assert_array_equal(np.asarray(a.scale[other]), np.asarray(s.scale[other]))
 
 
-@pytest.mark.parametrize("states", ["float32", "int8"])
-def test_epilogue_loop_matches_reference(states):
-  """epi_loop: one copy of the sub-tile code runs once per sub-tile (its gradient picked from
+def test_int8_epilogue_loop_matches_reference():
+  """int8 states: one copy of the sub-tile code runs once per sub-tile (its gradient picked from
   the accumulator's slices by bit masks), through ring refills within and across tiles, with
-  the grad norm summed from the whole accumulator."""
+  the grad norm summed from the whole accumulator; the loop prefetches nothing into L2."""
   rule = _rules()["adamw"]
   x, dy, w, slots = _inputs(11, 64, 64, 256, rule)
-  config = dataclasses.replace(INT8 if states == "int8" else SMALL, epi_loop=True)
-  if states == "int8":
-    slots = _int8_slots(rule, slots)
+  slots = _int8_slots(rule, slots)
   (new_w, new_slots, norm), (ref_w, ref_slots, ref_norm) = _run_both(x, dy, w, slots, rule,
-                                                                     norm=True, config=config)
+                                                                     norm=True, config=INT8)
   _assert_close(new_w, ref_w, "w")
   for name, a, e in zip(rule.slot_names, new_slots, ref_slots):
-    (_assert_int8_close if states == "int8" else _assert_close)(a, e, name)
+    _assert_int8_close(a, e, name)
   np.testing.assert_allclose(float(norm), float(ref_norm), rtol=1e-5)
-  ok, why = mosaic.supports(x, dy, w, slots, dataclasses.replace(config, epi_l2_lookahead=2))
-  assert not ok and "epi_loop=True needs epi_l2_lookahead=0" in why
+  ok, why = mosaic.supports(x, dy, w, slots, dataclasses.replace(INT8, epi_l2_lookahead=2))
+  assert not ok and "epi_l2_lookahead=2 must be 0" in why
 
 
 def test_int8_slots_refusals():

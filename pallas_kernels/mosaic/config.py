@@ -30,40 +30,24 @@ _STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTileConfig:
-  """Static tiling of the ping-pong kernel. The defaults are what float32 AdamW gets.
-
-  Each compute warpgroup owns whole ``tile_m x tile_n`` tiles of ``W``; the memory warpgroup
-  feeds their main loops in turn through one ring of ``max_concurrent_steps`` stages, so one
-  warpgroup's epilogue runs while the other's main loop keeps the tensor cores busy (faster
-  than both warpgroups sharing a tile at every setting measured on the H200).
+  """Static tiling of the ping-pong kernel (docs/mosaic_kernel.md); the defaults are fp32 AdamW's.
 
   Attributes:
-    tile_m: rows of ``W`` per tile (the ``x`` block width, wgmma ``M``); a multiple of 64.
-    tile_n: columns of ``W`` per tile; a multiple of 64, at most 256.
+    tile_m, tile_n: rows / columns of ``W`` per tile, each compute warpgroup owning whole tiles;
+      multiples of 64, ``tile_n`` at most 256.
     tile_t: tokens per pipeline step (wgmma ``K``); a multiple of 64.
-    max_concurrent_steps: stages of ``x``/``dy`` blocks in shared memory (at least 2).
-    epi_m: rows of an epilogue sub-tile; a multiple of 64 dividing ``tile_m``.
-    epi_n: columns of an epilogue sub-tile; a multiple of 16 dividing ``tile_n``; the
-      quantization block of int8 states.
-    epi_slots: depth of each compute warpgroup's epilogue ring; the first ``epi_slots``
-      sub-tiles of a tile are fetched during its main loop.
-    epi_l2_lookahead: during the epilogue, TMA-prefetch into L2 the ``W``/state sub-tile this
-      many sub-tiles beyond the ring (0: off), so the ring's own loads hit L2.
-    mma_in_flight: keep one ``wgmma`` in flight across main-loop steps (wait for the previous
-      step's and release its stage one step later), so the tensor cores do not idle between
-      steps.
-    no_auto_barriers: lower without Pallas's warpgroup barriers around every register ->
-      shared-memory store. Each thread reads and rewrites only its own elements of a ring
-      slot, and ``commit_smem`` (kept) orders them before the TMA store and the refill. An
-      int8 row scale is read and rewritten by the four threads of a quad, all with the same
-      value: each thread's write follows the lane shuffles of the row's new maximum, which
-      take every other thread's values, decoded from the old scale after it read it.
-    epi_loop: run the epilogue's sub-tiles as a loop over one copy of their code (each picks its
-      gradient from the accumulator by bit masks: one AND per sub-tile of the tile and element)
-      instead of one copy per sub-tile; the kernel's code shrinks by about the sub-tile count.
-      Needs ``epi_l2_lookahead=0``.
-    grid_tile_width: the persistent loop walks bands of this many tiles along ``N`` (L2
-      locality of the ``x``/``dy`` blocks).
+    max_concurrent_steps: stages of ``x``/``dy`` blocks in the shared ring (at least 2).
+    epi_m, epi_n: epilogue sub-tile, multiples of 64 / 16 dividing the tile; ``epi_n`` is the
+      quantization block of int8 states. int8 states run the sub-tiles as a loop over one copy
+      of their code (the straight-line int8 epilogue did not fit the instruction cache).
+    epi_slots: depth of each compute warpgroup's epilogue ring.
+    epi_l2_lookahead: TMA-prefetch into L2 the sub-tile this many beyond the ring (0: off; float
+      states only).
+    mma_in_flight: keep one ``wgmma`` in flight across main-loop steps.
+    no_auto_barriers: lower without Pallas's warpgroup barriers around register -> shared-memory
+      stores: each thread rewrites only its own ring elements and ``commit_smem`` orders them
+      before the TMA store (int8 row scales: docs/mosaic_kernel.md, "int8 state blocks").
+    grid_tile_width: the persistent loop walks bands of this many tiles along ``N``.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
 
@@ -77,7 +61,6 @@ class MosaicTileConfig:
   epi_l2_lookahead: int = 0
   mma_in_flight: bool = True
   no_auto_barriers: bool = True
-  epi_loop: bool = False
   grid_tile_width: int = 8
   num_sms: Optional[int] = None
 
@@ -86,27 +69,10 @@ _Cfg = MosaicTileConfig
 # Fallback tilings: Pallas's store barriers and one wgmma at a time (as shipped; not swept).
 _PLAIN = dict(mma_in_flight=False, no_auto_barriers=False)
 _SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the main loop, bounds)
-# THE default table. default_config takes the first row whose conditions the call meets and
-# whose config ``supports`` accepts. Conditions: "float" (no int8 state) or "int8"; "short" /
-# "long" T; "two_byte" (weight and every state in 2 bytes); "small_grid" (128x128 tiles give
-# the SMs at most 1.5 each). Sources, H200, jax 0.11.2, AdamW, experiments/results/h200/:
-# - small grids: with one tile per SM no next tile's main loop hides the epilogue; 64-row
-#   tiles were faster for qwen3-0.6b's projections (bf16, T=1024, mosaic_small_shapes/:
-#   1024x1024 0.019 -> 0.013 ms, 1024x3072 0.028 -> 0.025) and slower from 256 tiles.
-# - 2-byte states (mosaic_bf16_sweep/): 4 stages with 64x64 sub-tiles at T <= 1024 (0.112 ms
-#   against 0.120), 5 stages with 64x32 at T=4096 (0.228 against 0.248).
-# - float states (mosaic_defaults/): 4 stages with 64x32 sub-tiles at every T swept (0.290 /
-#   0.171 / 0.159 ms at T = 4096 / 1024 / 64, against 0.298 / 0.211 / 0.206 with 64x16 and the
-#   L2 lookahead, and 0.348 / 0.180 / 0.157 with 3 stages); when the states are larger the
-#   order gives up the sub-tile width first at long T, a stage first at short T. One wgmma in
-#   flight (mosaic_tuned/: main loop at T=16384 1.024 -> 0.883 ms) and no store barriers
-#   (mosaic_barriers/: 0.160 -> 0.155 ms at T=1024) for all of them.
-# - int8 states: one quantization block per sub-tile row (epi_n is replaced by the block);
-#   no store barriers, as for float states (see MosaicTileConfig.no_auto_barriers); 128x64
-#   tiles (two 64x64 sub-tiles) and the sub-tiles as a loop over one copy of their code
-#   (int8_loop/: bf16 weights, T=1024, 4096x4096 0.359 -> 0.161 ms, with SR 0.375 -> 0.148;
-#   4096x14336 1.212 -> 0.456, with SR 1.291 -> 0.460; XLA 0.230-0.755): the straight-line
-#   int8 epilogue did not fit the instruction cache.
+# THE default table: default_config takes the first row whose conditions the call meets and
+# that ``supports`` accepts. Conditions: "float" (no int8 state) or "int8"; "short" / "long" T;
+# "two_byte" (weight and every state in 2 bytes); "small_grid" (128x128 tiles give the SMs at
+# most 1.5 each). The measurements behind each row: docs/mosaic_kernel.md, "The defaults, and why".
 _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
     (frozenset(when.split()), cfg) for when, cfg in (
         ("float small_grid", _Cfg(tile_m=64, max_concurrent_steps=6)),
@@ -125,11 +91,12 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         ("float", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=16, **_PLAIN)),
         ("float", _Cfg(tile_m=64, epi_n=16, **_PLAIN)),  # K a multiple of 64 only
         ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16, **_PLAIN)),
-        ("int8", _Cfg(tile_n=64, epi_n=64, epi_loop=True)),
-        ("int8", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=64, epi_loop=True)),
-        ("int8", _Cfg(tile_n=64, max_concurrent_steps=2, epi_n=64, epi_loop=True)),
-        ("int8", _Cfg(tile_m=64, tile_n=64, max_concurrent_steps=3, epi_n=64, epi_loop=True)),
-        ("int8", _Cfg(max_concurrent_steps=3, epi_n=64, epi_loop=True)),  # blocks of 128
+        # int8: epi_n is replaced by the quantization block (one block per sub-tile row).
+        ("int8", _Cfg(tile_n=64, epi_n=64)),
+        ("int8", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=64)),
+        ("int8", _Cfg(tile_n=64, max_concurrent_steps=2, epi_n=64)),
+        ("int8", _Cfg(tile_m=64, tile_n=64, max_concurrent_steps=3, epi_n=64)),
+        ("int8", _Cfg(max_concurrent_steps=3, epi_n=64)),  # blocks of 128
     ))
 _SMALL_GRID_WAVES = 1.5
 
@@ -151,11 +118,8 @@ def ring_depth(cfg: MosaicTileConfig) -> int:
 
 def smem_bytes(cfg: MosaicTileConfig, in_dtype, w_dtype, slot_dtypes, with_norm: bool,
                num_quantized: int = 0) -> int:
-  """Shared memory the kernel allocates for ``cfg``: stage ring + epilogue rings (+ norms).
-
-  ``slot_dtypes`` are the stored dtypes (int8 codes for a quantized slot); each of the
-  ``num_quantized`` int8 slots adds its per-row scales to the ring.
-  """
+  """Shared memory the kernel allocates for ``cfg``: stage ring + epilogue rings (+ norms);
+  ``slot_dtypes`` are the stored dtypes, and each int8 slot adds its row scales to the ring."""
   stage = cfg.tile_t * (cfg.tile_m + cfg.tile_n) * jnp.dtype(in_dtype).itemsize
   per_sub = cfg.epi_m * cfg.epi_n * sum(jnp.dtype(d).itemsize for d in (w_dtype, *slot_dtypes))
   per_sub += num_quantized * cfg.epi_m * 4
@@ -191,9 +155,6 @@ def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
       (cfg.max_concurrent_steps >= 2,
        f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 2 (one stage per warpgroup)"),
       (cfg.epi_l2_lookahead >= 0, f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"),
-      (not (cfg.epi_loop and cfg.epi_l2_lookahead),
-       f"epi_loop=True needs epi_l2_lookahead=0 (got {cfg.epi_l2_lookahead}): the loop's "
-       "sub-tiles prefetch nothing beyond the ring"),
       (cfg.grid_tile_width >= 1, f"grid_tile_width={cfg.grid_tile_width} must be >= 1"),
   )
   return next((why for ok, why in checks if not ok), None)
@@ -255,30 +216,32 @@ def supports(x: Any, dy: Any, w: Any, slots: Sequence[Any],
   return cfg is not None, why
 
 
-def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> tuple[bool, str]:
+def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> Optional[str]:
+  """Why ``cfg`` cannot tile these (checked) operands, or None."""
   if (problem := config_problem(cfg)) is not None:
-    return False, f"invalid MosaicTileConfig: {problem}"
+    return f"invalid MosaicTileConfig: {problem}"
   if (problem := device_problem()) is not None:
-    return False, problem
+    return problem
   for i, s in enumerate(slots):
-    if not quantized(s):
-      continue
-    if cfg.epi_n != s.codec.block:
-      return False, (f"slot {i} is int8 in blocks of {s.codec.block} columns: epi_n={cfg.epi_n} "
-                     "must equal the block (one block per sub-tile row)")
+    if quantized(s) and cfg.epi_n != s.codec.block:
+      return (f"slot {i} is int8 in blocks of {s.codec.block} columns: epi_n={cfg.epi_n} "
+              "must equal the block (one block per sub-tile row)")
+    if quantized(s) and cfg.epi_l2_lookahead:
+      return (f"slot {i} is int8, whose epilogue loop prefetches nothing beyond the ring: "
+              f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be 0")
   for name, dt in [("w", w.dtype)] + [(f"slot {i}", stored_dtype(s)) for i, s in enumerate(slots)]:
     if not _swizzle_ok(cfg.epi_n, dt):
-      return False, f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"
+      return f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"
   (t, k), n = x.shape, dy.shape[1]
   for dim, size, field in (("T", t, "tile_t"), ("K", k, "tile_m"), ("N", n, "tile_n")):
     if size % getattr(cfg, field):
-      return False, f"{dim}={size} must be a multiple of {field}={getattr(cfg, field)}"
+      return f"{dim}={size} must be a multiple of {field}={getattr(cfg, field)}"
   smem = smem_bytes(cfg, x.dtype, w.dtype, [stored_dtype(s) for s in slots], with_norm,
                     sum(map(quantized, slots)))
   if smem > SMEM_BUDGET_BYTES:
-    return False, (f"config needs {smem} bytes of shared memory (budget {SMEM_BUDGET_BYTES}); "
-                   "lower max_concurrent_steps, epi_slots or the epilogue sub-tile")
-  return True, ""
+    return (f"config needs {smem} bytes of shared memory (budget {SMEM_BUDGET_BYTES}); "
+            "lower max_concurrent_steps, epi_slots or the epilogue sub-tile")
+  return None
 
 
 def default_config(x: Any, dy: Any, w: Any, slots: Sequence[Any], *,
@@ -300,7 +263,7 @@ def default_config(x: Any, dy: Any, w: Any, slots: Sequence[Any], *,
     candidates = [dataclasses.replace(c, epi_n=min(quant_blocks)) for c in candidates]
   candidates = [dataclasses.replace(c, num_sms=num_sms) for c in candidates]
   for cfg in candidates:
-    if _tiling_problem(x, dy, w, slots, cfg, compute_grad_sq_norm)[0]:
+    if _tiling_problem(x, dy, w, slots, cfg, compute_grad_sq_norm) is None:
       return cfg
   return candidates[-1]
 
@@ -323,13 +286,10 @@ def select_config(x: Any, dy: Any, w: Any, slots: Sequence[Any],
                   config: Optional[MosaicTileConfig] = None, *, compute_grad_sq_norm: bool = False,
                   weight_codec: Optional[numerics.Codec] = None,
                   interpret: bool = False) -> tuple[Optional[MosaicTileConfig], str]:
-  """Asks once whether the kernel takes a call: ``(config, "")`` to pass to
+  """Asks once whether the kernel takes a call, with the caller's tiling or ``None``
+  (:func:`default_config`), under the interpreter if ``interpret``: ``(config, "")`` to pass to
   :func:`~pallas_kernels.mosaic.fused_dw_update_mosaic` with ``config_checked=True``, or
-  ``(None, reason)``.
-
-  ``config`` is the caller's tiling or ``None`` (:func:`default_config`); ``interpret``: the
-  call would run under the Mosaic GPU interpreter.
-  """
+  ``(None, reason)``."""
   if config is not None and not isinstance(config, MosaicTileConfig):
     raise ValueError(f"config={config!r} is not a MosaicTileConfig: pass "
                      "pallas_kernels.mosaic.MosaicTileConfig or None")
@@ -339,5 +299,5 @@ def select_config(x: Any, dy: Any, w: Any, slots: Sequence[Any],
     return None, problem
   if config is None:
     config = default_config(x, dy, w, slots, compute_grad_sq_norm=compute_grad_sq_norm)
-  ok, reason = _tiling_problem(x, dy, w, slots, config, compute_grad_sq_norm)
-  return (config, "") if ok else (None, reason)
+  why = _tiling_problem(x, dy, w, slots, config, compute_grad_sq_norm)
+  return (config, "") if why is None else (None, why)

@@ -1,26 +1,11 @@
 """Fused ``dW = x.T @ dy`` + optimizer update on Hopper, lowered through Mosaic GPU.
 
-The contract is :mod:`pallas_kernels.contract`'s: ``update_fn`` runs on float32 tiles of the
-gradient inside the kernel and ``W`` and the states are rewritten in place; the gradient never
-reaches device memory. One persistent block per SM, three warpgroups:
-
-* ping-pong: each compute warpgroup owns whole ``tile_m x tile_n`` tiles of ``W`` (a block's
-  tiles alternate between the two) and accumulates one in float32 registers over ``T``; the
-  memory warpgroup streams every step's ``x``/``dy`` blocks through one ring of stages, so one
-  warpgroup's epilogue runs while the other's main loop keeps the tensor cores busy.
-* the ``(tile_t, tile_m)`` block of ``x`` goes to ``wgmma`` transposed: Hopper's tensor cores
-  read a transposed 16-bit operand from shared memory, so no transposed copy of ``x`` exists.
-* the epilogue streams the tile through a ring of ``epi_slots`` shared-memory slots of
-  ``epi_m x epi_n`` sub-tiles of ``W`` and each state, the first ones fetched by TMA before the
-  main loop; a sub-tile is read in the accumulator's WGMMA layout, updated by the rule
-  (:mod:`pallas_kernels.mosaic.rule_eval`) and stored back by an asynchronous TMA copy. int8
-  states are decoded and re-encoded per sub-tile row (``epi_n`` = their block); a
-  stochastically rounded bf16 weight hashes (seed, step, layer, row * N + col) as the Triton
-  kernel and the reference do, so all three write the same bits.
-* in place: under ``pl.run_state``, ``pl.kernel`` gets ``W``, the states and the norm partials
-  as refs, which it aliases to its outputs, and ``x``, ``dy`` and the scalars as arrays: no
-  copy under ``jit`` with ``W`` and the states donated. (On jax 0.10.2-0.11 the Mosaic GPU
-  module of a kernel given refs is named ``new_body``, after the function jax wraps it in.)
+The contract is :mod:`pallas_kernels.contract`'s. One persistent block per SM: two compute
+warpgroups take turns on whole tiles of ``W`` (one's epilogue overlaps the other's main loop), fed
+by a memory warpgroup through one ring of ``x``/``dy`` stages; ``x`` goes to ``wgmma`` as a
+transposed view of shared memory; each epilogue streams ``W``/state sub-tiles through a TMA ring
+and writes them back in place (``pl.run_state`` aliases them to the kernel's outputs). Design,
+figures and the variants tried: docs/mosaic_kernel.md.
 """
 
 from __future__ import annotations
@@ -37,7 +22,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import numerics
-from pallas_kernels.contract import UpdateFn, apply_update, grad_sq_terms, rounding_ints, unwrap
+from pallas_kernels.contract import (UpdateFn, apply_update, grad_sq_terms, pack_scalars,
+                                     rounding_ints, unwrap)
 from pallas_kernels.mosaic import config as mcfg
 from pallas_kernels.mosaic import rule_eval
 from pallas_kernels.mosaic.config import MosaicTileConfig
@@ -61,6 +47,11 @@ class _Plan:
   interpreting: bool
   stochastic: bool  # stochastic rounding of the weight (its key in layer_gmem[1])
   codecs: tuple  # per slot: None (a float array) or its numerics.BlockQuantized codec
+
+  @property
+  def loop(self) -> bool:
+    """int8 states: the epilogue's sub-tiles run as a loop over one copy of their code."""
+    return any(c is not None for c in self.codecs)
 
   @property
   def needs_bits(self) -> bool:
@@ -91,13 +82,10 @@ def _mma_transforms(cols: int, dtype) -> tuple:
 
 
 def planar_snake(lin: Array, m_iters: int, n_iters: int, width: int):
-  """``(m, n)`` of linear tile ``lin``: bands of ``width`` tiles along ``N``, every other band
-  walking ``M`` backwards.
-
-  Same order as ``plgpu.planar_snake`` along ``N``, written with static band widths: that
-  function evaluates a remainder band of width 0 when the width divides the grid, an integer
-  division by zero that kills the CPU interpreter (SIGFPE).
-  """
+  """``(m, n)`` of linear tile ``lin`` in ``plgpu.planar_snake``'s order along ``N`` (bands of
+  ``width`` tiles, every other one walking ``M`` backwards), with static band widths: jax's
+  evaluates a remainder band of width 0 when the width divides the grid, an integer division
+  by zero that kills the CPU interpreter (SIGFPE)."""
   width = max(1, min(width, n_iters))
   full_bands = n_iters // width
   full_elems = full_bands * width * m_iters
@@ -136,17 +124,13 @@ def _mma(acc_ref, x_smem, dy_smem, xt_smem, interpreting: bool, wait: bool) -> N
 
 @dataclasses.dataclass
 class _Epilogue:
-  """One compute warpgroup's epilogue: the TMA ring of W/state sub-tiles + the rule.
-
-  ``begin`` (before a tile's main loop) refills the first ring slots; ``finish`` (after it)
-  streams the sub-tiles through the ring and stores the results in place.
-  """
+  """One compute warpgroup's epilogue: ``begin`` (before a tile's main loop) fills the first
+  ring slots; ``finish`` streams the sub-tiles through the ring, updates and stores them."""
 
   plan: _Plan
   rule: rule_eval.TracedRule  # the rule unwrapped from update_fn, traced
   update_fn: Any  # what says whether non-finite gradient elements are skipped
-  scalars_treedef: Any
-  sc_gmem: Any
+  sc_gmem: Any  # the rule's scalars, flattened
   layer_gmem: Any  # [layer, rounding key bits] (int32)
   w_gmem: Any
   slot_gmems: Sequence[Any]  # per slot: the array, or (codes, transposed scales)
@@ -159,7 +143,7 @@ class _Epilogue:
 
   def _offsets(self, j):
     """(row, col) offset of sub-tile ``j`` within its tile: ints for a static ``j``, int32
-    scalars for the loop's (``epi_loop``)."""
+    scalars for the loop's."""
     if isinstance(j, int):
       return self.plan.sub_tiles[j]
     cfg = self.plan.cfg
@@ -228,49 +212,31 @@ class _Epilogue:
     key = self.layer_gmem[1].astype(jnp.uint32)
     return numerics.element_bits(key, base + numerics.element_index(rows, cols, plan.n))
 
-  @staticmethod
-  def _decode_slot(raw, codec):
-    """A state's sub-tile as read from the ring, in float32 (int8: codes + row scales)."""
-    return raw.astype(jnp.float32) if codec is None else codec.decode_block_rows(*raw)
-
-  @staticmethod
-  def _write_slot(ref, codec, value, bits) -> None:
-    if codec is None:
-      ref[...] = store_cast(value, ref.dtype)
-      return
-    codes, scale = codec.encode_block_rows(value, bits)
-    ref[0][...] = codes.astype(ref[0].dtype)
-    ref[1][...] = scale
-
   def finish(self, acc, row0, col0, norm_block, norm_row0) -> None:
     plan, cfg = self.plan, self.plan.cfg
-    scalars = jax.tree.unflatten(self.scalars_treedef,
-                                 [self.sc_gmem[i] for i in range(plan.num_scalars)])
-    scalar_leaves = jax.tree.leaves(scalars)
-    ahead = cfg.epi_l2_lookahead
-    for j in range(plan.depth, plan.depth + ahead):
+    scalar_leaves = [self.sc_gmem[i] for i in range(plan.num_scalars)]
+    for j in range(plan.depth, plan.depth + cfg.epi_l2_lookahead):
       self._prefetch_l2(j, row0, col0)
     grads = [acc[r:r + cfg.epi_m, c:c + cfg.epi_n] for r, c in plan.sub_tiles]
-    if cfg.epi_loop:
+    row_sums = {}  # row offset -> the gradient's squares summed along N
+    if plan.loop:
       # One copy of the sub-tile code, run once per sub-tile: a sub-tile's gradient is picked
       # from the accumulator's static slices by bit masks (registers cannot be indexed).
       @pl.loop(0, len(plan.sub_tiles))
       def _sub_tile(j):
-        g = _pick(grads, j)
-        self._sub_tile(j, g, row0, col0, scalar_leaves)
+        self._sub_tile(j, _pick(grads, j), row0, col0, scalar_leaves)
+
+      if plan.with_norm:
+        row_sums[0] = jnp.sum(grad_sq_terms(acc), axis=1)
     else:
-      row_sums = {}
       for j, (r, c) in enumerate(plan.sub_tiles):
         self._sub_tile(j, grads[j], row0, col0, scalar_leaves)
         if plan.with_norm:
           part = jnp.sum(grad_sq_terms(grads[j]), axis=1)
           row_sums[r] = part if r not in row_sums else row_sums[r] + part
     if plan.with_norm:
-      if cfg.epi_loop:
-        self.norm_smem[self.wg_idx, :] = jnp.sum(grad_sq_terms(acc), axis=1)
-      else:
-        for r, part in row_sums.items():
-          self.norm_smem[self.wg_idx, pl.ds(r, cfg.epi_m)] = part
+      for r, part in row_sums.items():
+        self.norm_smem[self.wg_idx, pl.ds(r, part.shape[0])] = part
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(self.norm_smem.at[self.wg_idx],
                               self.norm_gmem.at[norm_block, pl.ds(norm_row0, cfg.tile_m)])
@@ -281,7 +247,6 @@ class _Epilogue:
     plan, cfg = self.plan, self.plan.cfg
     r, c = self._offsets(j)
     slot = self._ring_slot(j)
-    ahead = cfg.epi_l2_lookahead
     with _region("epi_wait"):
       plgpu.barrier_wait(self.ring_ready.at[self.wg_idx * plan.depth + slot])
     w_ref, s_refs = self.w_ring.at[self.wg_idx, slot], self._slot_refs(slot)
@@ -291,7 +256,8 @@ class _Epilogue:
                     for ref in s_refs)
     with _region("epi_decode"):
       w32 = w_raw.astype(jnp.float32)
-      s32 = tuple(self._decode_slot(raw, codec) for raw, codec in zip(s_raw, plan.codecs))
+      s32 = tuple(raw.astype(jnp.float32) if codec is None else codec.decode_block_rows(*raw)
+                  for raw, codec in zip(s_raw, plan.codecs))
     with _region("epi_math"):
       new_w32, new_slots = apply_update(self.update_fn, g, w32, s32, scalar_leaves, rule=self.rule)
     with _region("epi_write"):
@@ -301,8 +267,12 @@ class _Epilogue:
       else:
         w_ref[...] = store_cast(new_w32, w_ref.dtype)
       for i, (ref, new, codec) in enumerate(zip(s_refs, new_slots, plan.codecs)):
-        sr = codec is not None and codec.needs_bits
-        self._write_slot(ref, codec, new, numerics.value_bits(bits, 1 + i) if sr else None)
+        if codec is None:
+          ref[...] = store_cast(new, ref.dtype)
+        else:  # int8: codes and row scales, stochastic maps from the slot's 16 bits
+          codes, scale = codec.encode_block_rows(
+              new, numerics.value_bits(bits, 1 + i) if codec.needs_bits else None)
+          ref[0][...], ref[1][...] = codes.astype(ref[0].dtype), scale
     with _region("epi_store"):
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[self._window(j, row0, col0)],
@@ -310,20 +280,15 @@ class _Epilogue:
       for smem, gmem in self._slot_copies(j, row0, col0, s_refs):
         plgpu.copy_smem_to_gmem(smem, gmem, commit_group=False)
       plgpu.commit_smem_to_gmem_group()
-      if ahead:
-        self._prefetch_l2(j + plan.depth + ahead, row0, col0)
+      if cfg.epi_l2_lookahead:
+        self._prefetch_l2(j + plan.depth + cfg.epi_l2_lookahead, row0, col0)
 
-    def refill():
+    @pl.when(j + plan.depth < len(plan.sub_tiles))  # a Python bool for a static j
+    def _refill():
       with _region("epi_store_read"):  # refill this slot once its results were read out
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       with _region("epi_refill"):
         self._fetch(j + plan.depth, row0, col0)
-
-    if isinstance(j, int):
-      if j + plan.depth < len(plan.sub_tiles):
-        refill()
-    else:
-      pl.when(j + plan.depth < len(plan.sub_tiles))(refill)
 
 
 def _pick(values: Sequence[Array], j) -> Array:
@@ -339,14 +304,10 @@ def _pick(values: Sequence[Array], j) -> Array:
 
 
 def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm_gmem, *,
-                  plan: _Plan, rule, update_fn, scalars_treedef, slot_dtypes):
-  """One block: the persistent ping-pong loop over its ``W`` tiles.
-
-  Barriers: ``stage_ready[w * S + s]`` (two TMA arrivals) completes only for steps of
-  warpgroup ``w``'s tiles, so each compute warpgroup waits on exactly its own completions;
-  ``stage_free[s]`` (one arrival, from whichever warpgroup read slot ``s``) is waited only by
-  the memory warpgroup, which drains the last completions before it exits.
-  """
+                  plan: _Plan, rule, update_fn, slot_dtypes):
+  """One block: the persistent ping-pong loop over its ``W`` tiles. ``stage_ready[w * S + s]``
+  completes only for warpgroup ``w``'s steps; ``stage_free[s]`` is awaited by the memory
+  warpgroup alone (docs/mosaic_kernel.md, "The ping-pong schedule")."""
   cfg = plan.cfg
   tile_m, tile_n, tile_t = cfg.tile_m, cfg.tile_n, cfg.tile_t
   stages, t_iters = cfg.max_concurrent_steps, plan.t // cfg.tile_t
@@ -417,7 +378,7 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
     def _compute_warpgroup():
       registers = min(256, (512 - mcfg.MEMORY_REGISTERS) // _WGS) // 8 * 8
       plgpu.set_max_registers(registers, action="increase")
-      epi = _Epilogue(plan, rule, update_fn, scalars_treedef, sc_gmem, layer_gmem, w_gmem, slot_gmems,
+      epi = _Epilogue(plan, rule, update_fn, sc_gmem, layer_gmem, w_gmem, slot_gmems,
                       norm_gmem, w_ring, slot_rings, ring_ready, norm_smem, wg_idx)
       xt = xt_smem.at[wg_idx] if plan.interpreting else None
 
@@ -429,29 +390,26 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
         col0 = n_idx * tile_n
         epi.begin(row0, col0)
 
-        def main_loop(acc_ref):
-          @pl.loop(0, t_iters)
-          def _step(k):
-            step = i * t_iters + k
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(stage_ready.at[wg_idx * stages + slot])
-            _mma(acc_ref, x_stages.at[slot], dy_stages.at[slot], xt, plan.interpreting,
-                 wait=not cfg.mma_in_flight)
-            if cfg.mma_in_flight:  # wait for the previous step's wgmma, then free its stage
-              plgpu.wgmma_wait(1)
-              prev_slot = lax.rem(step + (stages - 1), stages)
-              pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
-            else:
-              plgpu.barrier_arrive(stage_free.at[slot])
-
-          if cfg.mma_in_flight:
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(stage_free.at[lax.rem(i * t_iters + (t_iters - 1), stages)])
-
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc_scope(acc_ref):
           with _region("mainloop"):
-            main_loop(acc_ref)
+            @pl.loop(0, t_iters)
+            def _step(k):
+              step = i * t_iters + k
+              slot = lax.rem(step, stages)
+              plgpu.barrier_wait(stage_ready.at[wg_idx * stages + slot])
+              _mma(acc_ref, x_stages.at[slot], dy_stages.at[slot], xt, plan.interpreting,
+                   wait=not cfg.mma_in_flight)
+              if cfg.mma_in_flight:  # wait for the previous step's wgmma, then free its stage
+                plgpu.wgmma_wait(1)
+                prev_slot = lax.rem(step + (stages - 1), stages)
+                pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
+              else:
+                plgpu.barrier_arrive(stage_free.at[slot])
+
+            if cfg.mma_in_flight:
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(stage_free.at[lax.rem(i * t_iters + (t_iters - 1), stages)])
           with _region("epilogue"):
             epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m)
 
@@ -471,53 +429,34 @@ def _interpret_params(interpret: Any):
 
 
 def fused_dw_update_mosaic(
-    x: Array,
-    dy: Array,
-    w: Array,
-    slots: Sequence[Array],
-    scalars: Any,
-    update_fn: UpdateFn,
-    *,
-    layer: Optional[Array] = None,
-    config: Optional[MosaicTileConfig] = None,
-    config_checked: bool = False,
-    compute_grad_sq_norm: bool = False,
-    interpret: Union[bool, Any] = False,
-    weight_codec: Optional[numerics.Codec] = None,
-    seed: Optional[Any] = None,
-    step: Optional[Any] = None,
-    profile: Optional[tuple[int, str]] = None,
-):
+    x: Array, dy: Array, w: Array, slots: Sequence[Array], scalars: Any, update_fn: UpdateFn, *,
+    layer: Optional[Array] = None, config: Optional[MosaicTileConfig] = None,
+    config_checked: bool = False, compute_grad_sq_norm: bool = False,
+    interpret: Union[bool, Any] = False, weight_codec: Optional[numerics.Codec] = None,
+    seed: Optional[Any] = None, step: Optional[Any] = None,
+    profile: Optional[tuple[int, str]] = None):
   """Fused ``dW = x.T @ dy`` + optimizer update on one Hopper GPU (Mosaic GPU).
 
-  Same contract and results as :func:`pallas_kernels.reference.fused_dw_update_reference`.
+  Same contract, arguments and results as
+  :func:`pallas_kernels.reference.fused_dw_update_reference` (without ``index``), and:
 
   Args:
-    x, dy: [T, K] layer input and [T, N] output cotangent, both bfloat16 or both float16.
-    w: [K, N] weight, or [L, K, N] stacked weights with ``layer``; float32, bfloat16 or float16.
-    slots: optimizer states shaped like ``w`` (float), or int8
-      :class:`~pallas_kernels.numerics.QuantizedArray` states (blocks of ``config.epi_n`` along
-      N; their scales pass through the kernel transposed, a scale-sized copy each way).
-    scalars: pytree of float32 0-d arrays passed to ``update_fn``.
-    update_fn: the elementwise rule ``(g, w, slots, scalars) -> (u, new_slots)``.
-    layer: int32 scalar index into the leading axis of stacked ``w``/slots.
+    x, dy: both bfloat16 or both float16.
+    w: float32, bfloat16 or float16.
+    slots: float arrays, or int8 :class:`~pallas_kernels.numerics.QuantizedArray` states in
+      blocks of ``config.epi_n`` along N (their scales pass through the kernel transposed).
     config: tiling; ``None`` picks :func:`~pallas_kernels.mosaic.default_config`.
     config_checked: ``config`` came from :func:`~pallas_kernels.mosaic.select_config` for these
       very operands, so it is not checked again.
-    compute_grad_sq_norm: also return ``sum(dW**2)`` in float32 (from per-row partial sums the
-      kernel writes, summed by XLA; NaN if an element of ``dW`` is not finite).
     interpret: run on CPU under the Mosaic GPU interpreter (``True`` or an
       ``InterpretGPUParams``).
-    weight_codec: ``None``/``numerics.Cast()`` (round to nearest) or
-      ``numerics.StochasticRound()`` (bfloat16 ``w``).
-    seed, step: the stochastic-rounding seed and step (needed with it).
+    weight_codec: ``None``/``numerics.Cast()`` or ``numerics.StochasticRound()`` (bfloat16 ``w``).
     profile: ``(profile_space, profile_dir)``: Mosaic GPU's in-kernel profiler records each
       named region of the body per warpgroup and writes a Chrome trace to ``profile_dir`` after
       every call (``python -m experiments.kernel_tools profile``).
 
   Returns:
-    ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless requested. ``w``
-    and the slots are updated in place when donated.
+    ``(new_w, new_slots, grad_sq_norm)``, ``w`` and the slots updated in place when donated.
 
   Raises:
     ValueError: for operands the kernel cannot take (the message says why and what to change).
@@ -534,9 +473,6 @@ def fused_dw_update_mosaic(
     raise ValueError(f"w has shape {w.shape} (stacked): pass layer=")
   if w.ndim == 2 and layer is not None:
     raise ValueError(f"layer={layer!r} given but w has shape {w.shape} (not stacked)")
-  for leaf in jax.tree.leaves(scalars):
-    if jnp.ndim(leaf) != 0:
-      raise ValueError(f"scalars must be 0-d, got a leaf of shape {jnp.shape(leaf)}")
   if codec.needs_bits and not isinstance(codec, numerics.StochasticRound):
     raise ValueError(f"weight_codec={codec!r}: the Mosaic kernel takes Cast or StochasticRound")
   if interpreting and (why := mcfg.interpreter_problem(codec, slots)):
@@ -559,19 +495,17 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
   """The kernel call, for operands :func:`fused_dw_update_mosaic` has checked."""
   (t, k), n = x.shape, dy.shape[1]
   num_layers = w.shape[0] if w.ndim == 3 else 1
-  leaves, treedef = jax.tree.flatten(scalars)
-  sc_vec = jnp.stack([jnp.asarray(v, jnp.float32) for v in leaves] or [jnp.zeros((), jnp.float32)])
+  sc_vec, _ = pack_scalars(scalars)  # ValueError unless every leaf is 0-d
   # Clamped like dynamic_index_in_dim: an out-of-range layer must not address other rows.
   layer_i32 = (jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1) if w.ndim == 3
                else jnp.int32(0))
-  # The hash key of (seed, step, layer), computed once here; the kernel hashes it with each
-  # element's index.
+  # The hash key of (seed, step, layer); the kernel hashes it with each element's index.
   quant = [s for s in slots if mcfg.quantized(s)]
   seed_i32, step_i32 = rounding_ints((codec, *(s.codec for s in quant)), seed, step)
   key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
   layer_vec = jnp.stack([layer_i32, jax.lax.bitcast_convert_type(key, jnp.int32)])
   params = _interpret_params(interpret)
-  plan = _Plan(cfg=cfg, t=t, k=k, n=n, num_sms=mcfg.grid_size(cfg), num_scalars=len(leaves),
+  plan = _Plan(cfg=cfg, t=t, k=k, n=n, num_sms=mcfg.grid_size(cfg), num_scalars=len(jax.tree.leaves(scalars)),
                with_norm=compute_grad_sq_norm, interpreting=params is not None,
                stochastic=isinstance(codec, numerics.StochasticRound),
                codecs=tuple(s.codec if mcfg.quantized(s) else None for s in slots))
@@ -586,7 +520,6 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
       unsafe_no_auto_barriers=cfg.no_auto_barriers,
       **({} if profile is None else dict(profile_space=profile[0], profile_dir=profile[1])))
   body = functools.partial(_fused_kernel, plan=plan, rule=rule, update_fn=update_fn,
-                           scalars_treedef=treedef,
                            slot_dtypes=tuple(mcfg.stored_dtype(s) for s in slots))
 
   def stateful(refs):

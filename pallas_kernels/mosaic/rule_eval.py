@@ -1,17 +1,11 @@
 """The optimizer rule, evaluated so that Mosaic GPU can lower it.
 
-The rule (one definition, shared with XLA and the Triton kernel) is traced once on an
-epilogue sub-tile and its jaxpr evaluated inside the kernel with two changes:
-
-* primitives this jax's Mosaic GPU cannot lower are spelled with ones it can: jax 0.10.2 and
-  0.11.1 lower ``rsqrt`` but not ``sqrt`` (0.11.2 lowers both), so ``sqrt`` becomes
-  :func:`portable_sqrt` where it is missing;
-* an array divided by a scalar (Adam's bias corrections) becomes the array times the scalar's
-  reciprocal: one division per sub-tile instead of one per element. On the GPU that is the same
-  number: Mosaic GPU compiles float32 division as ``div.full.f32``, the numerator times
-  ``rcp.approx`` of the divisor after rescaling divisors outside [2**-126, 2**126] (PTX ISA),
-  and bias corrections lie in (0, 1]. Under the interpreter (exact division) the two differ by
-  at most 1 ulp.
+The rule (shared with XLA and the Triton kernel) is traced once on an epilogue sub-tile and its
+jaxpr evaluated in the kernel, with ``sqrt`` spelled from ``rsqrt`` where this jax's Mosaic GPU
+cannot lower it (jax 0.10.2, 0.11.1) and ``array / scalar`` as ``array * (1 / scalar)``: the same
+number on the GPU, whose float32 division is ``div.full.f32`` (that product for divisors in
+[2**-126, 2**126]); within 1 ulp under the interpreter. Why: docs/mosaic_kernel.md, "The rule,
+from its jaxpr".
 """
 
 from __future__ import annotations
@@ -53,12 +47,11 @@ def lowers_natively(prim) -> bool:
   try:
     from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
 
-    for (lowering_sem, primitive_sem), table in mgpu_lowering.mosaic_lowering_rules.items():
-      if lowering_sem.name == LOWERING_SEMANTICS and primitive_sem.name == "Warpgroup":
-        return prim in table
+    return any(prim in table for (lowering_sem, primitive_sem), table
+               in mgpu_lowering.mosaic_lowering_rules.items()
+               if lowering_sem.name == LOWERING_SEMANTICS and primitive_sem.name == "Warpgroup")
   except Exception:  # pylint: disable=broad-except
-    pass
-  return False
+    return False
 
 
 def active_rewrites(force: bool = False) -> dict[Any, Callable[..., Array]]:
@@ -66,25 +59,16 @@ def active_rewrites(force: bool = False) -> dict[Any, Callable[..., Array]]:
   return {prim: fn for prim, fn in REWRITES.items() if force or not lowers_natively(prim)}
 
 
-def _open_jaxpr(j) -> tuple[Any, list]:
-  """``(jaxpr, consts)`` of a closed jaxpr (jax 0.10: ``ClosedJaxpr`` wraps a ``Jaxpr``; jax
-  0.11: they are one class and ``.jaxpr`` is the object itself)."""
-  return getattr(j, "jaxpr", j), list(getattr(j, "consts", ()))
-
-
 def _is_scalar(v) -> bool:
   return tuple(getattr(v.aval, "shape", ())) == ()
 
 
 def eval_for_mosaic(closed_jaxpr, *args, rewrites: dict[Any, Callable[..., Array]]) -> list:
-  """Evaluates a closed jaxpr as the kernel does (see the module docstring).
-
-  Nested ``jit`` / ``closed_call`` / ``custom_jvp_call`` bodies (``jnp`` functions are often
-  jitted) are inlined so their primitives are rewritten too; everything else is bound
-  unchanged, as ``jax.core.eval_jaxpr`` does.
-  """
-  jaxpr, consts = _open_jaxpr(closed_jaxpr)
-  env = dict(zip(jaxpr.constvars, consts))
+  """Evaluates a closed jaxpr as the kernel does (see the module docstring), inlining nested
+  ``jit`` / ``closed_call`` / ``custom_jvp_call`` bodies so their primitives are rewritten too."""
+  # jax 0.10: a ClosedJaxpr wraps a Jaxpr; jax 0.11: one class, ``.jaxpr`` is the object itself.
+  jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
+  env = dict(zip(jaxpr.constvars, getattr(closed_jaxpr, "consts", ())))
   env.update(zip(jaxpr.invars, args))
   read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
   for eqn in jaxpr.eqns:
