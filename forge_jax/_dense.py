@@ -271,24 +271,6 @@ def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, path,
   return y, (x, kernel, kstate if train else None)
 
 
-def _when_applied(update: Callable, weight, opt_state):
-  """``update()`` (the fused update: ``(new weight, new optimizer state, grad sq norm)``), or,
-  where fused_backward's ``apply`` is false, the weight and state as they are (norm 0).
-
-  The skip is a ``lax.cond`` around this one layer's update, not around the whole backward
-  pass (see forge_jax._train: one cond around the backward pass measured 4.9 GiB more for an
-  unrolled Llama-3.1-8B step at 1x1024 on the H200).
-  """
-  apply = _APPLY.get()
-  if apply is None:
-    return update()
-  shapes = jax.eval_shape(update)
-  def keep():
-    sq = jnp.zeros(shapes[2].shape, shapes[2].dtype)
-    return weight, opt_state, sq
-  return jax.lax.cond(apply, update, keep)
-
-
 def _update(layout, name, x, dy, kernel, opt_state, optimizer, backend, **kwargs):
   """The fused update of one weight: on each device's slice for a tensor-parallel layout."""
   if layout is None:
@@ -316,11 +298,9 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path,
   # The update below overwrites `kernel` in place: every read of the old weight
   # (the dX product) must be ordered before it, or XLA protects the buffer
   # with a defensive copy. `after=dx` makes the update depend on dX.
-  new_kernel, new_opt, sq = _when_applied(
-      lambda: _update(
-          layout, name, x, dy, kernel, kstate.opt, optimizer, backend, after=dx, decay=decay,
-          config=config, stream=stream),
-      kernel, kstate.opt)
+  new_kernel, new_opt, sq = _update(
+      layout, name, x, dy, kernel, kstate.opt, optimizer, backend, after=dx, decay=decay,
+      config=config, stream=stream, apply=_APPLY.get())
   # And the other way round: whatever consumes dX (the layers below) waits for the update, so
   # that `dy` dies here. Left free, XLA may schedule the update last: at 120 x 1024 tokens of
   # Llama-3.1-8B with int8 states it kept the LM head's dY (29.4 GiB of dlogits) live across the
@@ -361,11 +341,9 @@ def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, confi
   dx = jax.lax.dot_general(
       dy, w.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
   )
-  # No per-layer skip here (train_step guards a stack's step as a whole): a cond around the
-  # in-place update of a stack makes XLA copy the stack.
   new_kernels, new_opt, sq = _update(
       layout, name, x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
-      decay=decay, config=config, stream=stream,
+      decay=decay, config=config, stream=stream, apply=_APPLY.get(),
   )
   new_opt = new_opt._replace(count=_float0_like(new_opt.count))
   sq = jax.lax.dynamic_update_index_in_dim(

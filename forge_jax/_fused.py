@@ -117,7 +117,7 @@ def _mosaic_device_problem() -> Optional[str]:
   return mosaic_config.device_problem()
 
 
-def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None, interpret=False):
+def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, write_back=None, interpret=False):
   """``(reason, None)`` if the Mosaic GPU kernel cannot take this call, else ``(None, config)``.
 
   Asks the kernel once (``select_config``); ``config`` is the caller's ``MosaicTileConfig`` or
@@ -131,7 +131,7 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding=None
   # (experiments/results/h200/mosaic_quick_sr_fixed/), not under jax 0.10.2's interpreter.
   cfg, reason = mosaic.select_config(
       x, dy, w, slots, config, compute_grad_sq_norm=compute_grad_sq_norm,
-      weight_codec=(rounding or {}).get("weight_codec"), interpret=interpret)
+      weight_codec=(write_back or {}).get("weight_codec"), interpret=interpret)
   return (None, cfg) if cfg is not None else (reason, None)
 
 
@@ -158,7 +158,7 @@ def _update_fn(rule, decay: bool, precision) -> Any:
 
 
 def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
-                compute_grad_sq_norm, rounding=None):
+                compute_grad_sq_norm, write_back=None):
   """The Mosaic GPU kernel, or a fallback backend if it cannot run this call.
 
   An explicit ``"mosaic"``/``"mosaic_interpret"`` warns once per reason;
@@ -169,7 +169,7 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
   if auto and isinstance(config, pallas_kernels.TileConfig):
     reason, cfg = "a Triton TileConfig was given", None
   else:
-    reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, rounding,
+    reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, write_back,
                                   interpret=backend == "mosaic_interpret")
   if reason is None:
     from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
@@ -179,7 +179,7 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
       cfg = dataclasses.replace(cfg, num_sms=1)  # one interpreted block, not 132
     return mosaic.fused_dw_update_mosaic(
         x, dy, w, slots, scalars, update_fn, layer=layer, config=cfg, config_checked=True,
-        compute_grad_sq_norm=compute_grad_sq_norm, interpret=interpret, **(rounding or {}),
+        compute_grad_sq_norm=compute_grad_sq_norm, interpret=interpret, **(write_back or {}),
     )
   # The Triton kernel takes float32 and bfloat16 inputs only (float16 goes to XLA).
   triton_dtypes = all(a.dtype in (jnp.float32, jnp.bfloat16) for a in (x, dy))
@@ -191,7 +191,7 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
         "instead (said once per reason).",
         BackendFallbackWarning, stacklevel=4,
     )
-  kwargs = {} if rounding is None else {"rounding": rounding}
+  kwargs = {} if write_back is None else {"write_back": write_back}
   return _run_backend(
       fallback, x, dy, w, slots, scalars, update_fn, layer=layer,
       config=config if isinstance(config, pallas_kernels.TileConfig) else None,
@@ -200,11 +200,11 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
 
 
 def _run_backend(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
-                 compute_grad_sq_norm, rounding):
+                 compute_grad_sq_norm, write_back):
   if backend in _MOSAIC_BACKENDS:
     return _run_mosaic(
         backend, x, dy, w, slots, scalars, update_fn, layer=layer, config=config,
-        compute_grad_sq_norm=compute_grad_sq_norm, rounding=rounding,
+        compute_grad_sq_norm=compute_grad_sq_norm, write_back=write_back,
     )
   if config is not None and type(config).__name__ not in ("TileConfig", "MosaicTileConfig"):
     raise ValueError(
@@ -218,12 +218,12 @@ def _run_backend(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
   if backend == "xla":
     return pallas_kernels.fused_dw_update_reference(
         x, dy, w, slots, scalars, update_fn, layer=layer,
-        compute_grad_sq_norm=compute_grad_sq_norm, **rounding,
+        compute_grad_sq_norm=compute_grad_sq_norm, **write_back,
     )
   return pallas_kernels.fused_dw_update(
       x, dy, w, slots, scalars, update_fn, layer=layer, config=config,
       compute_grad_sq_norm=compute_grad_sq_norm, interpret=backend == "interpret",
-      **rounding,
+      **write_back,
   )
 
 
@@ -308,6 +308,7 @@ def fused_linear_update(
     stream: Any = 0,
     element_offset: Optional[tuple] = None,
     sum_sq_over: Optional[str] = None,
+    apply: Optional[jax.Array] = None,
 ):
   """Applies one optimizer step to ``w`` from ``x`` and ``dy``, never forming ``dW``.
 
@@ -357,6 +358,11 @@ def fused_linear_update(
     sum_sq_over: a mesh axis name (inside ``jax.shard_map``): the squared
       gradient norm is summed over it, the whole weight's (what a per-layer
       stabilizer and ``return_grad_sq_norm`` see).
+    apply: a boolean scalar (may be traced): where it is false the weight and
+      the optimizer state (count and norm fields included) come back bit for
+      bit as they were; the kernels still compute the gradient (and its norm)
+      and store nothing. ``forge_jax.train_step`` skips a step with a
+      non-finite loss this way, with no ``lax.cond``.
 
   The optimizer's :class:`forge_jax.Precision` decides the write-back: with
   ``weight_rounding="stochastic"`` a bfloat16 ``w`` is rounded with bits
@@ -383,8 +389,11 @@ def fused_linear_update(
   precision = opt.precision
   update_fn = _update_fn(rule, decay, precision)
   weight_codec = _lowp.weight_codec(precision, w.dtype)
-  # Used only by codecs that round stochastically (the weight's, or a slot's).
-  rounding = dict(weight_codec=weight_codec, seed=numerics.stream_seed(precision.seed, stream), step=count)
+  # How the backend writes the results back: the seed and step are used only by codecs that
+  # round stochastically (the weight's, or a slot's); with `apply`, nothing where it is false.
+  write_back = dict(weight_codec=weight_codec, seed=numerics.stream_seed(precision.seed, stream), step=count)
+  if apply is not None:
+    write_back["apply"] = jnp.asarray(apply, bool)
   # int8 codes may arrive as their float view (see forge_jax.train_step).
   slots = tuple(_lowp.from_float_view(s) for s in rule.slots_of(state))
   for name, q in zip(rule.slot_names, slots):
@@ -406,11 +415,11 @@ def fused_linear_update(
           "the number of devices. Use backend='xla' or 'auto' (which takes 'xla' for "
           "stochastic rounding) for tensor-parallel layers with stochastic rounding.")
     from forge_jax import _parallel  # pylint: disable=g-import-not-at-top
-    rounding["index"] = _parallel.global_element_index(w.shape, element_offset)
+    write_back["index"] = _parallel.global_element_index(w.shape, element_offset)
   new_w, new_slots, sq = _run_backend(
       resolved,
       x2, dy2, w, slots, scalars, update_fn,
-      layer=layer, config=config, rounding=rounding,
+      layer=layer, config=config, write_back=write_back,
       compute_grad_sq_norm=return_grad_sq_norm or rule.norm_scope is not None,
   )
   if sum_sq_over is not None and sq is not None:
@@ -423,6 +432,10 @@ def fused_linear_update(
   if new_step:  # this weight's own norm; forge_jax.train_step sets the global one
     new_step = tuple(_set_layer_entry(v, n, layer)
                      for v, n in zip(new_step, rule.next_step(step, sq)))
+  if apply is not None:
+    keep = lambda new, old: jnp.where(apply, new, old)
+    count = keep(count, state.count)
+    new_step = tuple(map(keep, new_step, rule.step_values(state)))
   new_state = rule.state_cls(count, *new_step, *new_slots)
   if return_grad_sq_norm:
     return new_w, new_state, sq

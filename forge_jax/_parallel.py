@@ -145,7 +145,7 @@ def _check_shapes(tp: TensorParallel, layout: str, path: str, kernel, slots) -> 
 
 def sharded_linear_update(tp: TensorParallel, layout: str, path: str, x, dy, kernel, opt_state,
                           optimizer, backend, *, layer=None, after=None, decay=True, config=None,
-                          stream=0):
+                          stream=0, apply=None):
   """:func:`forge_jax.fused_linear_update` of a ``layout``-parallel weight, per device.
 
   Returns ``(new_kernel, new_opt_state, grad_sq_norm)``: the kernel and state split like the
@@ -168,22 +168,24 @@ def sharded_linear_update(tp: TensorParallel, layout: str, path: str, x, dy, ker
   # needs only a zero computed from it, which orders the update after it.
   order = jnp.zeros((), jnp.float32) if after is None else _zero_after(after)
   layer_arg = jnp.zeros((), jnp.int32) if layer is None else layer
+  apply_arg = jnp.ones((), bool) if apply is None else jnp.asarray(apply, bool)
 
-  def local(x_l, dy_l, w_l, state_l, order_l, layer_l):
+  def local(x_l, dy_l, w_l, state_l, order_l, layer_l, apply_l):
     shard = jax.lax.axis_index(axis)
     row0, col0 = (0, shard * n_local) if layout == "column" else (shard * k_local, 0)
     new_w, new_state, sq = _fused.fused_linear_update(
         x_l, dy_l, w_l, state_l, optimizer, backend, layer=None if layer is None else layer_l,
         after=order_l, decay=decay, config=config, return_grad_sq_norm=True, stream=stream,
-        element_offset=(row0, col0, n_global), sum_sq_over=axis)
+        element_offset=(row0, col0, n_global), sum_sq_over=axis,
+        apply=None if apply is None else apply_l)
     return new_w, new_state, sq
 
   smap = jax.shard_map(
       local, mesh=tp.mesh,
-      in_specs=(x_spec, dy_spec, w_spec, state_spec, P(), P()),
+      in_specs=(x_spec, dy_spec, w_spec, state_spec, P(), P(), P()),
       out_specs=(w_spec, state_spec, P()),
       check_vma=False)
-  return smap(x, dy, kernel, opt_state, order, layer_arg)
+  return smap(x, dy, kernel, opt_state, order, layer_arg, apply_arg)
 
 
 def _zero_after(x):

@@ -167,14 +167,12 @@ _CLOSURE_OK = ("scan", "while", "cond")
 
 
 def per_layer_guard_ok(jaxpr) -> bool:
-  """Whether every FORGE backward pass in ``jaxpr`` can skip its own update: it is not a
-  stacked layer's (a cond around an in-place update of a stack makes XLA copy the stack) and
-  does not run inside a call (e.g. a ``jax.jit``'d apply inside the loss)."""
+  """Whether every FORGE backward pass in ``jaxpr`` can skip its own update: it does not run
+  inside a call (e.g. a ``jax.jit``'d apply inside the loss, whose backward pass jax traces
+  and caches on its own, without the flag)."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   for eqn in jaxpr.eqns:
     if eqn.primitive is backward_p:
-      if eqn.params["stacked"]:
-        return False
       continue
     subs = list(jex_core.jaxprs_in_params(eqn.params))
     if not subs:

@@ -217,7 +217,7 @@ def _accumulate_grad(
 
 
 def _fused_dw_kernel(
-    # Inputs: x [T, K], dy [T, N], packed scalars [S], (ints [3]), then the
+    # Inputs: x [T, K], dy [T, N], packed scalars [S], (ints [3 or 4]), then the
     # parts of w and of every slot (see `codecs`).
     x_ref, dy_ref, scalars_ref, *refs,
     # Outputs: the same parts (aliased to the inputs), then (grad_sq [gk, gn]).
@@ -227,6 +227,7 @@ def _fused_dw_kernel(
     codecs: tuple[numerics.Codec, ...],
     with_ints: bool,
     stacked: bool,
+    gated: bool,
     with_norm: bool,
     scalars_treedef: Any,
     update_fn: UpdateFn,
@@ -285,6 +286,9 @@ def _fused_dw_kernel(
     bits_j = numerics.value_bits(bits, j) if c.needs_bits else None
     parts = c.encode(value, tuple(r.dtype for r in refs_i), bits_j)
     for r, (tile, mask), part in zip(refs_i, views_i, parts):
+      if gated:  # not applied: nothing is stored, the aliased buffers keep their values
+        applied = jnp.broadcast_to(ints_ref[3] != 0, part.shape)
+        mask = applied if mask is None else mask & applied
       _store(r.at[tile], part, mask)
     i += m
   if with_norm:
@@ -376,6 +380,7 @@ def fused_dw_update(
     weight_codec: Optional[numerics.Codec] = None,
     seed: Optional[Any] = None,
     step: Optional[Any] = None,
+    apply: Optional[Any] = None,
 ):
   """``dW = x.T @ dy`` consumed tile by tile by ``update_fn``, in place.
 
@@ -407,6 +412,8 @@ def fused_dw_update(
       stochastic rounding; see :func:`~pallas_kernels.numerics.rounding_key`).
     step: int32 scalar (may be traced): the optimizer step, hashed with
       ``seed`` and ``layer``.
+    apply: a boolean scalar (may be traced): where false the kernel stores
+      nothing, so ``w`` and the slots keep their values bit for bit.
 
   Returns:
     ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless
@@ -436,12 +443,16 @@ def fused_dw_update(
   precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
   scalar_vec, scalars_treedef = pack_scalars(scalars)
   stacked = w.ndim == 3
-  with_ints = stacked or any(c.needs_bits for c in codecs)
+  gated = apply is not None
+  with_ints = stacked or gated or any(c.needs_bits for c in codecs)
   inputs = [x, dy, scalar_vec]
   if with_ints:
     # Clamped: an out-of-range layer must never become an out-of-bounds write.
     layer_i32 = jnp.int32(0) if not stacked else jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
-    inputs.append(jnp.stack([layer_i32, seed_i32, step_i32]))
+    ints = [layer_i32, seed_i32, step_i32]
+    if gated:
+      ints.append(jnp.asarray(apply).astype(jnp.int32))
+    inputs.append(jnp.stack(ints))
   first_state = len(inputs)
   parts = parts_of(codecs, w, slots)
   inputs += parts
@@ -455,6 +466,7 @@ def fused_dw_update(
       codecs=codecs,
       with_ints=with_ints,
       stacked=stacked,
+      gated=gated,
       with_norm=compute_grad_sq_norm,
       scalars_treedef=scalars_treedef,
       update_fn=update_fn,

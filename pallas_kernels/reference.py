@@ -33,6 +33,7 @@ def fused_dw_update_reference(
     seed: Optional[Any] = None,
     step: Optional[Any] = None,
     index: Optional[Array] = None,
+    apply: Optional[Array] = None,
 ):
   """Plain-jnp reference: the same contract as the kernels.
 
@@ -53,6 +54,8 @@ def fused_dw_update_reference(
     index: the uint32 index each element of the [K, N] update hashes its bits
       from (default: its own ``row * N + col``); a slice of a weight split over
       devices passes its elements' indices in the whole weight.
+    apply: a boolean scalar (may be traced): where false ``w`` and the slots
+      come back as they were, bit for bit.
 
   Returns:
     ``(new_w, new_slots, grad_sq_norm)``; ``grad_sq_norm`` is ``None`` unless
@@ -109,6 +112,8 @@ def fused_dw_update_reference(
   else:
     new_w32, new = apply_update(update_fn, g, w32, slots32, scalars)
     new_parts = encode((new_w32, *new), 0)
+  if apply is not None:  # the stored values, so an int8 state keeps its codes and scales
+    new_parts = [jnp.where(apply, q.astype(p.dtype), p) for q, p in zip(new_parts, parts_l)]
   if layer is not None:
     # The weight's update reads the old slots (its step needs their new
     # values), and nothing orders that read before the slots' in-place

@@ -196,6 +196,46 @@ def test_guard_stochastically_rounded_bf16_weights(backend):
   _check_guard(backend, forge_jax.Precision("stochastic", state_dtype="float32"), BF16)
 
 
+_SR_BF16 = forge_jax.Precision("stochastic", state_dtype="float32")
+
+
+@pytest.mark.parametrize("backend, precision, w_dtype, stacked", [
+    ("xla", None, F32, False), ("xla", _INT8, BF16, True), ("xla", _SR_BF16, BF16, False),
+    pytest.param("interpret", _INT8, F32, False, marks=_CPU),
+    pytest.param("interpret", _SR_BF16, BF16, True, marks=_CPU),
+    pytest.param("mosaic_interpret", _INT8_NEAREST, F32, True, marks=_CPU),
+    pytest.param("mosaic_interpret", None, BF16, False, marks=_CPU),
+    pytest.param("pallas", _INT8, BF16, True, marks=_GPU),
+    pytest.param("mosaic", _INT8, BF16, True, marks=_GPU),
+    pytest.param("mosaic", _SR_BF16, BF16, False, marks=_GPU)])
+def test_apply_false_stores_nothing(backend, precision, w_dtype, stacked):
+  """``apply=False`` (train_step's skip of a non-finite loss): the weight and every state,
+  int8 codes and scales and the count included, come back bit for bit (also under a NaN
+  gradient); ``apply=True`` is the update without the flag, bit for bit."""
+  opt = _adamw(precision)
+  clean, bad, mask = _crafted(n=128)
+  w = jax.random.normal(jax.random.PRNGKey(1), mask.shape, F32).astype(w_dtype)
+  state = _state(opt, w)
+  layer = None
+  if stacked:  # the middle layer of three
+    w = jnp.stack([w * 0.5, w, w * 2.0])
+    state = jax.tree.map(lambda a: jnp.stack([a] * 3) if jnp.ndim(a) else a, state)
+    layer = jnp.int32(1)
+  step = jax.jit(functools.partial(forge_jax.fused_linear_update, optimizer=opt, backend=backend,
+                                   return_grad_sq_norm=True))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", _fused.BackendFallbackWarning)  # the kernel itself ran
+    for inputs in (clean, bad):
+      new_w, new_state, _ = step(*inputs, w, state, layer=layer, apply=jnp.bool_(False))
+      _assert_bits(new_w, w)
+      for got, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True):
+        _assert_bits(got, old)
+    want = step(*clean, w, state, layer=layer)
+    got = step(*clean, w, state, layer=layer, apply=jnp.bool_(True))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    _assert_bits(a, b)
+
+
 def test_precision_nonfinite_is_checked():
   with pytest.raises(ValueError, match=r"nonfinite='drop' must be one of \('skip', 'propagate'\)"):
     forge_jax.Precision(nonfinite="drop")
@@ -212,7 +252,8 @@ def test_optax_face_is_optax_for_non_finite_gradients():
 
 def test_guarded_rule_lowers_for_cuda_in_the_mosaic_kernel():
   """abs, lt and select in the epilogue: what Mosaic GPU's warpgroup lowering has (it has no
-  is_finite), with the NaN-marking norm, float and int8 states."""
+  is_finite), with the NaN-marking norm, float and int8 states, and the stores under a traced
+  ``apply`` flag."""
   from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
   from tests._lowering import skip_if_cuda_lowering_needs_a_gpu  # pylint: disable=g-import-not-at-top
   rule = _adamw().rule
@@ -228,7 +269,8 @@ def test_guarded_rule_lowers_for_cuda_in_the_mosaic_kernel():
                                        config=cfg, compute_grad_sq_norm=True))
     with skip_if_cuda_lowering_needs_a_gpu():
       text = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0)), seed=jnp.uint32(1),
-                          step=jnp.int32(2)).lower(lowering_platforms=("cuda",)).as_text()
+                          step=jnp.int32(2), apply=jnp.bool_(True)
+                          ).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 

@@ -46,6 +46,7 @@ class _Plan:
   with_norm: bool
   interpreting: bool
   stochastic: bool  # stochastic rounding of the weight (its key in layer_gmem[1])
+  gated: bool  # the stores to W and the states run only where layer_gmem[2] != 0
   codecs: tuple  # per slot: None (a float array) or its numerics.BlockQuantized codec
 
   @property
@@ -131,7 +132,7 @@ class _Epilogue:
   rule: rule_eval.TracedRule  # the rule unwrapped from update_fn, traced
   update_fn: Any  # what says whether non-finite gradient elements are skipped
   sc_gmem: Any  # the rule's scalars, flattened
-  layer_gmem: Any  # [layer, rounding key bits] (int32)
+  layer_gmem: Any  # [layer, rounding key bits(, apply)] (int32)
   w_gmem: Any
   slot_gmems: Sequence[Any]  # per slot: the array, or (codes, transposed scales)
   norm_gmem: Any
@@ -275,10 +276,13 @@ class _Epilogue:
           ref[0][...], ref[1][...] = codes.astype(ref[0].dtype), scale
     with _region("epi_store"):
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[self._window(j, row0, col0)],
-                              commit_group=False)
-      for smem, gmem in self._slot_copies(j, row0, col0, s_refs):
-        plgpu.copy_smem_to_gmem(smem, gmem, commit_group=False)
+
+      @pl.when(self.layer_gmem[2] != 0 if plan.gated else True)
+      def _store():  # not applied: W and the states in memory stay as they were, bit for bit
+        plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[self._window(j, row0, col0)],
+                                commit_group=False)
+        for smem, gmem in self._slot_copies(j, row0, col0, s_refs):
+          plgpu.copy_smem_to_gmem(smem, gmem, commit_group=False)
       plgpu.commit_smem_to_gmem_group()
       if cfg.epi_l2_lookahead:
         self._prefetch_l2(j + plan.depth + cfg.epi_l2_lookahead, row0, col0)
@@ -433,7 +437,7 @@ def fused_dw_update_mosaic(
     layer: Optional[Array] = None, config: Optional[MosaicTileConfig] = None,
     config_checked: bool = False, compute_grad_sq_norm: bool = False,
     interpret: Union[bool, Any] = False, weight_codec: Optional[numerics.Codec] = None,
-    seed: Optional[Any] = None, step: Optional[Any] = None,
+    seed: Optional[Any] = None, step: Optional[Any] = None, apply: Optional[Any] = None,
     profile: Optional[tuple[int, str]] = None):
   """Fused ``dW = x.T @ dy`` + optimizer update on one Hopper GPU (Mosaic GPU).
 
@@ -451,6 +455,8 @@ def fused_dw_update_mosaic(
     interpret: run on CPU under the Mosaic GPU interpreter (``True`` or an
       ``InterpretGPUParams``).
     weight_codec: ``None``/``numerics.Cast()`` or ``numerics.StochasticRound()`` (bfloat16 ``w``).
+    apply: a boolean scalar (may be traced): where false the kernel stores nothing, so ``w``
+      and the slots keep their values bit for bit (the gradient norm is still computed).
     profile: ``(profile_space, profile_dir)``: Mosaic GPU's in-kernel profiler records each
       named region of the body per warpgroup and writes a Chrome trace to ``profile_dir`` after
       every call (``python -m experiments.kernel_tools profile``).
@@ -486,11 +492,11 @@ def fused_dw_update_mosaic(
   try:
     hash(tuple(static.values()))
   except TypeError:  # e.g. a rule holding an array hyperparameter: lowered at every call site
-    return _launch(x, dy, w, slots, scalars, layer, seed, step, **static)
-  return _launch_cached(x, dy, w, slots, scalars, layer, seed, step, **static)
+    return _launch(x, dy, w, slots, scalars, layer, seed, step, apply, **static)
+  return _launch_cached(x, dy, w, slots, scalars, layer, seed, step, apply, **static)
 
 
-def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, compute_grad_sq_norm,
+def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cfg, compute_grad_sq_norm,
             interpret, codec, profile):
   """The kernel call, for operands :func:`fused_dw_update_mosaic` has checked."""
   (t, k), n = x.shape, dy.shape[1]
@@ -503,11 +509,14 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, *, update_fn, cfg, comp
   quant = [s for s in slots if mcfg.quantized(s)]
   seed_i32, step_i32 = rounding_ints((codec, *(s.codec for s in quant)), seed, step)
   key = numerics.rounding_key(seed_i32, step_i32, layer_i32)
-  layer_vec = jnp.stack([layer_i32, jax.lax.bitcast_convert_type(key, jnp.int32)])
+  ints = [layer_i32, jax.lax.bitcast_convert_type(key, jnp.int32)]
+  if apply is not None:
+    ints.append(jnp.asarray(apply).astype(jnp.int32))
+  layer_vec = jnp.stack(ints)
   params = _interpret_params(interpret)
   plan = _Plan(cfg=cfg, t=t, k=k, n=n, num_sms=mcfg.grid_size(cfg), num_scalars=len(jax.tree.leaves(scalars)),
                with_norm=compute_grad_sq_norm, interpreting=params is not None,
-               stochastic=isinstance(codec, numerics.StochasticRound),
+               stochastic=isinstance(codec, numerics.StochasticRound), gated=apply is not None,
                codecs=tuple(s.codec if mcfg.quantized(s) else None for s in slots))
   rule = rule_eval.trace_rule(unwrap(update_fn)[0], (cfg.epi_m, cfg.epi_n), len(slots), scalars)
   flat = lambda a: a.reshape(num_layers * k, n)  # one [L*K, N] array; the layer is a row offset
