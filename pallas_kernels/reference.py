@@ -93,6 +93,13 @@ def fused_dw_update_reference(
       i += m
     return out
 
+  def gate(new_parts, old_parts):
+    """With ``apply``: the stored values where it is true, the old ones (int8 codes and scales
+    included) where it is false."""
+    if apply is None:
+      return new_parts
+    return [jnp.where(apply, q.astype(p.dtype), p) for q, p in zip(new_parts, old_parts)]
+
   n_w = len(codecs[0].col_divisors())
   if unwrap(update_fn)[1] and layer is None:
     # Whole arrays: with the guard's selects on the slots, no slot output holds the rule's new
@@ -105,15 +112,13 @@ def fused_dw_update_reference(
     # first moments near zero: tests/test_optimizers.py); this keeps that fusion as it was.
     # (A stack's slots are written after its weight below.)
     new_w32, _ = apply_update(update_fn, g, w32, slots32, scalars)
-    w_parts = encode((new_w32,), 0)
+    w_parts = gate(encode((new_w32,), 0), parts_l[:n_w])
     g_after = g - jnp.abs(zero_after(w_parts[0]))  # g + -0.0: g bit for bit
     _, new = apply_update(update_fn, g_after, w32, slots32, scalars)
-    new_parts = list(w_parts) + encode(new, 1)
+    new_parts = list(w_parts) + gate(encode(new, 1), parts_l[n_w:])
   else:
     new_w32, new = apply_update(update_fn, g, w32, slots32, scalars)
-    new_parts = encode((new_w32, *new), 0)
-  if apply is not None:  # the stored values, so an int8 state keeps its codes and scales
-    new_parts = [jnp.where(apply, q.astype(p.dtype), p) for q, p in zip(new_parts, parts_l)]
+    new_parts = gate(encode((new_w32, *new), 0), parts_l)
   if layer is not None:
     # The weight's update reads the old slots (its step needs their new
     # values), and nothing orders that read before the slots' in-place
