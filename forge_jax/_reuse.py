@@ -161,15 +161,14 @@ def check_no_mapped_axis() -> None:
 
 # Where a FORGE backward pass may read a value traced outside it (train_step's non-finite
 # flag): the step's own jaxpr and the bodies of loops and conds, which close over outer
-# values. A call primitive (a jax.jit'd function inside the loss, whose transpose jax traces
-# on its own) cannot take such a value as a constant.
+# values. A call primitive (a jax.jit'd function inside the loss) or a jax.checkpoint, whose
+# transposes jax traces on its own and caches, cannot take such a value as a constant.
 _CLOSURE_OK = ("scan", "while", "cond")
 
 
 def per_layer_guard_ok(jaxpr) -> bool:
   """Whether every FORGE backward pass in ``jaxpr`` can skip its own update: it does not run
-  inside a call (e.g. a ``jax.jit``'d apply inside the loss, whose backward pass jax traces
-  and caches on its own, without the flag)."""
+  inside a call or a ``jax.checkpoint`` (see ``_CLOSURE_OK``)."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   for eqn in jaxpr.eqns:
     if eqn.primitive is backward_p:

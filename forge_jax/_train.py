@@ -291,11 +291,13 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
 
   # A non-finite loss skips the step, as optax.apply_if_finite does. Each FORGE layer's kernel
   # takes the flag and, where it is false, stores nothing (no lax.cond: a cond per layer cost
-  # an unrolled Llama-3.1-8B step 6% on the H200, one cond around the whole backward pass
-  # keeps its residuals live to its end); the rest is selected. FORGE layers inside a call (a
-  # jax.jit'd apply in the loss, whose backward pass jax traces and caches on its own) cannot
-  # read the flag: then the whole backward pass goes in one cond. The backward pass is traced
-  # and checked before anything is updated.
+  # an unrolled Llama-3.1-8B step 6% on the H200, XLA's GPU conditional reading its predicate
+  # on the host; results/h200/guard); the rest is selected. A FORGE backward pass that jax
+  # traces and caches on its own cannot close over the flag: inside a call (a jax.jit'd apply
+  # in the loss) or a jax.checkpoint (nn.remat, a ScannedStack's blocks), whose transposition
+  # jax caches. Then the whole backward pass goes in one cond (which keeps the forward
+  # residuals live to its end). The backward pass is traced and checked before anything is
+  # updated.
   loss, vjp_fn, aux = linearize()
   bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer)
   _check_all_updated(paths, counts)
