@@ -21,6 +21,11 @@ Stacked weights: ``w`` and the slots may carry a leading layer axis
 the one slice that is read and rewritten, so a loop over layers updates a
 stacked parameter in place without slicing copies.
 
+Skipping a whole update: with ``apply`` (a boolean scalar, may be traced) false, an
+implementation stores nothing (the kernels skip their stores into the aliased buffers, the
+reference selects the old stored values), so ``w`` and every slot, int8 codes and scales
+included, come back bit for bit; the gradient and its norm are still computed.
+
 Every implementation returns ``(new_w, new_slots, grad_sq_norm)``, the last
 ``None`` unless ``compute_grad_sq_norm``. The squared norm is summed from
 :func:`grad_sq_terms`: NaN when any element of ``dW`` is not finite (``inf``
