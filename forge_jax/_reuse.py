@@ -162,23 +162,40 @@ def check_no_mapped_axis() -> None:
 # Where a FORGE backward pass may read a value traced outside it (train_step's non-finite
 # flag): the step's own jaxpr and the bodies of loops and conds, which close over outer
 # values. A call primitive (a jax.jit'd function inside the loss) or a jax.checkpoint, whose
-# transposes jax traces on its own and caches, cannot take such a value as a constant.
+# transposes jax traces on its own and caches, cannot take such a value as a constant, with one
+# exception: the checkpoint of a ScannedStack's block directly in its backward loop (every
+# backward pass in it stacked), which the stack creates anew at each trace, so its transpose is
+# traced with the flag (tests/test_reliability.py checks the skip bit for bit).
 _CLOSURE_OK = ("scan", "while", "cond")
+_CHECKPOINT = ("remat2", "checkpoint")
 
 
-def per_layer_guard_ok(jaxpr) -> bool:
-  """Whether every FORGE backward pass in ``jaxpr`` can skip its own update: it does not run
-  inside a call or a ``jax.checkpoint`` (see ``_CLOSURE_OK``)."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  for eqn in jaxpr.eqns:
-    if eqn.primitive is backward_p:
-      continue
+def _stacked_only(subs) -> bool:
+  """Whether the FORGE backward passes in ``subs`` (at any depth) are all a ScannedStack's."""
+  def walk(jaxpr):
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+      if eqn.primitive is backward_p:
+        yield eqn.params["stacked"]
+      for s in jex_core.jaxprs_in_params(eqn.params):
+        yield from walk(s)
+  return all(stacked for s in subs for stacked in walk(s))
+
+
+def per_layer_guard_ok(jaxpr, in_stack_loop: bool = False) -> bool:
+  """Whether every FORGE backward pass in ``jaxpr`` can skip its own update: none runs inside
+  a call or a ``jax.checkpoint`` other than a ScannedStack block's (see ``_CLOSURE_OK``)."""
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
     subs = list(jex_core.jaxprs_in_params(eqn.params))
-    if not subs:
+    if eqn.primitive is backward_p or not any(_count(getattr(s, "jaxpr", s), 1, 1) for s in subs):
       continue
-    if eqn.primitive.name in _CLOSURE_OK:
+    name = eqn.primitive.name
+    if name in _CLOSURE_OK:
+      loop = name in ("scan", "while") and _stacked_only(subs)
+      if not all(per_layer_guard_ok(s, loop) for s in subs):
+        return False
+    elif name in _CHECKPOINT and in_stack_loop and _stacked_only(subs):
       if not all(per_layer_guard_ok(s) for s in subs):
         return False
-    elif any(_count(getattr(s, "jaxpr", s), 1, 1) for s in subs):
+    else:
       return False
   return True

@@ -34,10 +34,11 @@ def fake_gpu(monkeypatch):
   """A GPU as "auto" sees it; the Mosaic route records its backend and runs the XLA reference."""
   calls = []
 
-  def run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, rounding=None, config=None, **kw):
+  def run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, write_back=None, config=None,
+                 **kw):
     calls.append(backend)
     return pallas_kernels.fused_dw_update_reference(x, dy, w, slots, scalars, update_fn, **kw,
-                                                    **(rounding or {}))
+                                                    **(write_back or {}))
 
   monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
   monkeypatch.setattr(_fused, "_run_mosaic", run_mosaic)

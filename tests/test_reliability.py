@@ -341,6 +341,37 @@ def test_skip_nonfinite_false_takes_every_step():
   assert not np.all(np.isfinite(np.asarray(plain.params["embed"]["kernel"])))
 
 
+def _mse_plus(apply_fn, variables, batch):
+  """The MSE plus a constant of the batch: a non-finite constant makes the loss non-finite and
+  leaves every gradient finite, so only the loss check can keep the weights."""
+  return _mse(apply_fn, variables, batch) + batch["offset"]
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["scanned_stack", "nn_remat"])
+def test_non_finite_loss_with_finite_gradients_skips_bit_for_bit(remat):
+  """Every layer skips (a ScannedStack's layers through their kernels' flag, FORGE layers under
+  nn.remat through one cond around the backward pass), though no gradient element is
+  non-finite, and the ScannedStack's step has no conditional."""
+  opt = forge_jax.adamw(1e-2, weight_decay=0.1)
+  model = Net(opt, remat=True) if remat else StackNet(opt)
+  loss = functools.partial(_mse_plus, model.apply)
+  batch = {**_batch(key=1), "offset": jnp.zeros(())}
+  state = _state(model, batch["x"], opt)
+  state, _ = forge_jax.train_step(state, batch, loss)
+  before = _host(state)
+  state, metrics = forge_jax.train_step(state, {**batch, "offset": jnp.array(jnp.inf)}, loss)
+  assert bool(metrics["skipped"]) and int(metrics["nonfinite_grads"]) == 0
+  _assert_unchanged(state, before.replace(skipped_steps=np.int32(1)))
+  text = forge_jax.train_step.lower(state, batch, loss).compile().as_text()
+  assert ("conditional(" in text) == remat
+  # A new trace (another batch size) takes the flag afresh, not a transpose cached without it.
+  other = {**_batch((4, 8), (4, 4), key=2), "offset": jnp.array(jnp.nan)}
+  before = _host(state)
+  state, metrics = forge_jax.train_step(state, other, loss)
+  assert bool(metrics["skipped"])
+  _assert_unchanged(state, before.replace(skipped_steps=np.int32(2)))
+
+
 @jax.custom_vjp
 def _nan_in_cotangent(x):
   return x
