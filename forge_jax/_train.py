@@ -294,10 +294,10 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   # an unrolled Llama-3.1-8B step 6% on the H200, XLA's GPU conditional reading its predicate
   # on the host; results/h200/guard); the rest is selected. A FORGE backward pass that jax
   # traces and caches on its own cannot close over the flag: inside a call (a jax.jit'd apply
-  # in the loss) or a jax.checkpoint (nn.remat, a ScannedStack's blocks), whose transposition
-  # jax caches. Then the whole backward pass goes in one cond (which keeps the forward
-  # residuals live to its end). The backward pass is traced and checked before anything is
-  # updated.
+  # in the loss) or a jax.checkpoint (nn.remat; a ScannedStack's blocks excepted, see
+  # _reuse.per_layer_guard_ok), whose transposition jax caches. Then the whole backward pass
+  # goes in one cond (which keeps the forward residuals live to its end). The backward pass is
+  # traced and checked before anything is updated.
   loss, vjp_fn, aux = linearize()
   bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer)
   _check_all_updated(paths, counts)
