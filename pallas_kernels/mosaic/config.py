@@ -136,11 +136,6 @@ def grid_size(cfg: MosaicTileConfig) -> int:
   return count if device.platform == "gpu" and count else DEFAULT_NUM_SMS
 
 
-def _swizzle_ok(cols: int, dtype) -> bool:
-  """Whether a row of ``cols`` elements gets a real swizzle (>= 32 bytes)."""
-  return any(cols * jnp.dtype(dtype).itemsize % s == 0 for s in (128, 64, 32))
-
-
 def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
   """Why ``cfg`` is not a valid tiling, or None."""
   checks = (
@@ -230,7 +225,7 @@ def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> Optional[str]:
       return (f"slot {i} is int8, whose epilogue loop prefetches nothing beyond the ring: "
               f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be 0")
   for name, dt in [("w", w.dtype)] + [(f"slot {i}", stored_dtype(s)) for i, s in enumerate(slots)]:
-    if not _swizzle_ok(cfg.epi_n, dt):
+    if cfg.epi_n * jnp.dtype(dt).itemsize % 32:  # no 32-, 64- or 128-byte swizzle
       return f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"
   (t, k), n = x.shape, dy.shape[1]
   for dim, size, field in (("T", t, "tile_t"), ("K", k, "tile_m"), ("N", n, "tile_n")):
