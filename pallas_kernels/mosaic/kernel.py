@@ -110,19 +110,6 @@ def planar_snake(lin: Array, m_iters: int, n_iters: int, width: int):
   return m, n
 
 
-def _mma(acc_ref, x_smem, dy_smem, xt_smem, interpreting: bool, wait: bool) -> None:
-  """``acc += x_block.T @ dy_block`` on the tensor cores, awaited if ``wait``."""
-  if interpreting:
-    # The interpreter cannot read a transposed wgmma operand: x goes through registers.
-    xt_smem[...] = x_smem[...].T
-    plgpu.commit_smem()
-    plgpu.wgmma(acc_ref, xt_smem, dy_smem)
-  else:
-    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
-  if wait:
-    plgpu.wgmma_wait(0)
-
-
 @dataclasses.dataclass
 class _Epilogue:
   """One compute warpgroup's epilogue: ``begin`` (before a tile's main loop) fills the first
@@ -308,7 +295,7 @@ def _pick(values: Sequence[Array], j) -> Array:
 
 
 def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm_gmem, *,
-                  plan: _Plan, rule, update_fn, slot_dtypes):
+                  plan: _Plan, rule, update_fn):
   """One block: the persistent ping-pong loop over its ``W`` tiles. ``stage_ready[w * S + s]``
   completes only for warpgroup ``w``'s steps; ``stage_free[s]`` is awaited by the memory
   warpgroup alone (docs/mosaic_kernel.md, "The ping-pong schedule")."""
@@ -320,8 +307,8 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
   in_transforms = _mma_transforms(64, in_dtype)  # rows of >= 64 16-bit elements: 128 B swizzle
   epi_shape = (_WGS, plan.depth, cfg.epi_m, cfg.epi_n)
   ring = lambda d: plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d))
-  slot_rings = [ring(d) if q is None else (ring(d), plgpu.SMEM(epi_shape[:3], jnp.float32))
-                for d, q in zip(slot_dtypes, plan.codecs)]
+  slot_rings = [(ring(g[0].dtype), plgpu.SMEM(epi_shape[:3], jnp.float32)) if isinstance(g, tuple)
+                else ring(g.dtype) for g in slot_gmems]  # int8: codes and row scales
 
   @functools.partial(
       pl.run_scoped,
@@ -402,13 +389,19 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
               step = i * t_iters + k
               slot = lax.rem(step, stages)
               plgpu.barrier_wait(stage_ready.at[wg_idx * stages + slot])
-              _mma(acc_ref, x_stages.at[slot], dy_stages.at[slot], xt, plan.interpreting,
-                   wait=not cfg.mma_in_flight)
+              x_block, dy_block = x_stages.at[slot], dy_stages.at[slot]  # acc += x_block.T @ dy_block
+              if plan.interpreting:  # the interpreter reads no transposed operand: x via registers
+                xt[...] = x_block[...].T
+                plgpu.commit_smem()
+                plgpu.wgmma(acc_ref, xt, dy_block)
+              else:
+                plgpu.wgmma(acc_ref, x_block.transpose((1, 0)), dy_block)
               if cfg.mma_in_flight:  # wait for the previous step's wgmma, then free its stage
                 plgpu.wgmma_wait(1)
                 prev_slot = lax.rem(step + (stages - 1), stages)
                 pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
               else:
+                plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(stage_free.at[slot])
 
             if cfg.mma_in_flight:
@@ -528,8 +521,7 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cf
       lowering_semantics=getattr(plgpu.LoweringSemantics, rule_eval.LOWERING_SEMANTICS),
       unsafe_no_auto_barriers=cfg.no_auto_barriers,
       **({} if profile is None else dict(profile_space=profile[0], profile_dir=profile[1])))
-  body = functools.partial(_fused_kernel, plan=plan, rule=rule, update_fn=update_fn,
-                           slot_dtypes=tuple(mcfg.stored_dtype(s) for s in slots))
+  body = functools.partial(_fused_kernel, plan=plan, rule=rule, update_fn=update_fn)
 
   def stateful(refs):
     x_ref, dy_ref, sc_ref, layer_ref, w_ref, slot_refs, norm_ref = refs
