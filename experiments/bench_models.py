@@ -244,6 +244,11 @@ def _loss(apply_fn, variables, tokens, kind: str = "lean"):
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
 
+def skips_nonfinite(base: str) -> bool:
+  """Whether a FORGE row's train_step skips steps with a non-finite loss (all but ``_noguard``)."""
+  return "noguard" not in base
+
+
 def _forge_optimizer(base: str):
   import forge_jax
   precision = {
@@ -372,8 +377,8 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
     lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn)
   elif opt is not None:
     make_state = lambda v: forge_jax.TrainState.create(model.apply, v, opt)
-    guard = "noguard" not in base
-    lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn, skip_nonfinite=guard)
+    lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn,
+                                                 skip_nonfinite=skips_nonfinite(base))
   else:
     tx, optax_step = optax_baseline(base, loss_fn)
     make_state = lambda v: (v["params"], tx.init(v["params"]))

@@ -85,7 +85,7 @@ def analyse(model_name: str, impl: str, batch: int, tokens: int, dtype: str, hlo
     state = jax.eval_shape(lambda v: forge_jax.TrainState.create(model.apply, v, opt), variables)
     t0 = time.perf_counter()
     step = forge_jax.train_step.lower(state, data, loss_fn,
-                                      skip_nonfinite="noguard" not in base).compile()
+                                      skip_nonfinite=bench_models.skips_nonfinite(base)).compile()
     row["forge_state_gib"] = _nbytes(state.forge_state)
     row["opt_state_gib"] = _nbytes(state.opt_state)
   else:

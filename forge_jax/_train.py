@@ -302,12 +302,7 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer)
   _check_all_updated(paths, counts)
   ones = jnp.ones_like(loss)
-  if not skip_nonfinite:
-    finite = jnp.ones((), bool)
-    cts = jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(ones))
-    params, forge_state, opt_state, step, grad_norm, nonfinite = _apply_cotangents(
-        state, paths, cts, finite)
-  elif not _reuse.per_layer_guard_ok(bwd):
+  if skip_nonfinite and not _reuse.per_layer_guard_ok(bwd):
     finite = jnp.isfinite(loss)
     def unchanged(_):
       return (_plain(state.params), _plain(state.forge_state), state.opt_state, state.step,
@@ -319,11 +314,14 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
     params, forge_state, opt_state, step, grad_norm, nonfinite = jax.lax.cond(
         finite, backward, unchanged, None)
   else:
-    # jax traces each custom VJP's backward pass once per linearization: a fresh one, traced
-    # with the flag (the first one's forward pass is dead code).
-    loss, vjp_fn, aux = linearize()
-    finite = jnp.isfinite(loss)
-    bwd, ct_tree, _ = _backward_jaxpr(vjp_fn, loss, state.optimizer, apply=finite)
+    if skip_nonfinite:
+      # jax traces each custom VJP's backward pass once per linearization: a fresh one, traced
+      # with the flag (the first one's forward pass is dead code).
+      loss, vjp_fn, aux = linearize()
+      finite = jnp.isfinite(loss)
+      bwd, ct_tree, _ = _backward_jaxpr(vjp_fn, loss, state.optimizer, apply=finite)
+    else:
+      finite = jnp.ones((), bool)
     cts = jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(ones))
     params, forge_state, opt_state, step, grad_norm, nonfinite = _apply_cotangents(
         state, paths, cts, finite)

@@ -279,6 +279,7 @@ def _fused_dw_kernel(
     key = numerics.rounding_key(ints_ref[1], ints_ref[2], ints_ref[0])
     bits = numerics.element_bits(key, numerics.element_index(rows[:, None], cols[None, :], n))
 
+  applied = ints_ref[3] != 0 if gated else None  # not applied: nothing is stored
   i = 0
   for j, (c, value) in enumerate(zip(codecs, (new_w32,) + new_slots)):
     m = len(c.col_divisors())
@@ -286,9 +287,9 @@ def _fused_dw_kernel(
     bits_j = numerics.value_bits(bits, j) if c.needs_bits else None
     parts = c.encode(value, tuple(r.dtype for r in refs_i), bits_j)
     for r, (tile, mask), part in zip(refs_i, views_i, parts):
-      if gated:  # not applied: nothing is stored, the aliased buffers keep their values
-        applied = jnp.broadcast_to(ints_ref[3] != 0, part.shape)
-        mask = applied if mask is None else mask & applied
+      if gated:  # the aliased buffers keep their values
+        keep = jnp.broadcast_to(applied, part.shape)
+        mask = keep if mask is None else mask & keep
       _store(r.at[tile], part, mask)
     i += m
   if with_norm:

@@ -285,3 +285,4 @@ def test_benchmarks_time_the_guard_against_its_absence():
     on = bench_models._forge_optimizer(name).precision  # pylint: disable=protected-access
     off = bench_models._forge_optimizer(name + "_noguard").precision  # pylint: disable=protected-access
     assert on.nonfinite == "skip" and off == dataclasses.replace(on, nonfinite="propagate")
+    assert bench_models.skips_nonfinite(name) and not bench_models.skips_nonfinite(name + "_noguard")
