@@ -13,6 +13,7 @@ an ``atol`` of that size against the result's scale).
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 import jax
@@ -120,3 +121,35 @@ def test_refuses_a_layer_that_is_no_integer_scalar(layer):
   with pytest.raises(ValueError, match="layer must be an integer scalar"):
     jax.eval_shape(functools.partial(stacked_matmul, config=SMALL), sds((M, K), BF16),
                    sds((L, K, N), BF16), layer)
+
+
+def test_bench_smoke_times_checks_and_reports_every_program(tmp_path):
+  from experiments import bench_stacked_matmul as bench  # pylint: disable=g-import-not-at-top
+  assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "bench_stacked_matmul.json").read_text())
+  rows = result["rows"]
+  assert {(r["impl"], r["direction"]) for r in rows} == {
+      (i, d) for i in bench.IMPLS for d in bench.DIRECTIONS}
+  for row in rows:
+    assert row["status"] == "ok" and row["ms"] > 0 and row["sum_ok"], row
+    if row["impl"] == "stacked":
+      assert row["layer_ok"] and set(row["layer_rel_err"]) == {"0", "1"}, row
+  table = (tmp_path / "bench_stacked_matmul.md").read_text()
+  assert table.count("| ok |") == 2 and "FAILED" not in table
+  assert result["info"]["command"].startswith("python -m experiments.bench_stacked_matmul --smoke")
+
+
+def test_bench_flags_a_kernel_that_reads_the_wrong_layer(tmp_path, monkeypatch):
+  """The checks fail when the kernel's results do (here: a stand-in reading layer 0 always)."""
+  from experiments import bench_stacked_matmul as bench  # pylint: disable=g-import-not-at-top
+
+  def wrong_layer(x, w_stack, layer, *, transpose_w=False, config=None, interpret=False):
+    del layer, config, interpret
+    return jnp.dot(x, w_stack[0].T if transpose_w else w_stack[0])
+
+  monkeypatch.setattr(bench, "stacked_matmul", wrong_layer)
+  assert bench.main(["--smoke", "--impls", "xla_scan", "stacked", "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "bench_stacked_matmul.json").read_text())["rows"]
+  stacked = [r for r in rows if r["impl"] == "stacked"]
+  assert len(stacked) == 2 and not any(r["layer_ok"] or r["sum_ok"] for r in stacked)
+  assert (tmp_path / "bench_stacked_matmul.md").read_text().count("FAILED") == 2
