@@ -150,6 +150,7 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
             plgpu.barrier_wait(stage_ready.at[wg_idx * stages + slot])
             w_ref = w_stages.at[slot]
             if plan.transpose_w and plan.interpreting:
+              plgpu.wgmma_wait(0)  # the previous step's wgmma has read the scratch block
               wt_smem.at[wg_idx][...] = w_ref[...].T
               plgpu.commit_smem()
               w_ref = wt_smem.at[wg_idx]
@@ -210,8 +211,8 @@ def stacked_matmul(x: jax.Array, w_stack: jax.Array, layer: Any, *, transpose_w:
     x: [M, K], bfloat16 or float16.
     w_stack: [L, K, N] (or [L, N, K] with ``transpose_w``: ``dX = dy @ W[l].T`` is
       ``stacked_matmul(dy, W, l, transpose_w=True)``), the dtype of ``x``; read in place.
-    layer: an integer scalar (may be traced), clamped to ``[0, L)`` like
-      ``lax.dynamic_index_in_dim``.
+    layer: an integer scalar (may be traced); as in ``lax.dynamic_index_in_dim``, a negative one
+      counts from the end, and the result is clamped to ``[0, L)``.
     config: tiling; ``None``: :class:`StackedMatmulConfig`'s defaults.
     interpret: run on CPU under the Mosaic GPU interpreter (``True`` or ``InterpretGPUParams``).
 
@@ -231,7 +232,9 @@ def stacked_matmul(x: jax.Array, w_stack: jax.Array, layer: Any, *, transpose_w:
   (m, k), n = x.shape, (rows if transpose_w else cols)
   params = _interpret_params(interpret)
   plan = _Plan(cfg, m, k, n, transpose_w, mcfg.grid_size(cfg), params is not None)
-  layer_vec = jnp.clip(layer.astype(jnp.int32), 0, num_layers - 1).reshape(1)
+  # As lax.dynamic_index_in_dim: a negative layer counts from the end, then clamped into [0, L).
+  layer = layer.astype(jnp.int32)
+  layer_vec = jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1).reshape(1)
   mesh = plgpu.Mesh(grid=(plan.num_sms,), grid_names=("sm",), num_threads=_WGS + 1,
                     thread_name="wg")
   call = pl.kernel(
