@@ -239,7 +239,8 @@ def stacked_matmul(x: jax.Array, w_stack: jax.Array, layer: Any, *, transpose_w:
                     thread_name="wg")
   call = pl.kernel(
       functools.partial(_kernel, plan=plan), out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
-      mesh=mesh, name="stacked_matmul", interpret=params if params is not None else False,
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+      mesh=mesh, name="stacked_matmul",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **({} if params is None else dict(interpret=params)))
   # A reshape of the whole stack (a bitcast), not a slice of it.
   return call(x, w_stack.reshape(num_layers * rows, cols), layer_vec)
