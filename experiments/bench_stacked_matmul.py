@@ -23,7 +23,9 @@ a sum of its absolute values (the same fused reduction in every program, so no G
 carried into the next call. Device time as :mod:`experiments._timing` measures it: warm-up, many
 calls back to back, one block, median of repeats. Checks: ``stacked_matmul`` against XLA at layers
 0, L/2 and L-1 (max error relative to the result's largest value), and each program's sum against
-``xla_scan``'s. Writes ``bench_stacked_matmul.json`` and ``.md`` under ``--out``.
+``xla_scan``'s. Writes ``bench_stacked_matmul.json`` and ``.md`` under ``--out``. ``--profile``
+also traces each program and splits its device time by kernel kind (XLA's copies of ``W[l]``, the
+GEMMs, the sums; about a second more per program).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ IMPLS = ("xla_scan", "xla_unrolled", "stacked")
 # A bf16 result may be one bf16 ulp (2**-8 relative) from another f32-accumulated one.
 LAYER_TOL = 2**-7
 SUM_TOL = 1e-2  # sums of |y| over all layers, between programs
+PROFILE_CALLS = 2  # calls traced per program with --profile
 # Smoke: 64x64 tiles on one block, so the interpreter runs the pipeline in a few seconds.
 SMOKE_CONFIG = StackedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
                                    grid_tile_width=2, num_sms=1)
@@ -94,7 +97,7 @@ def layer_errors(x, w_stack, transposed, cfg, interpret) -> dict:
   return errs
 
 
-def bench_shape(t, k, n, *, layers, cfg, interpret, timing, impls) -> list[dict]:
+def bench_shape(t, k, n, *, layers, cfg, interpret, timing, impls, profile=False) -> list[dict]:
   kw, kx = jax.random.split(jax.random.key(t * 7 + k * 3 + n))
   # Layer l scaled by (l + 1) / L: a program that reads a wrong layer changes the sum of |y|.
   scale = (jnp.arange(1, layers + 1, dtype=jnp.float32) / layers * k**-0.5)[:, None, None]
@@ -122,6 +125,11 @@ def bench_shape(t, k, n, *, layers, cfg, interpret, timing, impls) -> list[dict]
         row.update(status="ok", ms=t_ms.median_ms, min_ms=t_ms.min_ms, repeats_ms=t_ms.repeats_ms,
                    iters=t_ms.iters, per_layer_ms=t_ms.median_ms / layers,
                    tflops=flops / (t_ms.median_ms * 1e-3) / 1e12, abs_sum=sums[impl])
+        if profile:  # where the device time goes: GEMMs, XLA's copies of W[l], the sums
+          row["profile"] = _timing.device_profile(
+              lambda: jax.block_until_ready(functools.reduce(
+                  lambda acc, _: run(acc), range(PROFILE_CALLS), jnp.zeros((), jnp.float32))),
+              PROFILE_CALLS, top=6)
         del weights
       except Exception as e:  # pylint: disable=broad-except  (recorded, the next one runs)
         row.update(status="error", error=_timing.short_error(e))
@@ -158,6 +166,15 @@ def markdown(info: dict, rows: list[dict]) -> str:
                f"{ratio(st, xu)} | {st['tflops']:.0f} |" if ok(st) else
                f"| {shape} | {direction} | {cell(xs)} | {cell(xu)} | {cell(st)} | - | - | - |")
     out[-1] += f" {max(errs.values()):.1e} | {checks} |" if errs else f" - | {checks} |"
+  profiled = [r for r in rows if "profile" in r]
+  if profiled:
+    out += ["", f"Device time by kernel kind (`--profile`, ms per dispatch, {PROFILE_CALLS} "
+            "dispatches traced; `copy`: XLA's copies, of `W[l]` in `xla_scan`):", "",
+            "| T x K x N | direction | impl | device ms | by kind |", "|---|---|---|---|---|"]
+    for r in profiled:
+      p = r["profile"]
+      kinds = ", ".join(f"{kind} {ms:.3f}" for kind, ms in p["by_kind"].items()) or "-"
+      out.append(f"| {r['shape']} | {r['direction']} | {r['impl']} | {p['device_ms']:.3f} | {kinds} |")
   errors = [r for r in rows if r.get("status") == "error" or r.get("layer_error")]
   if errors:
     out += ["", "Errors:", ""] + [f"- {r['shape']} {r.get('direction', '')} {r.get('impl', '')}: "
@@ -187,6 +204,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
   parser.add_argument("--iters", type=int, default=None, help="calls per repeat (default: ~20 ms)")
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--profile", action="store_true",
+                      help="also trace each program: device ms by kernel kind (copies, GEMMs)")
   args = parser.parse_args(argv)
   argv = list(argv) if argv is not None else __import__("sys").argv[1:]
 
@@ -209,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   rows = _timing.run_shapes(
       json_path, info, tokens, shapes,
       lambda t, k, n: bench_shape(t, k, n, layers=layers, cfg=cfg, interpret=interpret,
-                                  timing=timing, impls=args.impls),
+                                  timing=timing, impls=args.impls, profile=args.profile),
       {"impl": "-", "direction": "-"})
   _timing.write_table(folder / "bench_stacked_matmul.md", markdown(info, rows), json_path)
   return 0

@@ -140,7 +140,8 @@ def test_bench_smoke_times_checks_and_reports_every_program(tmp_path):
 
 
 def test_bench_flags_a_kernel_that_reads_the_wrong_layer(tmp_path, monkeypatch):
-  """The checks fail when the kernel's results do (here: a stand-in reading layer 0 always)."""
+  """The checks fail when the kernel's results do (here: a stand-in reading layer 0 always);
+  ``--profile`` adds the device-time table."""
   from experiments import bench_stacked_matmul as bench  # pylint: disable=g-import-not-at-top
 
   def wrong_layer(x, w_stack, layer, *, transpose_w=False, config=None, interpret=False):
@@ -148,8 +149,13 @@ def test_bench_flags_a_kernel_that_reads_the_wrong_layer(tmp_path, monkeypatch):
     return jnp.dot(x, w_stack[0].T if transpose_w else w_stack[0])
 
   monkeypatch.setattr(bench, "stacked_matmul", wrong_layer)
-  assert bench.main(["--smoke", "--impls", "xla_scan", "stacked", "--out", str(tmp_path)]) == 0
+  assert bench.main(["--smoke", "--impls", "xla_scan", "stacked", "--profile",
+                     "--out", str(tmp_path)]) == 0
   rows = json.loads((tmp_path / "bench_stacked_matmul.json").read_text())["rows"]
   stacked = [r for r in rows if r["impl"] == "stacked"]
   assert len(stacked) == 2 and not any(r["layer_ok"] or r["sum_ok"] for r in stacked)
-  assert (tmp_path / "bench_stacked_matmul.md").read_text().count("FAILED") == 2
+  table = (tmp_path / "bench_stacked_matmul.md").read_text()
+  assert table.count("FAILED") == 2
+  # --profile: every program traced (a CPU has no device plane: no kinds, but the rows exist).
+  assert all(r["profile"]["calls"] == bench.PROFILE_CALLS for r in rows)
+  assert table.count("| 64x128x128 | forward | xla_scan |") == 1
