@@ -8,7 +8,9 @@ so no slice of the stack is ever materialized.
 Schedule (the FORGE kernel's, with a plain epilogue): a persistent grid, one block per SM; two
 compute warpgroups take turns on whole ``tile_m x tile_n`` output tiles, fed by a memory
 warpgroup through one ring of ``x``/``w`` stages; the fp32 accumulator is cast and leaves
-through shared memory with one TMA store per tile.
+through shared memory with one TMA store per tile. With ``transpose_w`` the ``w`` block goes to
+``wgmma`` as a transposed view of shared memory; under the interpreter, which cannot read one
+(jax 0.10.2), it goes through registers into a scratch buffer instead.
 
 A prototype: it lowers for cuda and runs under the Mosaic GPU interpreter; it has not been timed
 on a GPU yet (experiments/bench_stacked_matmul.py).
@@ -35,7 +37,8 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 @dataclasses.dataclass(frozen=True)
 class StackedMatmulConfig:
-  """Tiling (jax's Hopper matmul TuningConfig defaults; 192 KiB of shared memory).
+  """Tiling; the defaults are those of jax's Hopper matmul (ops/gpu/hopper_matmul_mgpu.py) with
+  its two compute warpgroups, and take 192 KiB of shared memory.
 
   Attributes:
     tile_m, tile_n: output rows / columns per tile (one compute warpgroup's), multiples of 64,
