@@ -25,6 +25,7 @@ LONGEST_FIRST = (
     "test_fused_dw_mosaic.py",
     "test_ablations_notebook.py",
     "test_lowp.py",
+    "test_stacked_matmul.py",
     "test_experiments_smoke.py",
     "test_bench_models.py",
     "test_optimizers.py",

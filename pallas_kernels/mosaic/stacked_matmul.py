@@ -1,0 +1,249 @@
+"""``y = x @ w_stack[layer]`` (or ``x @ w_stack[layer].T``) on Hopper, reading the stack in place.
+
+Inside ``lax.scan`` over a stacked weight, XLA copies ``w_stack[l]`` out of the stack before every
+GEMM. This kernel takes the whole stack as one ``[L*R, C]`` operand and the layer as a runtime row
+offset read from an int32 vector in device memory (as :mod:`pallas_kernels.mosaic.kernel` does),
+so no slice of the stack is ever materialized.
+
+Schedule (the FORGE kernel's, with a plain epilogue): a persistent grid, one block per SM; two
+compute warpgroups take turns on whole ``tile_m x tile_n`` output tiles, fed by a memory
+warpgroup through one ring of ``x``/``w`` stages; the fp32 accumulator is cast and leaves
+through shared memory with one TMA store per tile. With ``transpose_w`` the ``w`` block goes to
+``wgmma`` as a transposed view of shared memory; under the interpreter, which cannot read one
+(jax 0.10.2), it goes through registers into a scratch buffer instead.
+
+A prototype: it lowers for cuda and runs under the Mosaic GPU interpreter; it has not been timed
+on a GPU yet (experiments/bench_stacked_matmul.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional, Union
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic import config as mcfg
+from pallas_kernels.mosaic.kernel import _interpret_params, planar_snake
+
+_WGS = 2  # compute warpgroups
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedMatmulConfig:
+  """Tiling; the defaults are those of jax's Hopper matmul (ops/gpu/hopper_matmul_mgpu.py) with
+  its two compute warpgroups, and take 192 KiB of shared memory.
+
+  Attributes:
+    tile_m, tile_n: output rows / columns per tile (one compute warpgroup's), multiples of 64,
+      ``tile_n`` at most 256.
+    tile_k: contraction elements per pipeline step, a multiple of 64.
+    max_concurrent_steps: stages of the ``x``/``w`` ring (at least 2).
+    grid_tile_width: the persistent loop walks bands of this many tiles along N.
+    num_sms: persistent grid size; ``None``: the device's SM count (132 off a GPU).
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  max_concurrent_steps: int = 4
+  grid_tile_width: int = 8
+  num_sms: Optional[int] = None
+
+  def smem_bytes(self, itemsize: int = 2) -> int:
+    stage = (self.tile_m * self.tile_k + self.tile_k * self.tile_n) * itemsize
+    return self.max_concurrent_steps * stage + _WGS * self.tile_m * self.tile_n * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  cfg: StackedMatmulConfig
+  m: int
+  k: int
+  n: int
+  transpose_w: bool
+  num_sms: int
+  interpreting: bool
+
+
+def _transforms(cols: int, dtype) -> tuple:
+  """Tiling + swizzle of a shared-memory buffer whose rows hold ``cols`` elements."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(min(cols * itemsize, 128) * 8)
+  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
+  cfg, dtype = plan.cfg, x_gmem.dtype
+  tm, tn, tk, stages = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.max_concurrent_steps
+  m_iters, n_iters, k_iters = plan.m // tm, plan.n // tn, plan.k // tk
+  w_block = (tn, tk) if plan.transpose_w else (tk, tn)
+
+  @functools.partial(
+      pl.run_scoped,
+      x_stages=plgpu.SMEM((stages, tm, tk), dtype, transforms=_transforms(tk, dtype)),
+      w_stages=plgpu.SMEM((stages, *w_block), dtype, transforms=_transforms(w_block[1], dtype)),
+      stage_ready=plgpu.Barrier(num_arrivals=2, num_barriers=_WGS * stages),
+      stage_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      out_smem=plgpu.SMEM((_WGS, tm, tn), dtype, transforms=_transforms(tn, dtype)),
+      # The 0.10.2 interpreter reads no transposed operand: the w block goes through registers.
+      wt_smem=(plgpu.SMEM((_WGS, tk, tn), dtype, transforms=_transforms(tn, dtype))
+               if plan.interpreting and plan.transpose_w else None),
+      collective_axes="wg",
+  )
+  def _scope(x_stages, w_stages, stage_ready, stage_free, out_smem, wt_smem):
+    wg_idx, block = lax.axis_index("wg"), lax.axis_index("sm")
+    num_local = lax.div(m_iters * n_iters - block + (plan.num_sms - 1), jnp.int32(plan.num_sms))
+    tile_coords = lambda i: planar_snake(block + i * plan.num_sms, m_iters, n_iters,
+                                         cfg.grid_tile_width)
+    # The layer is a row offset into the [L*R, C] view of the stack.
+    w_row0 = layer_gmem[0] * (plan.n if plan.transpose_w else plan.k)
+
+    @pl.when(wg_idx == _WGS)
+    def _memory_warpgroup():
+      plgpu.set_max_registers(mcfg.MEMORY_REGISTERS, action="decrease")
+
+      @pl.loop(0, num_local)
+      def _tile(i):
+        m_idx, n_idx = tile_coords(i)
+        ready_base = lax.rem(i, _WGS) * stages  # the owner's barriers
+
+        @pl.loop(0, k_iters)
+        def _step(k):
+          step = i * k_iters + k
+          slot = lax.rem(step, stages)
+          pl.when(step >= stages)(lambda: plgpu.barrier_wait(stage_free.at[slot]))
+          ready = stage_ready.at[ready_base + slot]
+          plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(m_idx * tm, tm), pl.ds(k * tk, tk)],
+                                  x_stages.at[slot], ready)
+          if plan.transpose_w:  # rows of W[l] are output columns
+            window = pl.ds(w_row0 + n_idx * tn, tn), pl.ds(k * tk, tk)
+          else:
+            window = pl.ds(w_row0 + k * tk, tk), pl.ds(n_idx * tn, tn)
+          plgpu.copy_gmem_to_smem(w_gmem.at[window], w_stages.at[slot], ready)
+
+      total = num_local * k_iters
+
+      @pl.loop(jnp.maximum(total - stages, 0), total)
+      def _drain(step):  # every completion of a barrier is awaited before it goes away
+        plgpu.barrier_wait(stage_free.at[lax.rem(step, stages)])
+
+    @pl.when(wg_idx < _WGS)
+    def _compute_warpgroup():
+      plgpu.set_max_registers(min(256, (512 - mcfg.MEMORY_REGISTERS) // _WGS) // 8 * 8,
+                              action="increase")
+
+      @pl.loop(0, lax.div(num_local - wg_idx + (_WGS - 1), _WGS))
+      def _tile(j):
+        i = wg_idx + j * _WGS  # tiles wg_idx, wg_idx + 2, ... of this block's list
+        m_idx, n_idx = tile_coords(i)
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+        def _acc_scope(acc_ref):
+          @pl.loop(0, k_iters)
+          def _step(k):
+            step = i * k_iters + k
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(stage_ready.at[wg_idx * stages + slot])
+            w_ref = w_stages.at[slot]
+            if plan.transpose_w and plan.interpreting:
+              plgpu.wgmma_wait(0)  # the previous step's wgmma has read the scratch block
+              wt_smem.at[wg_idx][...] = w_ref[...].T
+              plgpu.commit_smem()
+              w_ref = wt_smem.at[wg_idx]
+            elif plan.transpose_w:
+              w_ref = w_ref.transpose((1, 0))  # wgmma's transposed view of shared memory
+            plgpu.wgmma(acc_ref, x_stages.at[slot], w_ref)
+            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: free its stage
+            prev_slot = lax.rem(step + (stages - 1), stages)
+            pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
+
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(stage_free.at[lax.rem(i * k_iters + (k_iters - 1), stages)])
+          out = acc_ref[...].astype(out_smem.dtype)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read out
+          out_smem.at[wg_idx][...] = out
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[wg_idx],
+                                  out_gmem.at[pl.ds(m_idx * tm, tm), pl.ds(n_idx * tn, tn)])
+
+    plgpu.wait_smem_to_gmem(0)  # every result is in device memory before the kernel exits
+
+
+def problem(x, w_stack, transpose_w: bool, cfg: StackedMatmulConfig) -> Optional[str]:
+  """Why the kernel cannot take these operands (shapes/dtypes only), or ``None``."""
+  if getattr(x, "ndim", None) != 2 or getattr(w_stack, "ndim", None) != 3:
+    return (f"x must be [M, K] and w_stack [L, K, N] (or [L, N, K] with transpose_w); got "
+            f"{getattr(x, 'shape', x)} and {getattr(w_stack, 'shape', w_stack)}")
+  if x.dtype != w_stack.dtype or jnp.dtype(x.dtype) not in _DTYPES:
+    return f"x and w_stack must both be bfloat16 or both float16; got {x.dtype}, {w_stack.dtype}"
+  m, k = x.shape
+  n = w_stack.shape[1] if transpose_w else w_stack.shape[2]
+  k_w = w_stack.shape[2] if transpose_w else w_stack.shape[1]
+  if k != k_w:
+    what = "w_stack.shape[2] (transpose_w)" if transpose_w else "w_stack.shape[1]"
+    return f"x.shape[1]={k} must equal {what}={k_w}"
+  if w_stack.shape[0] < 1:
+    return "w_stack has no layer"
+  c = cfg
+  if c.tile_m % 64 or c.tile_n % 64 or c.tile_k % 64 or c.tile_n > 256 or min(c.tile_m, c.tile_k) < 64:
+    return f"tile_m={c.tile_m}, tile_n={c.tile_n}, tile_k={c.tile_k} must be multiples of 64 (tile_n <= 256)"
+  if c.max_concurrent_steps < 2:
+    return f"max_concurrent_steps={c.max_concurrent_steps} must be at least 2"
+  if m % c.tile_m or n % c.tile_n or k % c.tile_k:
+    return (f"M={m}, N={n}, K={k} must be multiples of tile_m={c.tile_m}, tile_n={c.tile_n}, "
+            f"tile_k={c.tile_k}")
+  if (smem := c.smem_bytes(jnp.dtype(x.dtype).itemsize)) > mcfg.SMEM_BUDGET_BYTES:
+    return f"the config needs {smem} bytes of shared memory (at most {mcfg.SMEM_BUDGET_BYTES})"
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_w", "config", "interpret"))
+def stacked_matmul(x: jax.Array, w_stack: jax.Array, layer: Any, *, transpose_w: bool = False,
+                   config: Optional[StackedMatmulConfig] = None,
+                   interpret: Union[bool, Any] = False) -> jax.Array:
+  """``x @ w_stack[layer]`` (``x @ w_stack[layer].T`` with ``transpose_w``), f32 accumulation.
+
+  Args:
+    x: [M, K], bfloat16 or float16.
+    w_stack: [L, K, N] (or [L, N, K] with ``transpose_w``: ``dX = dy @ W[l].T`` is
+      ``stacked_matmul(dy, W, l, transpose_w=True)``), the dtype of ``x``; read in place.
+    layer: an integer scalar (may be traced); as in ``lax.dynamic_index_in_dim``, a negative one
+      counts from the end, and the result is clamped to ``[0, L)``.
+    config: tiling; ``None``: :class:`StackedMatmulConfig`'s defaults.
+    interpret: run on CPU under the Mosaic GPU interpreter (``True`` or ``InterpretGPUParams``).
+
+  Returns:
+    [M, N] in the dtype of ``x``.
+
+  Raises:
+    ValueError: for operands or a config the kernel cannot take.
+  """
+  cfg = config or StackedMatmulConfig()
+  if why := problem(x, w_stack, transpose_w, cfg):
+    raise ValueError(f"stacked_matmul: {why}")
+  layer = jnp.asarray(layer)
+  if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
+    raise ValueError(f"stacked_matmul: layer must be an integer scalar; got {layer.dtype}{list(layer.shape)}")
+  num_layers, rows, cols = w_stack.shape
+  (m, k), n = x.shape, (rows if transpose_w else cols)
+  params = _interpret_params(interpret)
+  plan = _Plan(cfg, m, k, n, transpose_w, mcfg.grid_size(cfg), params is not None)
+  # As lax.dynamic_index_in_dim: a negative layer counts from the end, then clamped into [0, L).
+  layer = layer.astype(jnp.int32)
+  layer_vec = jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1).reshape(1)
+  mesh = plgpu.Mesh(grid=(plan.num_sms,), grid_names=("sm",), num_threads=_WGS + 1,
+                    thread_name="wg")
+  call = pl.kernel(
+      functools.partial(_kernel, plan=plan), out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+      mesh=mesh, name="stacked_matmul",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **({} if params is None else dict(interpret=params)))
+  # A reshape of the whole stack (a bitcast), not a slice of it.
+  return call(x, w_stack.reshape(num_layers * rows, cols), layer_vec)

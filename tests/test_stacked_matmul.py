@@ -1,0 +1,161 @@
+"""``stacked_matmul``: one layer of a stacked weight read in place by a Mosaic GPU GEMM.
+
+On a CPU: the Mosaic GPU interpreter runs the kernel (persistent tile loop, the ping-pong
+pipeline, barriers, TMA in and out) against ``x @ w_stack[l]`` in float32; the real kernel
+(wgmma's transposed view of the ``w`` block included, which the interpreter cannot read: there
+the block goes through registers) is lowered for cuda, inside a ``lax.scan`` over the layers.
+
+Tolerance: both sides sum bf16 products in float32, in different orders; the kernel's output is
+rounded to bf16, so the two may differ by about one bf16 ulp of the result (``rtol=2**-7`` plus
+an ``atol`` of that size against the result's scale).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mosaic.stacked_matmul import StackedMatmulConfig, stacked_matmul
+from tests._lowering import lower_for_cuda
+
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")
+
+BF16 = jnp.bfloat16
+# 64x64 tiles on one block: a 128x192 output is six tiles, three per compute warpgroup, and a
+# K of 128 two steps of a two-stage ring, so the ring wraps within and across tiles.
+SMALL = StackedMatmulConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
+                            grid_tile_width=2, num_sms=1)
+M, K, N, L = 128, 128, 192, 3
+# Out of range: 7 is clamped to L - 1; -1 counts from the end; -5 (-2 from the end) is clamped to 0.
+LAYERS = (0, 2, 7, -1, -5)
+
+
+def _operands(transpose_w: bool):
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (M, K), BF16)
+  w = jax.random.normal(kw, (L, N, K) if transpose_w else (L, K, N), BF16)
+  return x, w
+
+
+def _expected(x, w, layer, transpose_w):
+  w_l = np.asarray(lax.dynamic_index_in_dim(w, layer, keepdims=False), np.float32)
+  return np.asarray(x, np.float32) @ (w_l.T if transpose_w else w_l)
+
+
+def _check(got, want):
+  got = np.asarray(got, np.float32)
+  np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["forward", "transposed"])
+def test_matches_the_layer_it_is_given(transpose_w):
+  """A static layer, then layers traced inside a ``lax.map`` (a scan), some out of range, against
+  ``lax.dynamic_index_in_dim``'s choice of layer."""
+  x, w = _operands(transpose_w)
+  run = functools.partial(stacked_matmul, transpose_w=transpose_w, config=SMALL, interpret=True)
+  y = run(x, w, 1)
+  assert y.shape == (M, N) and y.dtype == BF16
+  _check(y, _expected(x, w, 1, transpose_w))
+  ys = jax.jit(lambda ls: lax.map(lambda l: run(x, w, l), ls))(jnp.array(LAYERS, jnp.int32))
+  for layer, got in zip(LAYERS, ys):
+    _check(got, _expected(x, w, layer, transpose_w))
+  # Every layer's product differs from the others' (a kernel reading a wrong layer fails).
+  assert not np.allclose(_expected(x, w, 0, transpose_w), _expected(x, w, 2, transpose_w), atol=1)
+
+
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["forward", "transposed"])
+def test_lowers_for_cuda_reading_the_whole_stack(transpose_w):
+  """The default (H200) config lowers for cuda inside a scan over 32 layers (Mosaic GPU checks
+  its shared memory while lowering); the custom call takes the stack whole, and nothing slices
+  it."""
+  sds = jax.ShapeDtypeStruct
+  x = sds((1024, 4096), BF16)
+  w = sds((32, 1024, 4096) if transpose_w else (32, 4096, 1024), BF16)
+
+  def scanned(x, w):  # the layer is the carry's counter: the scan slices nothing itself
+    def step(carry, _):
+      h, l = carry
+      return (h + stacked_matmul(x, w, l, transpose_w=transpose_w)[:8, :8].sum(), l + 1), None
+    return lax.scan(step, (jnp.zeros((), BF16), jnp.int32(0)), length=32)[0]
+
+  text = lower_for_cuda(scanned, x, w)
+  calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  assert len(calls) == 1
+  stack = "32768x4096" if transpose_w else "131072x1024"  # [L*R, C]: every layer
+  assert f"(tensor<1024x4096xbf16>, tensor<{stack}xbf16>, tensor<1xi32>)" in calls[0]
+  for op in ("dynamic_slice", "gather"):
+    assert op not in text.replace(calls[0], ""), op
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    (((M, K), jnp.float32, (L, K, N), jnp.float32), {}, "bfloat16 or both float16"),
+    (((M, K), BF16, (L, K, N), jnp.float16), {}, "bfloat16 or both float16"),
+    (((M, K), BF16, (L, N, K), BF16), {}, r"x.shape\[1\]=128 must equal w_stack.shape\[1\]=192"),
+    (((M, K), BF16, (L, K, N), BF16), dict(transpose_w=True), r"w_stack.shape\[2\] \(transpose_w\)"),
+    (((M, K), BF16, (K, N), BF16), {}, r"w_stack \[L, K, N\]"),
+    (((96, K), BF16, (L, K, N), BF16), {}, "M=96, N=192, K=128 must be multiples"),
+    (((M, K), BF16, (L, K, N), BF16), dict(config=StackedMatmulConfig(tile_k=32)), "multiples of 64"),
+    (((M, K), BF16, (L, K, N), BF16), dict(config=StackedMatmulConfig(max_concurrent_steps=1)),
+     "at least 2"),
+    (((256, K), BF16, (L, K, 256), BF16),
+     dict(config=StackedMatmulConfig(tile_m=256, tile_n=256, max_concurrent_steps=4)), "shared memory"),
+])
+def test_refuses_what_it_cannot_take(args, kwargs, match):
+  x_shape, x_dtype, w_shape, w_dtype = args
+  sds = jax.ShapeDtypeStruct
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(functools.partial(stacked_matmul, **kwargs), sds(x_shape, x_dtype),
+                   sds(w_shape, w_dtype), sds((), jnp.int32))
+
+
+@pytest.mark.parametrize("layer", [jax.ShapeDtypeStruct((), jnp.float32),
+                                   jax.ShapeDtypeStruct((2,), jnp.int32)])
+def test_refuses_a_layer_that_is_no_integer_scalar(layer):
+  sds = jax.ShapeDtypeStruct
+  with pytest.raises(ValueError, match="layer must be an integer scalar"):
+    jax.eval_shape(functools.partial(stacked_matmul, config=SMALL), sds((M, K), BF16),
+                   sds((L, K, N), BF16), layer)
+
+
+def test_bench_smoke_times_checks_and_reports_every_program(tmp_path):
+  from experiments import bench_stacked_matmul as bench  # pylint: disable=g-import-not-at-top
+  assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "bench_stacked_matmul.json").read_text())
+  rows = result["rows"]
+  assert {(r["impl"], r["direction"]) for r in rows} == {
+      (i, d) for i in bench.IMPLS for d in bench.DIRECTIONS}
+  for row in rows:
+    assert row["status"] == "ok" and row["ms"] > 0 and row["sum_ok"], row
+    if row["impl"] == "stacked":
+      assert row["layer_ok"] and set(row["layer_rel_err"]) == {"0", "1"}, row
+  table = (tmp_path / "bench_stacked_matmul.md").read_text()
+  assert table.count("| ok |") == 2 and "FAILED" not in table
+  assert result["info"]["command"].startswith("python -m experiments.bench_stacked_matmul --smoke")
+
+
+def test_bench_flags_a_kernel_that_reads_the_wrong_layer(tmp_path, monkeypatch):
+  """The checks fail when the kernel's results do (here: a stand-in reading layer 0 always);
+  ``--profile`` adds the device-time table."""
+  from experiments import bench_stacked_matmul as bench  # pylint: disable=g-import-not-at-top
+
+  def wrong_layer(x, w_stack, layer, *, transpose_w=False, config=None, interpret=False):
+    del layer, config, interpret
+    return jnp.dot(x, w_stack[0].T if transpose_w else w_stack[0])
+
+  monkeypatch.setattr(bench, "stacked_matmul", wrong_layer)
+  assert bench.main(["--smoke", "--impls", "xla_scan", "stacked", "--profile",
+                     "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "bench_stacked_matmul.json").read_text())["rows"]
+  stacked = [r for r in rows if r["impl"] == "stacked"]
+  assert len(stacked) == 2 and not any(r["layer_ok"] or r["sum_ok"] for r in stacked)
+  table = (tmp_path / "bench_stacked_matmul.md").read_text()
+  assert table.count("FAILED") == 2
+  # --profile: every program traced (a CPU has no device plane: no kinds, but the rows exist).
+  assert all(r["profile"]["calls"] == bench.PROFILE_CALLS for r in rows)
+  assert table.count("| 64x128x128 | forward | xla_scan |") == 1
