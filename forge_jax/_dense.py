@@ -317,14 +317,20 @@ forge_matmul.defvjp(_forge_matmul_fwd, _forge_matmul_bwd, symbolic_zeros=True)
 def forge_matmul_stacked(optimizer, dtype, precision, backend, decay, config, path, x,
                          kernels, kstates, layer, layout=None):
   """``x @ kernels[layer]`` whose VJP updates layer ``layer`` of the stacks in place."""
-  del optimizer, backend, decay, config, path, layout, kstates
-  return _dot(x, jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False).astype(dtype), precision)
+  del optimizer, decay, config, path, kstates
+  return _stacked_forward(x, kernels, layer, dtype, precision, backend, layout)
+
+
+def _stacked_forward(x, kernels, layer, dtype, precision, backend, layout):
+  if layout is not None or kernels.dtype != dtype:
+    return _dot(x, jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False).astype(dtype), precision)
+  return _fused.stacked_dot(x, kernels, layer, backend=backend, precision=precision)
 
 
 def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, path,
                               x, kernels, kstates, layer, layout=None):
-  w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
-  return _dot(x, w.astype(dtype), precision), (x, kernels, kstates, layer)
+  return (_stacked_forward(x, kernels, layer, dtype, precision, backend, layout),
+          (x, kernels, kstates, layer))
 
 
 def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, config, path, layout,
@@ -337,10 +343,13 @@ def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, confi
   x, kernels, kstates, layer = res
   # One backward pass per layer of the stack: the loop over the layers is not a reuse.
   dy = _reuse.mark_backward(dy, name, stacked=True)
-  w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
-  dx = jax.lax.dot_general(
-      dy, w.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
-  )
+  if layout is not None or kernels.dtype != dtype or dy.dtype != dtype:
+    w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
+    dx = jax.lax.dot_general(
+        dy, w.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
+    )
+  else:  # reads layer `layer` of the stack in place where the Mosaic stacked GEMM runs
+    dx = _fused.stacked_dot(dy, kernels, layer, transpose=True, backend=backend, precision=precision)
   new_kernels, new_opt, sq = _update(
       layout, name, x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
       decay=decay, config=config, stream=stream, apply=_APPLY.get(),

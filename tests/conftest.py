@@ -213,3 +213,27 @@ def pytest_xdist_make_scheduler(config, log):
       super()._assign_work_unit(node)
 
   return LongestFirst(config, log)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  """``forge_jax._fused`` sees a GPU; each fused-update kernel entry records ``(name, config,
+  interpret)`` in the returned list and returns the reference's result."""
+  import pallas_kernels as fd  # pylint: disable=g-import-not-at-top
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import mosaic as fm  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def fake(name):
+    def run(x, dy, w, slots, scalars, update_fn, *, layer=None, config=None,
+            compute_grad_sq_norm=False, interpret=False, config_checked=False, **rounding):
+      calls.append((name, config, interpret))
+      return fd.fused_dw_update_reference(
+          x, dy, w, slots, scalars, update_fn, layer=layer, compute_grad_sq_norm=compute_grad_sq_norm,
+          **rounding)  # weight_codec, seed, step: the kernels write the reference's bits
+    return run
+
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  monkeypatch.setattr(fd, "fused_dw_update", fake("pallas"))
+  monkeypatch.setattr(fm, "fused_dw_update_mosaic", fake("mosaic"))
+  return calls

@@ -128,24 +128,7 @@ def test_mosaic_interpret_falls_back_once_per_reason():
 # ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-  """``_fused`` sees a GPU; each kernel entry records its call and returns the reference."""
-  calls = []
-
-  def fake(name):
-    def run(x, dy, w, slots, scalars, update_fn, *, layer=None, config=None,
-            compute_grad_sq_norm=False, interpret=False, config_checked=False, **rounding):
-      calls.append((name, config, interpret))
-      return fd.fused_dw_update_reference(
-          x, dy, w, slots, scalars, update_fn, layer=layer, compute_grad_sq_norm=compute_grad_sq_norm,
-          **rounding)  # weight_codec, seed, step: the kernels write the reference's bits
-    return run
-
-  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
-  monkeypatch.setattr(fd, "fused_dw_update", fake("pallas"))
-  monkeypatch.setattr(fm, "fused_dw_update_mosaic", fake("mosaic"))
-  return calls
+# `fake_gpu` (tests/conftest.py): _fused sees a GPU; the kernel entries record and return the reference.
 
 
 def test_mosaic_runs_the_mosaic_kernel_where_supported(fake_gpu):

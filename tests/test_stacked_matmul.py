@@ -18,8 +18,11 @@ import json
 import jax
 from jax import lax
 import jax.numpy as jnp
+import flax.linen as nn
 import numpy as np
 import pytest
+
+import forge_jax
 
 from pallas_kernels.mosaic.stacked_matmul import StackedMatmulConfig, stacked_matmul
 from tests._lowering import lower_for_cuda
@@ -159,3 +162,92 @@ def test_bench_flags_a_kernel_that_reads_the_wrong_layer(tmp_path, monkeypatch):
   # --profile: every program traced (a CPU has no device plane: no kinds, but the rows exist).
   assert all(r["profile"]["calls"] == bench.PROFILE_CALLS for r in rows)
   assert table.count("| 64x128x128 | forward | xla_scan |") == 1
+
+
+class _Block(nn.Module):
+  opt: object
+  backend: str
+
+  @nn.compact
+  def __call__(self, x):
+    dense = functools.partial(forge_jax.Dense, optimizer=self.opt, param_dtype=BF16, dtype=BF16,
+                              use_bias=False, backend=self.backend)
+    return x + dense(128)(jax.nn.gelu(dense(256)(x)))
+
+
+class _Stack(nn.Module):
+  opt: object
+  backend: str
+
+  @nn.compact
+  def __call__(self, x):
+    return forge_jax.ScannedStack(functools.partial(_Block, self.opt, self.backend), 2)(x)
+
+
+def _train(backend, steps=2):
+  opt = forge_jax.adamw(1e-2)
+  x = jax.random.normal(jax.random.key(1), (2, 64, 128), BF16)  # 128 rows: one tile_m
+  model = _Stack(opt, backend)
+  variables = _Stack(opt, "xla").init(jax.random.key(0), x)
+  state = forge_jax.TrainState.create(model.apply, variables, opt)
+  loss_fn = lambda v, b: jnp.mean(jnp.square(model.apply(v, b["x"]).astype(jnp.float32)))
+  losses = []
+  for _ in range(steps):
+    state, metrics = forge_jax.train_step(state, {"x": x}, loss_fn)
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
+def _reference_spy(calls):
+  """``stacked_matmul`` as XLA computes ``x @ w[l]`` (the same bits), recording each call."""
+  def run(x, w_stack, layer, *, transpose_w=False, config=None, interpret=False):
+    del config
+    calls.append((x.shape, w_stack.shape, transpose_w, interpret))
+    w = lax.dynamic_index_in_dim(w_stack, layer, keepdims=False)
+    return lax.dot_general(x, w, (((1,), (1 if transpose_w else 0,)), ((), ())))
+  return run
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "auto"])
+def test_scanned_stack_reads_its_layers_in_place_on_a_hopper_gpu(fake_gpu, monkeypatch, backend):
+  """On a Hopper GPU (faked) a ScannedStack's forward and dX products are ``stacked_matmul`` calls
+  on the whole stacks, forward and transposed, never a slice; with the kernel computing what XLA
+  does, training is bit for bit XLA's."""
+  from pallas_kernels.mosaic import stacked_matmul as sm  # pylint: disable=g-import-not-at-top
+  calls = []
+  monkeypatch.setattr(sm, "stacked_matmul", _reference_spy(calls))
+  want, want_losses = _train("xla")
+  assert not calls
+  got, got_losses = _train(backend)
+  assert {(c[0], c[1], c[2]) for c in calls} == {
+      ((128, 128), (2, 128, 256), False), ((128, 256), (2, 256, 128), False),
+      ((128, 128), (2, 256, 128), True), ((128, 256), (2, 128, 256), True)}
+  assert got_losses == want_losses
+  for a, b in zip(jax.tree.leaves((want.params, want.forge_state)),
+                  jax.tree.leaves((got.params, got.forge_state))):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel (a GPU case)")
+def test_scanned_stack_with_the_compiled_kernel_trains_as_xla():
+  want, want_losses = _train("xla")
+  got, got_losses = _train("mosaic")
+  np.testing.assert_allclose(got_losses, want_losses, rtol=2e-2)
+  for a, b in zip(jax.tree.leaves(want.params), jax.tree.leaves(got.params)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    # bf16 products summed in other orders: the updated weights differ by about one bf16 ulp.
+    np.testing.assert_allclose(b, a, rtol=2**-6, atol=2**-6 * np.abs(a).max())
+
+
+def test_stacked_dot_falls_back_to_xla_off_its_tiling(fake_gpu, monkeypatch):
+  """Rows off the kernel's tiling, float32 operands or the xla backend: XLA's slice and dot."""
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.mosaic import stacked_matmul as sm  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(sm, "stacked_matmul", lambda *a, **k: pytest.fail("took the kernel"))
+  w = jax.random.normal(jax.random.key(0), (3, 128, 256), BF16)
+  for x, backend in ((jnp.ones((2, 40, 128), BF16), "mosaic"),
+                     (jnp.ones((128, 128), jnp.float32), "mosaic"),
+                     (jnp.ones((128, 128), BF16), "xla"),
+                     (jnp.ones((128, 128), BF16), "mosaic_interpret")):
+    got = _fused.stacked_dot(x, w.astype(x.dtype), 1, backend=backend)
+    np.testing.assert_array_equal(got, x @ w[1].astype(x.dtype))
