@@ -148,7 +148,37 @@ def _policy(remat: bool, policy: Any) -> Callable:
   ``remat``, else :func:`save_all_but_elementwise`."""
   if not remat:
     return save_all_but_elementwise
-  return policy or jax.checkpoint_policies.nothing_saveable
+  if policy is None:
+    return jax.checkpoint_policies.nothing_saveable
+  return _StackedGemmAsDot(policy)
+
+
+# The name of the Mosaic stacked GEMM's kernel call (pallas_kernels.mosaic.stacked_matmul).
+_STACKED_GEMM = "stacked_matmul"
+
+
+class _StackedGemmAsDot:
+  """``policy`` that judges the Mosaic stacked GEMM (which computes a stacked layer's forward
+  product on a Hopper GPU, see ``forge_jax._fused.stacked_dot``) as the ``dot_general`` it stands
+  for, so that ``dots_saveable`` and its kin save it as they save XLA's dot. Hashable and equal by
+  the policy it wraps."""
+
+  def __init__(self, policy: Callable):
+    self.policy = policy
+
+  def __call__(self, prim, *avals, **params):
+    name = params.get("name", getattr(params.get("name_and_src_info"), "name", None))
+    if name == _STACKED_GEMM and len(avals) >= 2:
+      return self.policy(jax.lax.dot_general_p, avals[0], avals[1],
+                         dimension_numbers=(((1,), (0,)), ((), ())), precision=None,
+                         preferred_element_type=None)
+    return self.policy(prim, *avals, **params)
+
+  def __eq__(self, other):
+    return isinstance(other, _StackedGemmAsDot) and other.policy == self.policy
+
+  def __hash__(self):
+    return hash((_StackedGemmAsDot, self.policy))
 
 
 def _checkpointed(fn: Callable, remat: bool, policy: Any) -> Callable:

@@ -251,3 +251,47 @@ def test_stacked_dot_falls_back_to_xla_off_its_tiling(fake_gpu, monkeypatch):
                      (jnp.ones((128, 128), BF16), "mosaic_interpret")):
     got = _fused.stacked_dot(x, w.astype(x.dtype), 1, backend=backend)
     np.testing.assert_array_equal(got, x @ w[1].astype(x.dtype))
+
+
+class _PolicyStack(nn.Module):
+  policy: object
+
+  @nn.compact
+  def __call__(self, x):
+    block = functools.partial(_Block, forge_jax.adamw(1e-2), "mosaic")
+    return forge_jax.ScannedStack(block, 2, remat=True, remat_policy=self.policy)(x)
+
+
+def _forward_residuals(policy):
+  """The shapes a ScannedStack's forward scan saves per layer, from the train step's jaxpr."""
+  x = jnp.ones((2, 64, 128), BF16)
+  model = _PolicyStack(policy)
+  state = forge_jax.TrainState.create(model.apply, model.init(jax.random.key(0), x),
+                                      forge_jax.adamw(1e-2))
+  loss_fn = lambda v, b: jnp.mean(jnp.square(model.apply(v, b["x"]).astype(jnp.float32)))
+  jaxpr = jax.make_jaxpr(lambda s: forge_jax.train_step(s, {"x": x}, loss_fn))(state).jaxpr
+  found = []
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      if eqn.primitive.name == "scan" and eqn.params.get("length") == 2 and len(eqn.outvars) > 1:
+        found.append([tuple(v.aval.shape) for v in eqn.outvars[1:]])  # after the carried x
+      for p in eqn.params.values():
+        for sub in p if isinstance(p, (list, tuple)) else [p]:
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jaxpr)
+  assert found, "no forward scan over the 2 layers in the step's jaxpr"
+  return found[0]
+
+
+def test_dots_saveable_saves_the_stacked_gemm_products(fake_gpu):
+  """On a Hopper GPU a stacked layer's forward product is the Mosaic stacked GEMM, not a
+  dot_general: ``dots_saveable`` must still save it (a [layers, rows, features] residual), where
+  ``remat_policy=None`` saves only each block's input."""
+  del fake_gpu
+  saved = _forward_residuals(jax.checkpoint_policies.dots_saveable)
+  assert (2, 128, 256) in saved, saved  # the first Dense's product, stacked over the 2 layers
+  assert (2, 128, 256) not in _forward_residuals(None)
