@@ -34,6 +34,7 @@ from typing import Any, Optional
 import warnings
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 
@@ -136,6 +137,10 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, write_back=No
   return (None, cfg) if cfg is not None else (reason, None)
 
 
+# The checkpoint name of a product that stacked_dot computes with the Mosaic stacked GEMM.
+STACKED_DOT_NAME = "forge_jax.stacked_dot"
+
+
 def _stacked_gemm(x, stack, transpose: bool, backend: str, precision):
   """The Mosaic stacked GEMM if it takes ``x @ stack[l]`` for this backend, else None (XLA's
   dynamic slice and dot). Not under ``"mosaic_interpret"``: a scanned block runs under
@@ -168,6 +173,8 @@ def stacked_dot(x, stack, layer, *, transpose: bool = False, backend: str = "aut
   gemm = _stacked_gemm(x, stack, transpose, backend, precision)
   if gemm is not None:
     y = gemm(x.reshape(-1, x.shape[-1]), stack, layer, transpose_w=transpose)
+    # Named, so that a remat policy can judge it as the dot it stands for (forge_jax._stack).
+    y = checkpoint_name(y, STACKED_DOT_NAME)
     return y.reshape(*x.shape[:-1], y.shape[-1])
   w = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False).astype(x.dtype)
   dims = (((x.ndim - 1,), (1 if transpose else 0,)), ((), ()))

@@ -45,6 +45,7 @@ from flax import struct
 from flax import traverse_util
 
 from forge_jax import _dense
+from forge_jax import _fused
 
 FORGE_STATE = _dense.FORGE_STATE
 
@@ -153,23 +154,18 @@ def _policy(remat: bool, policy: Any) -> Callable:
   return _StackedGemmAsDot(policy)
 
 
-# The name of the Mosaic stacked GEMM's kernel call (pallas_kernels.mosaic.stacked_matmul).
-_STACKED_GEMM = "stacked_matmul"
-
-
 class _StackedGemmAsDot:
-  """``policy`` that judges the Mosaic stacked GEMM (which computes a stacked layer's forward
-  product on a Hopper GPU, see ``forge_jax._fused.stacked_dot``) as the ``dot_general`` it stands
-  for, so that ``dots_saveable`` and its kin save it as they save XLA's dot. Hashable and equal by
-  the policy it wraps."""
+  """``policy`` that judges a product of the Mosaic stacked GEMM (a stacked layer's forward
+  product on a Hopper GPU, named by ``forge_jax._fused.stacked_dot``) as the ``dot_general`` it
+  stands for, so that ``dots_saveable`` and its kin save it as they save XLA's dot. Hashable and
+  equal by the policy it wraps."""
 
   def __init__(self, policy: Callable):
     self.policy = policy
 
   def __call__(self, prim, *avals, **params):
-    name = params.get("name", getattr(params.get("name_and_src_info"), "name", None))
-    if name == _STACKED_GEMM and len(avals) >= 2:
-      return self.policy(jax.lax.dot_general_p, avals[0], avals[1],
+    if params.get("name") == _fused.STACKED_DOT_NAME:
+      return self.policy(jax.lax.dot_general_p, *avals,
                          dimension_numbers=(((1,), (0,)), ((), ())), precision=None,
                          preferred_element_type=None)
     return self.policy(prim, *avals, **params)
