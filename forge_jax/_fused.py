@@ -141,6 +141,13 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, write_back=No
 STACKED_DOT_NAME = "forge_jax.stacked_dot"
 
 
+# The most rows (tokens) a stacked product takes the Mosaic GEMM for. Measured on the H200,
+# Llama-3.1-8B scanned without remat: at 1x1024 tokens 124.7 ms a step with it against 130.1 with
+# XLA's slice + dot; per layer at T=4096 it runs 0.94-1.06x unrolled XLA's GEMMs; but the 8x1024
+# step took 788 ms with it against 682 ms without (separate runs, not yet explained).
+STACKED_GEMM_MAX_ROWS = 4096
+
+
 def _stacked_gemm(x, stack, transpose: bool, backend: str, precision):
   """The Mosaic stacked GEMM if it takes ``x @ stack[l]`` for this backend, else None (XLA's
   dynamic slice and dot). Not under ``"mosaic_interpret"``: a scanned block runs under
@@ -155,6 +162,8 @@ def _stacked_gemm(x, stack, transpose: bool, backend: str, precision):
   except Exception:  # pylint: disable=broad-except  (a jax without Mosaic GPU)
     return None
   x2 = jax.ShapeDtypeStruct((int(np.prod(x.shape[:-1])), x.shape[-1]), x.dtype)
+  if x2.shape[0] > STACKED_GEMM_MAX_ROWS:
+    return None
   if sm.problem(x2, stack, transpose, sm.StackedMatmulConfig()) is not None:
     return None
   return sm.stacked_matmul
@@ -166,7 +175,8 @@ def stacked_dot(x, stack, layer, *, transpose: bool = False, backend: str = "aut
   Inside a scan over layers XLA copies ``stack[layer]`` out of the stack before its dot (on the
   H200, Llama-3.1-8B at 1x1024: about 15 ms of a 130 ms step). Where ``backend`` runs the Mosaic
   kernel on a Hopper GPU (``"auto"``, ``"mosaic"``) and the shapes fit its tiling (bf16 or f16
-  operands of one dtype; rows, K and N multiples of 128, 64 and 128), the product is
+  operands of one dtype; rows, K and N multiples of 128, 64 and 128; at most
+  ``STACKED_GEMM_MAX_ROWS`` rows), the product is
   :func:`pallas_kernels.mosaic.stacked_matmul.stacked_matmul`, which reads the layer in place;
   elsewhere XLA's ``dynamic_index_in_dim`` and ``dot_general``, in ``x``'s dtype.
   """

@@ -240,12 +240,14 @@ def test_scanned_stack_with_the_compiled_kernel_trains_as_xla():
 
 
 def test_stacked_dot_falls_back_to_xla_off_its_tiling(fake_gpu, monkeypatch):
-  """Rows off the kernel's tiling, float32 operands or the xla backend: XLA's slice and dot."""
+  """Rows off the kernel's tiling or too many, float32 operands, other backends: XLA's slice and
+  dot."""
   from forge_jax import _fused  # pylint: disable=g-import-not-at-top
   from pallas_kernels.mosaic import stacked_matmul as sm  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(sm, "stacked_matmul", lambda *a, **k: pytest.fail("took the kernel"))
   w = jax.random.normal(jax.random.key(0), (3, 128, 256), BF16)
   for x, backend in ((jnp.ones((2, 40, 128), BF16), "mosaic"),
+                     (jnp.ones((2, 4096, 128), BF16), "mosaic"),  # over STACKED_GEMM_MAX_ROWS
                      (jnp.ones((128, 128), jnp.float32), "mosaic"),
                      (jnp.ones((128, 128), BF16), "xla"),
                      (jnp.ones((128, 128), BF16), "mosaic_interpret")):
