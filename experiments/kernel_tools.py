@@ -1,8 +1,9 @@
 """The Mosaic GPU kernel engineer's tools: in-kernel profile, Nsight Compute counters, ptxas report.
 
 One call of ``pallas_kernels.mosaic.fused_dw_update_mosaic`` (bf16 x/dy, a T x K x N problem,
-an optimizer, weight and state storage, the default tiling or ``--config-json`` fields) examined
-three ways, on a Hopper GPU, from the repository root:
+an optimizer, weight and state storage, the default tiling or ``--config-json`` fields; the rule
+guarded against non-finite gradient elements as forge_jax's layers run it, or bare with
+``--no-guard``) examined three ways, on a Hopper GPU, from the repository root:
 
     # Mosaic GPU's in-kernel profiler: time per named region (fdw_mainloop, fdw_epilogue,
     # fdw_epi_wait, ...) per warpgroup, from its Chrome traces (kept gzipped in --out).
@@ -82,6 +83,7 @@ def kernel_call(args, profile: Optional[tuple[int, str]] = None):
   """``(step, operands, config)``: the jitted kernel call (W and states donated) and its inputs."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
   try:
     from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
   except ImportError:  # a checkout from before pallas_kernels/mosaic/ (same entry points)
@@ -94,9 +96,12 @@ def kernel_call(args, profile: Optional[tuple[int, str]] = None):
   if args.interpret:
     cfg = dataclasses.replace(cfg, num_sms=1)
 
+  # As forge_jax runs it: elements with a non-finite gradient skipped, unless --no-guard.
+  update_fn = rule.update if args.no_guard else pallas_kernels.skip_non_finite(rule.update)
+
   def step(w, slots, x, dy, scalars):
     # The seed and step feed stochastic rounding (forge_jax's default int8 maps use it).
-    return mosaic.fused_dw_update_mosaic(x, dy, w, slots, scalars, rule.update, config=cfg,
+    return mosaic.fused_dw_update_mosaic(x, dy, w, slots, scalars, update_fn, config=cfg,
                                          interpret=args.interpret, seed=jnp.uint32(1),
                                          step=jnp.int32(3),
                                          **({} if profile is None else {"profile": profile}))[:2]
@@ -203,7 +208,8 @@ def summarize_ncu_raw(raw_csv: str) -> list[dict[str, Any]]:
 
 def _run_args(args) -> list[str]:
   out = ["--shape", args.shape, "--states", args.states, "--optimizer", args.optimizer]
-  return out + (["--config-json", args.config_json] if args.config_json else [])
+  return (out + (["--config-json", args.config_json] if args.config_json else [])
+          + (["--no-guard"] if args.no_guard else []))
 
 
 def tool_profile(args, out: pathlib.Path) -> dict[str, Any]:
@@ -284,6 +290,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--states", default="float32", choices=STATES,
                       help="weight and state storage (int8: float32 weight, int8 states)")
   parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+  parser.add_argument("--no-guard", action="store_true",
+                      help="the rule alone, without the per-element non-finite guard that "
+                           "forge_jax's layers run (pallas_kernels.skip_non_finite)")
   parser.add_argument("--config-json", default=None, help="MosaicTileConfig fields over the default")
   parser.add_argument("--interpret", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--cuda-profiler-range", action="store_true", help=argparse.SUPPRESS)
@@ -299,7 +308,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   info = _timing.run_info("experiments.kernel_tools", argv)
   result = {"info": info, args.tool: TOOLS[args.tool](args, out)}
   _timing.write_json(out / f"kernel_{args.tool}.json", result)
-  lines = [f"# kernel_tools {args.tool}: {args.shape} {args.optimizer}, {args.states} states", "",
+  guard = ", no guard" if args.no_guard else ""
+  lines = [f"# kernel_tools {args.tool}: {args.shape} {args.optimizer}, {args.states} states{guard}", "",
            f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}.", "",
            "```", json.dumps(result[args.tool], indent=1, default=str)[:6000], "```"]
   (out / f"kernel_{args.tool}.md").write_text("\n".join(lines) + "\n")

@@ -59,8 +59,28 @@ def test_arguments_are_checked(tmp_path):
     kernel_tools.main(["sass", "--out", str(tmp_path)])
   args = ["--shape", "64x64x128", "--states", "int8", "--config-json", json.dumps({"tile_m": 64})]
   ns = type("A", (), dict(shape="64x64x128", states="int8", optimizer="lion",
-                          config_json=json.dumps({"tile_m": 64})))
+                          config_json=json.dumps({"tile_m": 64}), no_guard=False))
   assert kernel_tools._run_args(ns) == args[:4] + ["--optimizer", "lion"] + args[4:]  # pylint: disable=protected-access
+  ns.no_guard = True  # the run the tools wrap examines the same kernel
+  assert kernel_tools._run_args(ns)[-1] == "--no-guard"  # pylint: disable=protected-access
+
+
+def test_the_kernel_examined_is_the_guarded_one_unless_told(monkeypatch):
+  """The tools examine the kernel as forge_jax's layers run it: with the per-element non-finite
+  guard (``pallas_kernels.skip_non_finite``), or the bare rule with ``--no-guard``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
+  seen = []
+  monkeypatch.setattr(mosaic, "fused_dw_update_mosaic",
+                      lambda x, dy, w, slots, scalars, update_fn, **kw: seen.append(update_fn) or (w, slots))
+  for no_guard in (False, True):
+    ns = type("A", (), dict(shape="64x64x128", states="float32", optimizer="adamw", config_json=None,
+                            no_guard=no_guard, interpret=True))
+    step, operands, _ = kernel_tools.kernel_call(ns)
+    jax.eval_shape(step, *operands)  # traces the call, runs nothing
+  guarded, bare = seen
+  assert pallas_kernels.contract.unwrap(guarded)[1] and not pallas_kernels.contract.unwrap(bare)[1]
 
 
 def test_check_script_bf16_metric():
