@@ -297,3 +297,34 @@ def test_dots_saveable_saves_the_stacked_gemm_products(fake_gpu):
   saved = _forward_residuals(jax.checkpoint_policies.dots_saveable)
   assert (2, 128, 256) in saved, saved  # the first Dense's product, stacked over the 2 layers
   assert (2, 128, 256) not in _forward_residuals(None)
+
+
+def test_a_scanned_model_never_slices_its_weight_stacks_on_a_hopper_gpu(monkeypatch):
+  """The scanned Llama step as lowered for a Hopper GPU (the real kernels, the platform faked):
+  no ``dynamic_slice`` reads a FORGE weight stack anywhere (forward products, dX products and the
+  fused updates all take the whole stacks), where the ``"xla"`` route slices each of them."""
+  import re  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  # 128 rows, which no weight has, so that a slice of a stacked activation is not mistaken for one.
+  cfg = models.get_config("tiny-llama", linear="forge", remat="none", scan_layers=True,
+                          hidden_size=256, intermediate_size=384, head_dim=64, num_heads=4,
+                          num_kv_heads=2, forge_backend="mosaic", dtype="bfloat16",
+                          param_dtype="bfloat16")
+  opt = forge_jax.adamw(1e-2)
+  model = models.CausalLM(cfg, optimizer=opt)
+  batch = jnp.zeros((2, 65), jnp.int32)
+  state = forge_jax.TrainState.create(model.apply, model.init(jax.random.key(0), batch[:, :-1]), opt)
+
+  def loss_fn(v, b):
+    logits = model.apply(v, b[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b[:, 1:]).mean()
+
+  text = lower_for_cuda(lambda s, b: forge_jax.train_step(s, b, loss_fn), state, batch)
+  stacks = {"x".join(map(str, a.shape)) for a in jax.tree.leaves(state.params) if a.ndim == 3}
+  assert len(stacks) == 4, stacks  # q/o, k/v, gate/up and down kernels
+  slices = [line for line in re.findall(r"stablehlo\.dynamic_slice[^\n]*", text)
+            if any(f"tensor<{s}xbf16>" in line for s in stacks)]
+  assert text.count("stacked_matmul") and not slices, slices[:3]
