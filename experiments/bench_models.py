@@ -42,8 +42,10 @@ of ``models`` with random weights on random tokens:
   ``models.nnx.CausalLM`` trained by ``forge_jax.nnx.train_step``, against the
   default ``api=linen``), ``:mesh=P`` (a FORGE row on a P-device mesh, tensor-parallel
   over it: docs/parallel.md; ``:mesh=1`` measures what a 1-device mesh costs), ``:xla=dsf``
-  (XLA flags for that row's worker, by name: ``XLA_FLAG_SETS``; several joined by ``+``), e.g.
-  ``optax_unrolled:remat=none:master=float32:mem=0.95``.
+  (XLA flags for that row's worker, by name: ``XLA_FLAG_SETS``; several joined by ``+``),
+  ``:stacked=N`` (a scanned FORGE row's ``forge_jax._fused.STACKED_GEMM_MAX_ROWS``: the most
+  rows for which its stacked layers' products run on the Mosaic stacked GEMM; ``0``: XLA's slice
+  and dot), e.g. ``optax_unrolled:remat=none:master=float32:mem=0.95``.
   The row's ``impl`` is the whole name; its ``remat``, ``param_dtype`` and
   ``mem_fraction`` are recorded. The model config validates the combination
   (e.g. a name policy without names): a refused one is an error row.
@@ -118,7 +120,7 @@ IMPLS = ("optax", "optax_clip", "forge", "forge_sr", "forge_int8", "forge_int8_s
 UNROLLED = "_unrolled"
 FORGE_BACKENDS = ("xla", "pallas", "mosaic")  # optional "_<backend>" suffix of a forge impl
 REMAT = "full"  # --remat's default
-ROW_OPTIONS = ("remat", "master", "mem", "api", "mesh", "xla")
+ROW_OPTIONS = ("remat", "master", "mem", "api", "mesh", "xla", "stacked")
 # ":xla=NAME[+NAME]": XLA flags a row's worker runs with (appended to $XLA_FLAGS), by name.
 XLA_FLAG_SETS = {
     # cuBLAS GEMMs and copies read a dynamic slice of a stacked operand in place (a scanned
@@ -194,6 +196,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
       raise ValueError(f"mesh={options['mesh']!r} in {spec!r}: a FORGE row's tensor-parallel size, "
                        "an int >= 1 (mesh=1: the model on a 1-device mesh), e.g. forge:mesh=1")
     options["mesh"] = int(options["mesh"])
+  if "stacked" in options:
+    if not options["stacked"].isdigit() or not name.startswith("forge"):
+      raise ValueError(f"stacked={options['stacked']!r} in {spec!r}: a FORGE row's most rows for "
+                       "the Mosaic stacked GEMM, an int >= 0 (0: off), e.g. forge:stacked=0")
+    options["stacked"] = int(options["stacked"])
   if "xla" in options:
     unknown = [f for f in options["xla"].split("+") if f not in XLA_FLAG_SETS]
     if unknown:
@@ -215,8 +222,9 @@ def row_settings(spec: str, remat: str = REMAT, master_dtype: str | None = None,
   _, options = parse_spec(spec)
   settings = {"remat": options.get("remat", remat), "param_dtype": options.get("master", master_dtype),
               "mem_fraction": options.get("mem", mem_fraction)}
-  if "mesh" in options:
-    settings["mesh"] = options["mesh"]
+  for key in ("mesh", "stacked"):
+    if key in options:
+      settings[key] = options[key]
   return settings
 
 
@@ -354,6 +362,9 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
          "forge_backend": backend if linear == "forge" else None, "params_b": cfg.num_params / 1e9,
          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   opt = _forge_optimizer(base)
+  if "stacked" in settings:  # this worker's limit for the stacked GEMM (one row per process)
+    from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+    _fused.STACKED_GEMM_MAX_ROWS = row["stacked_gemm_max_rows"] = settings["stacked"]
   tp = None
   if "mesh" in settings:  # tensor parallelism over the first `mesh` devices
     import numpy as np  # pylint: disable=g-import-not-at-top

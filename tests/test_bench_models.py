@@ -367,6 +367,20 @@ def test_row_options_override_the_run_and_refuse_bad_values():
       bench_models.parse_spec(bad)
   with pytest.raises(SystemExit):
     bench_models.main(["--impls", "optax:mem=0"])
+  assert bench_models.row_settings("forge:stacked=0")["stacked"] == 0
+  for bad in ("forge:stacked=off", "optax:stacked=0"):
+    with pytest.raises(ValueError, match="stacked=.*most rows for the Mosaic stacked GEMM"):
+      bench_models.parse_spec(bad)
+
+
+def test_a_row_sets_its_workers_stacked_gemm_limit(monkeypatch):
+  """``:stacked=N`` sets ``forge_jax._fused.STACKED_GEMM_MAX_ROWS`` in the row's worker (one row
+  per process) and records it."""
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_fused, "STACKED_GEMM_MAX_ROWS", _fused.STACKED_GEMM_MAX_ROWS)  # restored after
+  row, _, _ = bench_models.build_step("tiny-qwen3", "forge:stacked=0", 1, 16, "float32", "auto",
+                                      compile_only=True)
+  assert row["stacked_gemm_max_rows"] == 0 and _fused.STACKED_GEMM_MAX_ROWS == 0
 
 
 def test_xla_flag_sets_reach_the_workers_env(monkeypatch):
