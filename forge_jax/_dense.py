@@ -318,18 +318,19 @@ def forge_matmul_stacked(optimizer, dtype, precision, backend, decay, config, pa
                          kernels, kstates, layer, layout=None):
   """``x @ kernels[layer]`` whose VJP updates layer ``layer`` of the stacks in place."""
   del optimizer, decay, config, path, kstates
-  return _stacked_forward(x, kernels, layer, dtype, precision, backend, layout)
+  return _stacked_product(x, kernels, layer, dtype, precision, backend, layout)
 
 
-def _stacked_forward(x, kernels, layer, dtype, precision, backend, layout):
-  if layout is not None or kernels.dtype != dtype:
-    return _dot(x, jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False).astype(dtype), precision)
-  return _fused.stacked_dot(x, kernels, layer, backend=backend, precision=precision)
+def _stacked_product(x, kernels, layer, dtype, precision, backend, layout, transpose=False):
+  """``x @ kernels[layer]`` (``.T`` with ``transpose``): layer ``layer`` read in place by the
+  Mosaic stacked GEMM where it runs (not for a tensor-parallel layout), else sliced by XLA."""
+  return _fused.stacked_dot(x, kernels, layer, transpose=transpose, dtype=dtype,
+                            backend="xla" if layout is not None else backend, precision=precision)
 
 
 def _forge_matmul_stacked_fwd(optimizer, dtype, precision, backend, decay, config, path,
                               x, kernels, kstates, layer, layout=None):
-  return (_stacked_forward(x, kernels, layer, dtype, precision, backend, layout),
+  return (_stacked_product(x, kernels, layer, dtype, precision, backend, layout),
           (x, kernels, kstates, layer))
 
 
@@ -343,13 +344,7 @@ def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, confi
   x, kernels, kstates, layer = res
   # One backward pass per layer of the stack: the loop over the layers is not a reuse.
   dy = _reuse.mark_backward(dy, name, stacked=True)
-  if layout is not None or kernels.dtype != dtype or dy.dtype != dtype:
-    w = jax.lax.dynamic_index_in_dim(kernels, layer, keepdims=False)
-    dx = jax.lax.dot_general(
-        dy, w.astype(dtype), (((dy.ndim - 1,), (1,)), ((), ())), precision=precision
-    )
-  else:  # reads layer `layer` of the stack in place where the Mosaic stacked GEMM runs
-    dx = _fused.stacked_dot(dy, kernels, layer, transpose=True, backend=backend, precision=precision)
+  dx = _stacked_product(dy, kernels, layer, dtype, precision, backend, layout, transpose=True)
   new_kernels, new_opt, sq = _update(
       layout, name, x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
       decay=decay, config=config, stream=stream, apply=_APPLY.get(),

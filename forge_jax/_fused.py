@@ -148,14 +148,14 @@ STACKED_DOT_NAME = "forge_jax.stacked_dot"
 STACKED_GEMM_MAX_ROWS = 4096
 
 
-def _stacked_gemm(x, stack, transpose: bool, backend: str, precision):
+def _stacked_gemm(x, stack, dtype, transpose: bool, backend: str, precision):
   """The Mosaic stacked GEMM if it takes ``x @ stack[l]`` for this backend, else None (XLA's
   dynamic slice and dot). Not under ``"mosaic_interpret"``: a scanned block runs under
   ``jax.checkpoint``, whose partial evaluation cannot take the interpreter's ordered callbacks
   (the kernel's interpreter tests are in ``tests/test_stacked_matmul.py``)."""
   if backend not in ("auto", "mosaic") or _platform() != "gpu" or _mosaic_device_problem() is not None:
     return None
-  if precision not in (None, jax.lax.Precision.DEFAULT) or x.dtype != stack.dtype or x.ndim < 1:
+  if precision not in (None, jax.lax.Precision.DEFAULT) or not x.dtype == stack.dtype == dtype:
     return None
   try:
     from pallas_kernels.mosaic import stacked_matmul as sm  # pylint: disable=g-import-not-at-top
@@ -169,24 +169,27 @@ def _stacked_gemm(x, stack, transpose: bool, backend: str, precision):
   return sm.stacked_matmul
 
 
-def stacked_dot(x, stack, layer, *, transpose: bool = False, backend: str = "auto", precision=None):
-  """``x @ stack[layer]`` over ``x``'s last axis (``x @ stack[layer].T`` with ``transpose``).
+def stacked_dot(x, stack, layer, *, transpose: bool = False, dtype=None, backend: str = "auto",
+                precision=None):
+  """``x @ stack[layer]`` over ``x``'s last axis (``x @ stack[layer].T`` with ``transpose``), the
+  layer cast to ``dtype`` (default ``x``'s).
 
   Inside a scan over layers XLA copies ``stack[layer]`` out of the stack before its dot (on the
   H200, Llama-3.1-8B at 1x1024: about 15 ms of a 130 ms step). Where ``backend`` runs the Mosaic
   kernel on a Hopper GPU (``"auto"``, ``"mosaic"``) and the shapes fit its tiling (bf16 or f16
-  operands of one dtype; rows, K and N multiples of 128, 64 and 128; at most
+  operands of ``dtype``; rows, K and N multiples of 128, 64 and 128; at most
   ``STACKED_GEMM_MAX_ROWS`` rows), the product is
   :func:`pallas_kernels.mosaic.stacked_matmul.stacked_matmul`, which reads the layer in place;
-  elsewhere XLA's ``dynamic_index_in_dim`` and ``dot_general``, in ``x``'s dtype.
+  elsewhere XLA's ``dynamic_index_in_dim`` and ``dot_general``.
   """
-  gemm = _stacked_gemm(x, stack, transpose, backend, precision)
+  dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+  gemm = _stacked_gemm(x, stack, dtype, transpose, backend, precision)
   if gemm is not None:
     y = gemm(x.reshape(-1, x.shape[-1]), stack, layer, transpose_w=transpose)
     # Named, so that a remat policy can judge it as the dot it stands for (forge_jax._stack).
     y = checkpoint_name(y, STACKED_DOT_NAME)
     return y.reshape(*x.shape[:-1], y.shape[-1])
-  w = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False).astype(x.dtype)
+  w = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False).astype(dtype)
   dims = (((x.ndim - 1,), (1 if transpose else 0,)), ((), ()))
   return jax.lax.dot_general(x, w, dims, precision=precision)
 
