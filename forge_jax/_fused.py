@@ -169,6 +169,21 @@ def _stacked_gemm(x, stack, dtype, transpose: bool, backend: str, precision):
   return sm.stacked_matmul
 
 
+def stack_buffer(shape, dtype, *, tag: int = 0) -> jax.Array:
+  """A buffer that a loop over layers fills slice by slice before anything reads it: on a GPU
+  where the Mosaic kernels run, allocated without a write (``pallas_kernels.mosaic.uninitialized``;
+  zero-filling the stacked residuals of Llama-3.1-8B at 1x1024 took about 2 ms of a 125 ms step
+  on the H200), elsewhere zeros. ``tag``: distinct per buffer of one step (see there)."""
+  if _platform() == "gpu" and _mosaic_device_problem() is None:
+    try:
+      from pallas_kernels.mosaic.uninitialized import uninitialized  # pylint: disable=g-import-not-at-top
+    except Exception:  # pylint: disable=broad-except  (a jax without Mosaic GPU)
+      uninitialized = None
+    if uninitialized is not None:
+      return uninitialized(shape, dtype, tag)
+  return jnp.zeros(shape, dtype)
+
+
 def stacked_dot(x, stack, layer, *, transpose: bool = False, dtype=None, backend: str = "auto",
                 precision=None):
   """``x @ stack[layer]`` over ``x``'s last axis (``x @ stack[layer].T`` with ``transpose``), the

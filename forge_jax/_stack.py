@@ -125,7 +125,7 @@ _ELEMENTWISE = frozenset({
     "copy", "copy_p", "cos", "div", "eq", "erf", "exp", "exp2", "expand_dims", "ge", "gt",
     "integer_pow", "iota", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne",
     "neg", "not", "or", "pow", "reduce_precision", "reshape", "rsqrt", "select_n", "sign", "sin",
-    "slice", "sqrt", "square", "squeeze", "sub", "tanh", "transpose",
+    "slice", "split", "sqrt", "square", "squeeze", "sub", "tanh", "transpose",
 })
 
 
@@ -263,17 +263,24 @@ def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: A
     # Residuals that depend on neither the layer's input nor its index (functions of `args`
     # alone, e.g. a broadcast attention mask) are the same at every layer: kept once, in the
     # scan's carry, instead of stacked.
-    layers = jnp.arange(length)
-    probe = jax.make_jaxpr(layer)(x, layers[0])
+    probe = jax.make_jaxpr(layer)(x, jnp.int32(0))
     n_y = len(jax.tree.leaves(x))
     varying = _depends_on_inputs(probe.jaxpr)[n_y:]
     shared_init = [jnp.zeros(a.shape, a.dtype) for a, v in zip(probe.out_avals[n_y:], varying) if not v]
 
-    def body(carry, l):
-      y, saved = layer(carry[0], l)
-      return (y, [a for a, v in zip(saved, varying) if not v]), [a for a, v in zip(saved, varying) if v]
+    # The stacked residuals are carried buffers that each layer writes its slice of, allocated
+    # without the pass over them that lax.scan's zero-filled outputs cost.
+    stacked_init = [_fused.stack_buffer((length, *a.shape), a.dtype, tag=j) for j, (a, v)
+                    in enumerate(zip(probe.out_avals[n_y:], varying)) if v]
 
-    (y, shared), stacked = jax.lax.scan(body, (x, shared_init), layers, length=length)
+    def body(l, carry):
+      x_l, _, stacked = carry
+      y, saved = layer(x_l, l)
+      per_layer = [a for a, v in zip(saved, varying) if v]
+      stacked = [jax.lax.dynamic_update_index_in_dim(buf, a, l, 0) for buf, a in zip(stacked, per_layer)]
+      return y, [a for a, v in zip(saved, varying) if not v], stacked
+
+    y, shared, stacked = jax.lax.fori_loop(0, length, body, (x, shared_init, stacked_init))
     slot = {}  # saved index -> (kind, index in its list)
     for j, v in enumerate(varying):
       kind = "stacked" if v else "shared"

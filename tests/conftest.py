@@ -222,6 +222,8 @@ def fake_gpu(monkeypatch):
   import pallas_kernels as fd  # pylint: disable=g-import-not-at-top
   from forge_jax import _fused  # pylint: disable=g-import-not-at-top
   from pallas_kernels import mosaic as fm  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.mosaic import uninitialized  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
   calls = []
 
   def fake(name):
@@ -234,6 +236,9 @@ def fake_gpu(monkeypatch):
     return run
 
   monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  # Buffers a GPU leaves unwritten are zeros here (an empty Mosaic kernel cannot run on a CPU).
+  monkeypatch.setattr(uninitialized, "uninitialized",
+                      lambda shape, dtype, tag=0: jax.numpy.zeros(shape, dtype))
   monkeypatch.setattr(fd, "fused_dw_update", fake("pallas"))
   monkeypatch.setattr(fm, "fused_dw_update_mosaic", fake("mosaic"))
   return calls

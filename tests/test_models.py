@@ -432,11 +432,16 @@ def test_error_params_of_the_other_layout():
 
 
 def _forward_scan_residuals(jaxpr, length):
-  """Avals of the stacked outputs (``ys``) of the first scan of ``length`` steps in program
-  order: what the forward pass keeps per layer."""
+  """Avals of the stacked outputs of the first scan of ``length`` steps in program order (its
+  ``ys``, and the carried buffers of ``length`` layers that a ``fori_loop`` fills): what the
+  forward pass keeps per layer."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan" and eqn.params["length"] == length:
-      return sorted(str(v.aval) for v in eqn.outvars[eqn.params["num_carry"]:])
+      n = eqn.params["num_carry"]
+      # A fori_loop's scan carries its counter first, then the hidden state, then its buffers.
+      counted = n >= 2 and not eqn.outvars[0].aval.shape
+      filled = [v for v in eqn.outvars[2:n] if counted and v.aval.ndim and v.aval.shape[0] == length]
+      return sorted(str(v.aval) for v in eqn.outvars[n:] + filled)
     for p in eqn.params.values():
       inner = getattr(p, "jaxpr", p)
       if hasattr(inner, "eqns"):
@@ -485,7 +490,7 @@ def test_scanned_without_remat_saves_no_elementwise_functions_of_an_activation()
   """Without remat a scanned Llama block keeps its activations, not elementwise functions of them:
   per layer the gate and up projections and the down projection's input (its FORGE layer keeps
   it for dW), not also sigmoid(g) and silu(g), and no float32 upcast of the bfloat16 hidden state
-  (forge_jax.save_all_but_elementwise)."""
+  or of q and k (forge_jax.save_all_but_elementwise)."""
   import forge_jax  # pylint: disable=g-import-not-at-top
   from experiments import bench_models  # pylint: disable=g-import-not-at-top
 
@@ -503,6 +508,8 @@ def test_scanned_without_remat_saves_no_elementwise_functions_of_an_activation()
   wide = f"bfloat16[{cfg.num_layers},{batch},{tokens},{cfg.intermediate_size}]"
   assert saved.count(wide) == 3, saved
   assert not [a for a in saved if a.startswith("float32") and a.endswith(f",{cfg.hidden_size}]")], saved
+  # Nor the float32 halves of q and k that RoPE splits (jnp.split is a primitive of its own).
+  assert not [a for a in saved if a.startswith("float32") and a.endswith(f",{cfg.head_dim // 2}]")], saved
   assert forge_jax.save_all_but_elementwise(jax.lax.dot_general_p)
   assert not forge_jax.save_all_but_elementwise(jax.lax.logistic_p)
 

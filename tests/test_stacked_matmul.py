@@ -302,12 +302,16 @@ def test_dots_saveable_saves_the_stacked_gemm_products(fake_gpu):
 def test_a_scanned_model_never_slices_its_weight_stacks_on_a_hopper_gpu(monkeypatch):
   """The scanned Llama step as lowered for a Hopper GPU (the real kernels, the platform faked):
   no ``dynamic_slice`` reads a FORGE weight stack anywhere (forward products, dX products and the
-  fused updates all take the whole stacks), where the ``"xla"`` route slices each of them."""
+  fused updates all take the whole stacks), where the ``"xla"`` route slices each of them; and
+  no buffer of stacked residuals is zero-filled before the forward loop fills it."""
   import re  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
   from forge_jax import _fused  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  buffers, stack_buffer = [], _fused.stack_buffer
+  monkeypatch.setattr(_fused, "stack_buffer",
+                      lambda shape, dtype, **kw: buffers.append((shape, dtype)) or stack_buffer(shape, dtype, **kw))
   # 128 rows, which no weight has, so that a slice of a stacked activation is not mistaken for one.
   cfg = models.get_config("tiny-llama", linear="forge", remat="none", scan_layers=True,
                           hidden_size=256, intermediate_size=384, head_dim=64, num_heads=4,
@@ -328,3 +332,10 @@ def test_a_scanned_model_never_slices_its_weight_stacks_on_a_hopper_gpu(monkeypa
   slices = [line for line in re.findall(r"stablehlo\.dynamic_slice[^\n]*", text)
             if any(f"tensor<{s}xbf16>" in line for s in stacks)]
   assert text.count("stacked_matmul") and not slices, slices[:3]
+  assert len(buffers) >= 8, buffers  # q, k, v, the gate and up products, ... per layer
+  mlir = {"bfloat16": "bf16", "float32": "f32", "bool": "i1", "int32": "i32"}
+  types = {"-> tensor<" + "x".join(map(str, shape)) + f"x{mlir[jnp.dtype(dtype).name]}>"
+           for shape, dtype in buffers}
+  zeroed = [line for line in re.findall(r"stablehlo\.broadcast_in_dim[^\n]*", text)
+            if any(t in line for t in types)]
+  assert not zeroed, zeroed[:3]
