@@ -40,7 +40,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from experiments import _timing
-from pallas_kernels.mosaic.stacked_matmul import StackedMatmulConfig, stacked_matmul
+from pallas_kernels.mosaic.stacked_matmul import StackedMatmulConfig, default_config, stacked_matmul
 
 TOKENS = (1024, 4096)
 SHAPES_KN = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
@@ -107,7 +107,9 @@ def bench_shape(t, k, n, *, layers, cfg, interpret, timing, impls, profile=False
     transposed = direction == "transposed"
     x = jax.random.normal(kx, (t, n if transposed else k), jnp.bfloat16)
     progs = programs(transposed, cfg, interpret)
-    base = dict(shape=f"{t}x{k}x{n}", t=t, k=k, n=n, layers=layers, direction=direction)
+    used = cfg or default_config(t, k if transposed else n)
+    base = dict(shape=f"{t}x{k}x{n}", t=t, k=k, n=n, layers=layers, direction=direction,
+                tile=f"{used.tile_m}x{used.tile_n}x{used.tile_k}/{used.max_concurrent_steps}")
     flops = 2 * t * k * n * layers
     sums = {}
     try:
@@ -153,9 +155,9 @@ def markdown(info: dict, rows: list[dict]) -> str:
          f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}; "
          f"interpret={info['interpret']}. ms per dispatch of {info['layers']} layers' GEMMs "
          "(each output summed, the same in every program); median of repeats.", "",
-         "| T x K x N | direction | xla_scan ms | xla_unrolled ms | stacked ms | stacked / xla_scan "
-         "| stacked / unrolled | stacked TFLOP/s | layer err | checks |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "| T x K x N | direction | xla_scan ms | xla_unrolled ms | stacked ms | stacked tile "
+         "| stacked / xla_scan | stacked / unrolled | stacked TFLOP/s | layer err | checks |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
   for _, _, _, shape, direction in keys:
     xs, xu, st = (by.get((shape, direction, i)) for i in IMPLS)
     ok = lambda r: r is not None and r.get("status") == "ok"
@@ -164,9 +166,10 @@ def markdown(info: dict, rows: list[dict]) -> str:
     st_ = st or {}
     checks = ("FAILED" if not st_.get("layer_ok") or st_.get("sum_ok") is False else
               "ok" if "sum_ok" in st_ else "layers ok (no xla_scan sum)")
-    out.append(f"| {shape} | {direction} | {cell(xs)} | {cell(xu)} | {cell(st)} | {ratio(st, xs)} | "
-               f"{ratio(st, xu)} | {st['tflops']:.0f} |" if ok(st) else
-               f"| {shape} | {direction} | {cell(xs)} | {cell(xu)} | {cell(st)} | - | - | - |")
+    tile = st_.get("tile", "-")
+    out.append(f"| {shape} | {direction} | {cell(xs)} | {cell(xu)} | {cell(st)} | {tile} | "
+               f"{ratio(st, xs)} | {ratio(st, xu)} | {st['tflops']:.0f} |" if ok(st) else
+               f"| {shape} | {direction} | {cell(xs)} | {cell(xu)} | {cell(st)} | {tile} | - | - | - |")
     out[-1] += f" {max(errs.values()):.1e} | {checks} |" if errs else f" - | {checks} |"
   profiled = [r for r in rows if "profile" in r]
   if profiled:
@@ -202,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--shapes", type=_parse_kn, nargs="+", default=None, help="KxN weight shapes")
   parser.add_argument("--layers", type=int, default=None, help=f"stack depth (default {LAYERS})")
   parser.add_argument("--config", type=_parse_config, default=None, metavar="TM,TN,TK,STAGES",
-                      help="stacked_matmul tiling (default StackedMatmulConfig())")
+                      help="stacked_matmul tiling (default: default_config per product)")
   parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
   parser.add_argument("--iters", type=int, default=None, help="calls per repeat (default: ~20 ms)")
   parser.add_argument("--repeats", type=int, default=5)
@@ -217,13 +220,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg, timing = args.config or SMOKE_CONFIG, dict(warmup=1, iters=1, repeats=1)
   else:
     tokens, shapes, layers = args.tokens or TOKENS, args.shapes or list(SHAPES_KN), args.layers or LAYERS
-    cfg = args.config or StackedMatmulConfig()
+    cfg = args.config  # None: the kernel's default_config per product
     timing = dict(warmup=3, iters=args.iters, repeats=args.repeats)
   if layers < 1:
     raise ValueError(f"--layers must be >= 1; got {layers}")
   folder = _timing.out_dir(args.out)
   info = _timing.run_info("experiments.bench_stacked_matmul", argv)
-  info.update(interpret=interpret, timing=timing, layers=layers, config=dataclasses.asdict(cfg),
+  info.update(interpret=interpret, timing=timing, layers=layers,
+              config=dataclasses.asdict(cfg) if cfg else "default_config per product (row 'tile')",
               layer_tol=LAYER_TOL, sum_tol=SUM_TOL)
   _timing.log(f"bench_stacked_matmul on {info['device']} (jax {info['jax']}), interpret={interpret}")
   json_path = folder / "bench_stacked_matmul.json"

@@ -67,6 +67,18 @@ class StackedMatmulConfig:
     return self.max_concurrent_steps * stage + _WGS * self.tile_m * self.tile_n * itemsize
 
 
+def default_config(m: int, n: int) -> StackedMatmulConfig:
+  """The tiling of an [M, N] product: :class:`StackedMatmulConfig`'s, with 64-row tiles where
+  128x128 tiles would leave more than half the SMs without one (the k and v projections of
+  Llama-3.1-8B at 1024 tokens: 64 tiles for 132 SMs; per 32 layers 0.721 ms against 0.917 with
+  128x128 tiles, where 128x64 took 0.742 and XLA 0.652; at 4096 tokens, 256 tiles, 64-row tiles
+  are 1.37x slower)."""
+  cfg = StackedMatmulConfig()
+  if m % 64 == 0 and 2 * (m // cfg.tile_m) * (n // cfg.tile_n) <= mcfg.grid_size(cfg):
+    return dataclasses.replace(cfg, tile_m=64)
+  return cfg
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   cfg: StackedMatmulConfig
@@ -222,7 +234,7 @@ def stacked_matmul(x: jax.Array, w_stack: jax.Array, layer: Any, *, transpose_w:
       ``stacked_matmul(dy, W, l, transpose_w=True)``), the dtype of ``x``; read in place.
     layer: an integer scalar (may be traced); as in ``lax.dynamic_index_in_dim``, a negative one
       counts from the end, and the result is clamped to ``[0, L)``.
-    config: tiling; ``None``: :class:`StackedMatmulConfig`'s defaults.
+    config: tiling; ``None``: :func:`default_config`'s for this product.
     interpret: run on CPU under the Mosaic GPU interpreter (``True`` or ``InterpretGPUParams``).
 
   Returns:
@@ -231,7 +243,8 @@ def stacked_matmul(x: jax.Array, w_stack: jax.Array, layer: Any, *, transpose_w:
   Raises:
     ValueError: for operands or a config the kernel cannot take.
   """
-  cfg = config or StackedMatmulConfig()
+  n_out = w_stack.shape[1] if transpose_w else w_stack.shape[-1]
+  cfg = config or default_config(x.shape[0], n_out)
   if why := problem(x, w_stack, transpose_w, cfg):
     raise ValueError(f"stacked_matmul: {why}")
   layer = jnp.asarray(layer)
