@@ -173,8 +173,10 @@ def stack_buffer(shape, dtype, *, tag: int = 0) -> jax.Array:
   """A buffer that a loop over layers fills slice by slice before anything reads it: on a GPU
   where the Mosaic kernels run, allocated without a write (``pallas_kernels.mosaic.uninitialized``;
   zero-filling the stacked residuals of Llama-3.1-8B at 1x1024 took about 2 ms of a 125 ms step
-  on the H200), elsewhere zeros. ``tag``: distinct per buffer of one step (see there)."""
-  if _platform() == "gpu" and _mosaic_device_problem() is None:
+  on the H200), elsewhere zeros. With several devices zeros too: XLA's partitioner shards a
+  zero fill like the values written into it, but would replicate a custom call's output.
+  ``tag``: distinct per buffer of one step (see there)."""
+  if _platform() == "gpu" and jax.device_count() == 1 and _mosaic_device_problem() is None:
     try:
       from pallas_kernels.mosaic.uninitialized import uninitialized  # pylint: disable=g-import-not-at-top
     except Exception:  # pylint: disable=broad-except  (a jax without Mosaic GPU)

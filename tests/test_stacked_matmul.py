@@ -265,6 +265,24 @@ def test_stacked_dot_falls_back_to_xla_off_its_tiling(fake_gpu, monkeypatch):
     np.testing.assert_array_equal(got, x @ w[1].astype(x.dtype))
 
 
+def test_stack_buffers_skip_the_zero_fill_only_on_one_hopper_gpu(fake_gpu, monkeypatch):
+  """A scanned stack's residual buffers come from the empty kernel on one GPU; with several
+  devices (which XLA's partitioner would not shard a custom call's output over) and off a GPU,
+  they are zeros."""
+  del fake_gpu
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.mosaic import uninitialized  # pylint: disable=g-import-not-at-top
+  made = []
+  monkeypatch.setattr(uninitialized, "uninitialized",
+                      lambda shape, dtype, tag=0: made.append((shape, tag)) or jnp.ones(shape, dtype))
+  assert _fused.stack_buffer((2, 3), BF16, tag=5).all() and made == [((2, 3), 5)]
+  monkeypatch.setattr(jax, "device_count", lambda: 2)
+  assert not _fused.stack_buffer((2, 3), BF16).any() and len(made) == 1
+  monkeypatch.setattr(jax, "device_count", lambda: 1)
+  monkeypatch.setattr(_fused, "_platform", lambda: "cpu")
+  assert not _fused.stack_buffer((2, 3), BF16).any() and len(made) == 1
+
+
 class _PolicyStack(nn.Module):
   policy: object
 
