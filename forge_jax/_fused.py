@@ -143,8 +143,8 @@ STACKED_DOT_NAME = "forge_jax.stacked_dot"
 
 # The most rows (tokens) a stacked product takes the Mosaic GEMM for. Measured on the H200,
 # Llama-3.1-8B scanned without remat: at 1x1024 tokens 124.7 ms a step with it against 130.1 with
-# XLA's slice + dot; per layer at T=4096 it runs 0.94-1.06x unrolled XLA's GEMMs; but the 8x1024
-# step took 788 ms with it against 682 ms without (separate runs, not yet explained).
+# XLA's slice + dot; per layer at T=4096 it runs 0.94-1.06x unrolled XLA's GEMMs; but at 8x1024
+# (8192 rows) the step took 823.0 ms with it against 679.6 without (same run; cause not measured).
 STACKED_GEMM_MAX_ROWS = 4096
 
 
@@ -157,10 +157,8 @@ def _stacked_gemm(x, stack, dtype, transpose: bool, backend: str, precision):
     return None
   if precision not in (None, jax.lax.Precision.DEFAULT) or not x.dtype == stack.dtype == dtype:
     return None
-  try:
-    from pallas_kernels.mosaic import stacked_matmul as sm  # pylint: disable=g-import-not-at-top
-  except Exception:  # pylint: disable=broad-except  (a jax without Mosaic GPU)
-    return None
+  # Importable: _mosaic_device_problem imported pallas_kernels.mosaic (and so Mosaic GPU).
+  from pallas_kernels.mosaic import stacked_matmul as sm  # pylint: disable=g-import-not-at-top
   x2 = jax.ShapeDtypeStruct((int(np.prod(x.shape[:-1])), x.shape[-1]), x.dtype)
   if x2.shape[0] > STACKED_GEMM_MAX_ROWS:
     return None
@@ -177,12 +175,8 @@ def stack_buffer(shape, dtype, *, tag: int = 0) -> jax.Array:
   zero fill like the values written into it, but would replicate a custom call's output.
   ``tag``: distinct per buffer of one step (see there)."""
   if _platform() == "gpu" and jax.device_count() == 1 and _mosaic_device_problem() is None:
-    try:
-      from pallas_kernels.mosaic.uninitialized import uninitialized  # pylint: disable=g-import-not-at-top
-    except Exception:  # pylint: disable=broad-except  (a jax without Mosaic GPU)
-      uninitialized = None
-    if uninitialized is not None:
-      return uninitialized(shape, dtype, tag)
+    from pallas_kernels.mosaic.uninitialized import uninitialized  # pylint: disable=g-import-not-at-top
+    return uninitialized(shape, dtype, tag)
   return jnp.zeros(shape, dtype)
 
 

@@ -262,7 +262,7 @@ def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: A
 
     # Residuals that depend on neither the layer's input nor its index (functions of `args`
     # alone, e.g. a broadcast attention mask) are the same at every layer: kept once, in the
-    # scan's carry, instead of stacked.
+    # loop's carry, instead of stacked.
     probe = jax.make_jaxpr(layer)(x, jnp.int32(0))
     n_y = len(jax.tree.leaves(x))
     varying = _depends_on_inputs(probe.jaxpr)[n_y:]
