@@ -17,8 +17,8 @@ def uninitialized(shape, dtype, tag: int = 0) -> jax.Array:
   """A ``shape``/``dtype`` array on a CUDA GPU without a write to it (one empty kernel).
 
   ``jnp.zeros`` of a buffer that a loop then overwrites slice by slice (the stacked outputs of a
-  scan) costs a write pass over it (Llama-3.1-8B's stacked residuals at 1x1024, 4.6 GB: about 2 ms
-  on the H200). Read nothing of it before writing it.
+  scan) costs a write pass over it (Llama-3.1-8B's stacked residuals at 1x1024: about 2 ms on the
+  H200, experiments/results/h200/stacked_gemm). Read nothing of it before writing it.
   ``tag`` sets each call apart, so that XLA does not merge two of one shape into one buffer
   (the loops that fill them would then have to copy it).
   """
