@@ -134,6 +134,9 @@ XLA_FLAG_SETS = {
     "notriton": "--xla_gpu_enable_triton_gemm=false",
     # jax's default on GPU is on: the latency-hiding scheduler's view of a row, off.
     "nolhs": "--xla_gpu_enable_latency_hiding_scheduler=false",
+    # while loops and conditionals recorded into CUDA graphs with the rest (a scanned stack's
+    # loop over layers one graph launch, not one per layer).
+    "cbw": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
 }  # ":key=value" after a row's implementation name
 APIS = ("linen", "nnx")  # the front end of a row (":api=nnx")
 SKIPPED = "skipped: time budget"
