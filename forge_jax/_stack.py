@@ -119,13 +119,15 @@ class _Residuals(struct.PyTreeNode):
 
 
 # Elementwise and layout primitives: cheap to recompute in the backward pass, where XLA fuses
-# them into the ops that read them.
+# them into the ops that read them. ``name`` (``checkpoint_name``) is the identity: a named
+# value is saved where what it names is (a product, an attention output), and recomputed where
+# that is elementwise (Llama's ``mlp_hidden = silu(gate) * up``, from the saved gate and up).
 _ELEMENTWISE = frozenset({
     "abs", "add", "add_any", "and", "broadcast_in_dim", "concatenate", "convert_element_type",
     "copy", "copy_p", "cos", "div", "eq", "erf", "exp", "exp2", "expand_dims", "ge", "gt",
-    "integer_pow", "iota", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne",
-    "neg", "not", "or", "pow", "reduce_precision", "reshape", "rsqrt", "select_n", "sign", "sin",
-    "slice", "split", "sqrt", "square", "squeeze", "sub", "tanh", "transpose",
+    "integer_pow", "iota", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "name",
+    "ne", "neg", "not", "or", "pow", "reduce_precision", "reshape", "rsqrt", "select_n", "sign",
+    "sin", "slice", "split", "sqrt", "square", "squeeze", "sub", "tanh", "transpose",
 })
 
 

@@ -488,9 +488,9 @@ def test_forge_scanned_training_saves_the_same_residuals_as_optax(remat):
 
 def test_scanned_without_remat_saves_no_elementwise_functions_of_an_activation():
   """Without remat a scanned Llama block keeps its activations, not elementwise functions of them:
-  per layer the gate and up projections and the down projection's input (its FORGE layer keeps
-  it for dW), not also sigmoid(g) and silu(g), and no float32 upcast of the bfloat16 hidden state
-  or of q and k (forge_jax.save_all_but_elementwise)."""
+  per layer the gate and up projections, not also sigmoid(g), silu(g) or the down projection's
+  input silu(g) * up (named ``mlp_hidden``: a name is no reason to save), and no float32 upcast
+  of the bfloat16 hidden state or of q and k (forge_jax.save_all_but_elementwise)."""
   import forge_jax  # pylint: disable=g-import-not-at-top
   from experiments import bench_models  # pylint: disable=g-import-not-at-top
 
@@ -506,7 +506,7 @@ def test_scanned_without_remat_saves_no_elementwise_functions_of_an_activation()
   jaxpr = jax.make_jaxpr(lambda s, d: forge_jax.train_step(s, d, loss_fn))(state, data)
   saved = _forward_scan_residuals(jaxpr.jaxpr, cfg.num_layers)
   wide = f"bfloat16[{cfg.num_layers},{batch},{tokens},{cfg.intermediate_size}]"
-  assert saved.count(wide) == 3, saved
+  assert saved.count(wide) == 2, saved
   assert not [a for a in saved if a.startswith("float32") and a.endswith(f",{cfg.hidden_size}]")], saved
   # Nor the float32 halves of q and k that RoPE splits (jnp.split is a primitive of its own).
   assert not [a for a in saved if a.startswith("float32") and a.endswith(f",{cfg.head_dim // 2}]")], saved
