@@ -134,6 +134,8 @@ _ELEMENTWISE = frozenset({
 def save_all_but_elementwise(prim, *_, **__) -> bool:
   """The residual policy of a scanned stack without activation checkpointing: save the output
   of every operation except elementwise and layout ones, which the backward pass recomputes.
+  ``checkpoint_name`` counts as the identity it is: a named value is saved where the value it
+  names would be.
 
   An unrolled step keeps its activations live and XLA fuses the cheap ops between them into
   their consumers. A scan has no such freedom: every residual of a layer's VJP is written to a
