@@ -46,7 +46,7 @@ guard on and off alike, and a finite step is bit-identical either way.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +60,7 @@ UpdateFn = Callable[..., tuple[Array, tuple[Array, ...]]]
 def check_quantized(s: numerics.QuantizedArray, name: str) -> None:
   """ValueErrors for an int8 state whose codes, scales or block do not fit its shape."""
   s.codec.check(s.shape, name)
-  scale_shape = s.shape[:-1] + (s.shape[-1] // s.codec.block,)
+  scale_shape = tuple(s.shape[:-1]) + (s.shape[-1] // s.codec.block,)
   if s.codes.dtype != numerics.CODE_DTYPE or s.scale.dtype != numerics.SCALE_DTYPE:
     raise ValueError(
         f"{name} has codes of dtype {s.codes.dtype} and scales of dtype {s.scale.dtype}; "
@@ -72,6 +72,46 @@ def check_quantized(s: numerics.QuantizedArray, name: str) -> None:
         f"{name}.scale.shape={tuple(s.scale.shape)} must be {scale_shape}: one scale "
         f"per block of {s.codec.block} values along the last axis."
     )
+
+
+def operand_problem(x: Any, dy: Any, w: Any, slots: Sequence[Any]) -> Optional[str]:
+  """Why ``x``, ``dy``, ``w`` and the slots (arrays or ``jax.ShapeDtypeStruct``) break the
+  contract's shapes, whatever the implementation, or ``None``; the reason names the value and
+  the fix. Each implementation adds the dtypes it takes."""
+  if len(x.shape) != 2 or len(dy.shape) != 2:
+    return (f"x.shape={x.shape} and dy.shape={dy.shape} must be 2-d [T, K] and [T, N]; "
+            "flatten the batch and sequence axes into one token axis first.")
+  if x.shape[0] != dy.shape[0]:
+    return (f"x.shape={x.shape} and dy.shape={dy.shape} must have the same number of "
+            "tokens T (axis 0).")
+  kn = (x.shape[1], dy.shape[1])
+  if len(w.shape) not in (2, 3) or tuple(w.shape[-2:]) != kn:
+    return (f"w.shape={w.shape} must be [K, N]={list(kn)} (or [L, K, N] stacked) for "
+            f"x.shape={x.shape} and dy.shape={dy.shape}.")
+  for i, s in enumerate(slots):
+    if tuple(s.shape) != tuple(w.shape):
+      return (f"slots[{i}].shape={s.shape} must equal w.shape={w.shape}: every optimizer "
+              "slot is elementwise, shaped like its weight.")
+    if isinstance(s, numerics.QuantizedArray):
+      try:
+        check_quantized(s, f"slots[{i}]")
+      except ValueError as e:
+        return str(e)
+  return None
+
+
+def layer_problem(w: Any, layer: Any) -> Optional[str]:
+  """Why ``layer`` does not go with ``w`` (given exactly for a stacked ``[L, K, N]`` one, a
+  scalar), or ``None``."""
+  if len(w.shape) == 3 and layer is None:
+    return (f"w.shape={w.shape} is stacked [L, K, N]: pass layer= (an int32 scalar) "
+            "to select the slice to update.")
+  if len(w.shape) == 2 and layer is not None:
+    return (f"layer={layer!r} was given but w.shape={w.shape} is not stacked; pass "
+            "layer=None or a stacked [L, K, N] w.")
+  if layer is not None and jnp.ndim(layer) != 0:
+    return f"layer must be an int32 scalar, got shape {jnp.shape(layer)}."
+  return None
 
 
 def codecs_for(w: Array, slots: tuple, weight_codec) -> tuple[numerics.Codec, ...]:

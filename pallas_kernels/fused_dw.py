@@ -47,8 +47,9 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 from pallas_kernels import numerics
-from pallas_kernels.contract import (UpdateFn, apply_update, check_quantized, codecs_for,
-                                     grad_sq_terms, pack_scalars, parts_of, rebuild, rounding_ints)
+from pallas_kernels.contract import (UpdateFn, apply_update, codecs_for, grad_sq_terms,
+                                     layer_problem, operand_problem, pack_scalars, parts_of,
+                                     rebuild, rounding_ints)
 
 Array = jax.Array
 
@@ -304,51 +305,18 @@ def _fused_dw_kernel(
 
 def _check_inputs(x: Array, dy: Array, w: Array, slots: tuple, layer) -> None:
   """ValueErrors that name the offending value and the fix."""
-  if x.ndim != 2 or dy.ndim != 2:
-    raise ValueError(
-        f"x.shape={x.shape} and dy.shape={dy.shape} must be 2-d [T, K] and [T, N]; "
-        "flatten the batch and sequence axes into one token axis first."
-    )
-  if x.shape[0] != dy.shape[0]:
-    raise ValueError(
-        f"x.shape={x.shape} and dy.shape={dy.shape} must have the same number of "
-        "tokens T (axis 0)."
-    )
+  if why := operand_problem(x, dy, w, slots) or layer_problem(w, layer):
+    raise ValueError(why)
   for name, a in (("x", x), ("dy", dy)):
     if jnp.dtype(a.dtype) not in _INPUT_DTYPES:
       raise ValueError(
           f"{name}.dtype={a.dtype} is not supported: x and dy must be float32 or "
           f"bfloat16; cast {name} to one of them."
       )
-  kn = (x.shape[1], dy.shape[1])
-  if w.ndim not in (2, 3) or tuple(w.shape[-2:]) != kn:
-    raise ValueError(
-        f"w.shape={w.shape} must be [K, N]={list(kn)} (or [L, K, N] stacked) for "
-        f"x.shape={x.shape} and dy.shape={dy.shape}."
-    )
-  if w.ndim == 3 and layer is None:
-    raise ValueError(
-        f"w.shape={w.shape} is stacked [L, K, N]: pass layer= (an int32 scalar) "
-        "to select the slice to update."
-    )
-  if w.ndim == 2 and layer is not None:
-    raise ValueError(
-        f"layer={layer!r} was given but w.shape={w.shape} is not stacked; pass "
-        "layer=None or a stacked [L, K, N] w."
-    )
-  if layer is not None and jnp.ndim(layer) != 0:
-    raise ValueError(f"layer must be an int32 scalar, got shape {jnp.shape(layer)}.")
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"w.dtype={w.dtype} must be a floating dtype.")
   for i, s in enumerate(slots):
-    if tuple(s.shape) != tuple(w.shape):
-      raise ValueError(
-          f"slots[{i}].shape={s.shape} must equal w.shape={w.shape}: every "
-          "optimizer slot is elementwise, shaped like its weight."
-      )
-    if isinstance(s, numerics.QuantizedArray):
-      check_quantized(s, f"slots[{i}]")
-    elif not jnp.issubdtype(s.dtype, jnp.floating):
+    if not isinstance(s, numerics.QuantizedArray) and not jnp.issubdtype(s.dtype, jnp.floating):
       raise ValueError(
           f"slots[{i}].dtype={s.dtype} must be a floating dtype (int8 states are "
           "passed as a numerics.QuantizedArray, codes with their scales)."

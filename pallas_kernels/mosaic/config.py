@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import numerics
+from pallas_kernels import contract, numerics
 
 # A Hopper block may use 227 KiB of shared memory; Mosaic GPU's own total (barriers included,
 # checked while lowering) exceeds smem_bytes' count by about 2.1 KiB, hence a 3 KiB margin.
@@ -43,10 +43,6 @@ class MosaicTileConfig:
     epi_slots: depth of each compute warpgroup's epilogue ring.
     epi_l2_lookahead: TMA-prefetch into L2 the sub-tile this many beyond the ring (0: off; float
       states only).
-    mma_in_flight: keep one ``wgmma`` in flight across main-loop steps.
-    no_auto_barriers: lower without Pallas's warpgroup barriers around register -> shared-memory
-      stores: each thread rewrites only its own ring elements and ``commit_smem`` orders them
-      before the TMA store (int8 row scales: docs/mosaic_kernel.md, "int8 state blocks").
     grid_tile_width: the persistent loop walks bands of this many tiles along ``N``.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
@@ -59,15 +55,11 @@ class MosaicTileConfig:
   epi_n: int = 32
   epi_slots: int = 2
   epi_l2_lookahead: int = 0
-  mma_in_flight: bool = True
-  no_auto_barriers: bool = True
   grid_tile_width: int = 8
   num_sms: Optional[int] = None
 
 
 _Cfg = MosaicTileConfig
-# Fallback tilings: Pallas's store barriers and one wgmma at a time (as shipped; not swept).
-_PLAIN = dict(mma_in_flight=False, no_auto_barriers=False)
 _SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the main loop, bounds)
 # THE default table: default_config takes the first row whose conditions the call meets and
 # that ``supports`` accepts. Conditions: "float" (no int8 state) or "int8"; "short" / "long" T;
@@ -86,11 +78,11 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         ("float", _Cfg(max_concurrent_steps=3, epi_n=16, epi_l2_lookahead=4)),
         ("float short", _Cfg(epi_n=16, epi_l2_lookahead=4)),
         # Smaller pipelines and tiles, for what the above do not fit or divide.
-        ("float", _Cfg(max_concurrent_steps=3, epi_n=16, **_PLAIN)),
-        ("float", _Cfg(max_concurrent_steps=2, epi_n=16, **_PLAIN)),
-        ("float", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=16, **_PLAIN)),
-        ("float", _Cfg(tile_m=64, epi_n=16, **_PLAIN)),  # K a multiple of 64 only
-        ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16, **_PLAIN)),
+        ("float", _Cfg(max_concurrent_steps=3, epi_n=16)),
+        ("float", _Cfg(max_concurrent_steps=2, epi_n=16)),
+        ("float", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=16)),
+        ("float", _Cfg(tile_m=64, epi_n=16)),  # K a multiple of 64 only
+        ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16)),
         # int8: epi_n is replaced by the quantization block (one block per sub-tile row).
         ("int8", _Cfg(tile_n=64, epi_n=64)),
         ("int8", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=64)),
@@ -172,13 +164,8 @@ def device_problem() -> Optional[str]:
 
 def _operand_problem(x, dy, w, slots) -> Optional[str]:
   """Why the operands (whatever the tiling) cannot go to the kernel, or None."""
-  if len(x.shape) != 2 or len(dy.shape) != 2:
-    return f"x and dy must be 2-D [T, K] / [T, N], got {x.shape} and {dy.shape}"
-  (t, k), (t2, n) = x.shape, dy.shape
-  if t != t2:
-    return f"x and dy disagree on T: {x.shape} vs {dy.shape}"
-  if len(w.shape) not in (2, 3) or tuple(w.shape[-2:]) != (k, n):
-    return f"w must be [K, N] = {(k, n)} or stacked [L, K, N], got {w.shape}"
+  if (problem := contract.operand_problem(x, dy, w, slots)) is not None:
+    return problem
   if jnp.dtype(x.dtype) not in _INPUT_DTYPES or jnp.dtype(dy.dtype) != jnp.dtype(x.dtype):
     return (f"x/dy dtypes {x.dtype}/{dy.dtype}: both must be bfloat16 or both float16 "
             "(wgmma reads the transposed x operand only for 16-bit types)")
@@ -186,19 +173,9 @@ def _operand_problem(x, dy, w, slots) -> Optional[str]:
     return f"w dtype {w.dtype} must be float32, bfloat16 or float16"
   if len(slots) > MAX_SLOTS:
     return f"{len(slots)} optimizer slots: at most {MAX_SLOTS} are supported"
-  for i, s in enumerate(slots):
-    if tuple(s.shape) != tuple(w.shape):
-      return f"slot {i} has shape {s.shape}, expected w's {w.shape}"
-    if not quantized(s):
-      if jnp.dtype(s.dtype) not in _STATE_DTYPES:
-        return f"slot {i} dtype {s.dtype} must be float32, bfloat16 or float16"
-      continue
-    block = s.codec.block
-    if jnp.dtype(s.codes.dtype) != jnp.dtype(jnp.int8):
-      return f"slot {i} is quantized with {s.codes.dtype} codes; the kernel takes int8"
-    if tuple(s.scale.shape) != tuple(w.shape[:-1]) + (n // block,) or n % block:
-      return (f"slot {i}'s scale has shape {s.scale.shape}, expected "
-              f"{tuple(w.shape[:-1]) + (n // block,)} (N={n} in blocks of {block})")
+  for i, s in enumerate(slots):  # an int8 state's codes are int8 (contract.check_quantized)
+    if not quantized(s) and jnp.dtype(s.dtype) not in _STATE_DTYPES:
+      return f"slot {i} dtype {s.dtype} must be float32, bfloat16 or float16"
   return None
 
 

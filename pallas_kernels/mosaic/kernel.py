@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import numerics
+from pallas_kernels import contract, numerics
 from pallas_kernels.contract import (UpdateFn, apply_update, grad_sq_terms, pack_scalars,
                                      rounding_ints, unwrap)
 from pallas_kernels.mosaic import config as mcfg
@@ -396,17 +396,12 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
                 plgpu.wgmma(acc_ref, xt, dy_block)
               else:
                 plgpu.wgmma(acc_ref, x_block.transpose((1, 0)), dy_block)
-              if cfg.mma_in_flight:  # wait for the previous step's wgmma, then free its stage
-                plgpu.wgmma_wait(1)
-                prev_slot = lax.rem(step + (stages - 1), stages)
-                pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
-              else:
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(stage_free.at[slot])
+              plgpu.wgmma_wait(1)  # one wgmma in flight: free the previous step's stage
+              prev_slot = lax.rem(step + (stages - 1), stages)
+              pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
 
-            if cfg.mma_in_flight:
-              plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(stage_free.at[lax.rem(i * t_iters + (t_iters - 1), stages)])
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(stage_free.at[lax.rem(i * t_iters + (t_iters - 1), stages)])
           with _region("epilogue"):
             epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m)
 
@@ -448,8 +443,6 @@ def fused_dw_update_mosaic(
     interpret: run on CPU under the Mosaic GPU interpreter (``True`` or an
       ``InterpretGPUParams``).
     weight_codec: ``None``/``numerics.Cast()`` or ``numerics.StochasticRound()`` (bfloat16 ``w``).
-    apply: a boolean scalar (may be traced): where false the kernel stores nothing, so ``w``
-      and the slots keep their values bit for bit (the gradient norm is still computed).
     profile: ``(profile_space, profile_dir)``: Mosaic GPU's in-kernel profiler records each
       named region of the body per warpgroup and writes a Chrome trace to ``profile_dir`` after
       every call (``python -m experiments.kernel_tools profile``).
@@ -468,10 +461,8 @@ def fused_dw_update_mosaic(
                                         compute_grad_sq_norm=compute_grad_sq_norm)
     if config is None:
       raise ValueError(f"fused_dw_update_mosaic: {reason}")
-  if w.ndim == 3 and layer is None:
-    raise ValueError(f"w has shape {w.shape} (stacked): pass layer=")
-  if w.ndim == 2 and layer is not None:
-    raise ValueError(f"layer={layer!r} given but w has shape {w.shape} (not stacked)")
+  if why := contract.layer_problem(w, layer):
+    raise ValueError(f"fused_dw_update_mosaic: {why}")
   if codec.needs_bits and not isinstance(codec, numerics.StochasticRound):
     raise ValueError(f"weight_codec={codec!r}: the Mosaic kernel takes Cast or StochasticRound")
   if interpreting and (why := mcfg.interpreter_problem(codec, slots)):
@@ -519,7 +510,9 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cf
                     thread_name="wg")
   compiler_params = plgpu.CompilerParams(
       lowering_semantics=getattr(plgpu.LoweringSemantics, rule_eval.LOWERING_SEMANTICS),
-      unsafe_no_auto_barriers=cfg.no_auto_barriers,
+      # Each thread rewrites only its own ring elements and commit_smem orders them before the
+      # TMA store: no Pallas barriers around register -> shared-memory stores needed.
+      unsafe_no_auto_barriers=True,
       **({} if profile is None else dict(profile_space=profile[0], profile_dir=profile[1])))
   body = functools.partial(_fused_kernel, plan=plan, rule=rule, update_fn=update_fn)
 
@@ -537,15 +530,12 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cf
     # pl.kernel aliases the refs it is given to its outputs (W, the states, the norm partials:
     # in place under jit with them donated) and reads the arrays (x, dy, the scalars). Operands
     # in the order the kernel first reads them.
-    operands = (x_ref[...], dy_ref[...], layer_ref[...], w_ref, slot_refs, sc_ref[...], norm_ref)
-    flat, tree = jax.tree.flatten(operands)
-
-    def fused_dw_update_mosaic(*flat_refs):
-      x, dy, lay, w_, slots_, sc, norm = jax.tree.unflatten(tree, flat_refs)
+    def fused_dw_update_mosaic(x, dy, lay, w_, slots_, sc, norm):
       body(x, dy, sc, lay, w_, tuple(slots_), norm)
 
     pl.kernel(fused_dw_update_mosaic, out_type=(), mesh=mesh, compiler_params=compiler_params,
-              name="fused_dw_update_mosaic")(*flat)
+              name="fused_dw_update_mosaic")(x_ref[...], dy_ref[...], layer_ref[...], w_ref,
+                                             slot_refs, sc_ref[...], norm_ref)
 
   def kernel_view(s):
     if not mcfg.quantized(s):
