@@ -46,8 +46,8 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 # refills within a tile, and the persistent loop gives the block several tiles.
 SMALL = mosaic.MosaicTileConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, epi_n=16,
                                 grid_tile_width=2, num_sms=1)
-# A ring of three stages, which the two warpgroups' steps wrap around unevenly.
-THREE_STAGES = dataclasses.replace(SMALL, max_concurrent_steps=3)
+# The fallback rows of the default table: one wgmma at a time, Pallas's store barriers.
+PLAIN = dataclasses.replace(SMALL, mma_in_flight=False, no_auto_barriers=False)
 # int8 as the default table runs it: one block per sub-tile row, no store barriers.
 INT8 = dataclasses.replace(SMALL, tile_n=128, epi_n=64)
 
@@ -138,7 +138,7 @@ def _check(x, dy, w, slots, rule, *, layer=None, norm=False, config=SMALL):
 @pytest.mark.parametrize("opt, w_dtype, slot_dtype, config", [
     ("adamw", F32, F32, SMALL),
     ("lion", BF16, BF16, SMALL),
-    ("sgd_momentum", F32, BF16, THREE_STAGES),
+    ("sgd_momentum", F32, BF16, PLAIN),
 ])
 def test_matches_reference(opt, w_dtype, slot_dtype, config):
   """K = tile_m and N = 3 tile_n: three tiles on one block, alternating between the compute
@@ -268,11 +268,11 @@ def _lower(config, rule, x, dy, w, slots, **kw):
 
 
 @pytest.mark.parametrize(
-    "name, state_dtype, l2_lookahead",
+    "name, state_dtype, plain",
     [(name, F32, False) for name in sorted(_all_rules())]
     + [("adamw", BF16, False), ("lion", BF16, False), ("adamw", F32, True)],
 )
-def test_lowers_for_cuda(name, state_dtype, l2_lookahead):
+def test_lowers_for_cuda(name, state_dtype, plain):
   """Every rule at its default tiling (and AdamW at a fallback row's options) with the grad
   norm: the rule's primitives and the epilogue's layouts lower for sm_90, and W, every state
   and the norm partials are aliased to the kernel's outputs (updated in place)."""
@@ -281,8 +281,9 @@ def test_lowers_for_cuda(name, state_dtype, l2_lookahead):
   w = _sds((256, 512), state_dtype)
   slots = tuple(_sds((256, 512), state_dtype) for _ in rule.slot_names)
   config = mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
-  if l2_lookahead:
-    config = dataclasses.replace(config, epi_l2_lookahead=4)
+  if plain:
+    config = dataclasses.replace(config, mma_in_flight=False, no_auto_barriers=False,
+                                 epi_l2_lookahead=4)
   text = _lower(config, rule, x, dy, w, slots, compute_grad_sq_norm=True)
   assert text.count("custom_call @mosaic_gpu") == 1
   assert text.count("#stablehlo.output_operand_alias<") == 2 + len(slots)
@@ -326,7 +327,7 @@ def test_stochastic_rounding_and_int8_states_lower_for_cuda(w_dtype, stacked):
     slots = tuple(nm.QuantizedArray(_sds((4096, 4096), jnp.int8), _sds((4096, 64), F32),
                                     precision.codec(name)) for name in rule.slot_names)
   cfg = mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
-  assert stacked or cfg.epi_n == 64
+  assert cfg.no_auto_barriers and (stacked or cfg.epi_n == 64)
   kw = dict(weight_codec=nm.StochasticRound()) if w_dtype == BF16 else {}
   kernel = jax.jit(functools.partial(mosaic.fused_dw_update_mosaic, update_fn=rule.update,
                                      config=cfg, compute_grad_sq_norm=True, **kw))
@@ -338,8 +339,8 @@ def test_stochastic_rounding_and_int8_states_lower_for_cuda(w_dtype, stacked):
 
 
 def test_config_reaches_the_compiler_params(monkeypatch, tmp_path):
-  """The profiler argument reaches plgpu.CompilerParams, with no Pallas store barriers and
-  warpgroup lowering semantics on every jax. Lowering the profiled kernel builds the instrumented module
+  """no_auto_barriers and the profiler argument reach plgpu.CompilerParams, with warpgroup
+  lowering semantics on every jax. Lowering the profiled kernel builds the instrumented module
   for sm_90; only the trace-dumping host callback, lowered after it, needs a CUDA backend."""
   rule = _rules()["adamw"]
   x, dy, w = _sds((128, 256), BF16), _sds((128, 256), BF16), _sds((256, 256), F32)
@@ -348,7 +349,7 @@ def test_config_reaches_the_compiler_params(monkeypatch, tmp_path):
   monkeypatch.setattr(mkernel.plgpu, "CompilerParams", lambda **kw: built.append(kw) or real(**kw))
   for cfg, profile in ((mosaic.MosaicTileConfig(num_sms=132), None),
                        # The profiler's buffers take shared memory: fewer stages.
-                       (mosaic.MosaicTileConfig(max_concurrent_steps=2,
+                       (mosaic.MosaicTileConfig(max_concurrent_steps=2, no_auto_barriers=False,
                                                 num_sms=132), (64, str(tmp_path)))):
     kernel = jax.jit(functools.partial(mosaic.fused_dw_update_mosaic, update_fn=rule.update,
                                        config=cfg, profile=profile))
@@ -360,7 +361,7 @@ def test_config_reaches_the_compiler_params(monkeypatch, tmp_path):
     except RuntimeError as e:
       if "GPU" not in str(e):
         raise
-  assert [kw["unsafe_no_auto_barriers"] for kw in built] == [True, True], built
+  assert [kw["unsafe_no_auto_barriers"] for kw in built] == [True, False], built
   assert all(kw["lowering_semantics"] == plgpu.LoweringSemantics.Warpgroup for kw in built)
   assert "profile_space" not in built[0] and built[1]["profile_space"] == 64
   assert built[1]["profile_dir"] == str(tmp_path)
@@ -461,31 +462,32 @@ def test_default_tiling_follows_the_sweeps(t, fp32_want, bf16_want):
 @pytest.mark.parametrize("k, n, small", [(1024, 1024, True), (1024, 3072, True), (3072, 1024, True),
                                          (2048, 2048, False), (2048, 6144, False), (4096, 4096, False)])
 def test_default_tiling_takes_64_row_tiles_for_small_grids(k, n, small):
-  """Weights of at most 1.5 128x128 tiles per SM (132 on an H200) take 64-row tiles."""
+  """Weights of at most 1.5 128x128 tiles per SM (132 on an H200) take 64-row tiles; every
+  float-state default drops Pallas's store barriers, int8 states keep them (they need them)."""
   x, dy = _sds((1024, k), BF16), _sds((1024, n), BF16)
   for dt in (F32, BF16):
     w = _sds((k, n), dt)
     cfg = mosaic.default_config(x, dy, w, [w, w], num_sms=132)
     assert (cfg.tile_m == 64) == small, (k, n, dt, cfg)
-    assert mosaic.supports(x, dy, w, [w, w], cfg) == (True, "")
+    assert cfg.no_auto_barriers and mosaic.supports(x, dy, w, [w, w], cfg) == (True, "")
   # The count is per SM: with 32 SMs none of these (64 tiles or more, > 1.5 x 32) is small.
   assert mosaic.default_config(x, dy, _sds((k, n), BF16), [_sds((k, n), BF16)], num_sms=32).tile_m == 128
 
 
 def test_default_table_rows_for_odd_shapes_and_int8():
-  """Shapes the 128x128 rows do not divide fall back to smaller tiles; when nothing fits, the
-  reason names the loosest row's requirement."""
+  """Shapes the 128x128 rows do not divide fall back to smaller tiles (one wgmma at a time,
+  Pallas's store barriers); when nothing fits, the reason names the loosest row's requirement."""
   x, dy = _sds((1024, 192), BF16), _sds((1024, 320), BF16)
   w = _sds((192, 320), F32)
   cfg = mosaic.default_config(x, dy, w, [w, w])
-  assert (cfg.tile_m, cfg.tile_n) == (64, 64)
+  assert (cfg.tile_m, cfg.tile_n, cfg.mma_in_flight, cfg.no_auto_barriers) == (64, 64, False, False)
   assert mosaic.supports(x, dy, w, [w, w]) == (True, "")
   ok, why = mosaic.supports(x, _sds((1024, 100), BF16), _sds((192, 100), F32), [])
   assert not ok and "N=100 must be a multiple of tile_n=64" in why
   rule = _rules()["adamw"]
   q = _int8_slots(rule, rule.init_slots(jnp.zeros((128, 256), F32)))
   cfg = mosaic.default_config(_sds((128, 128), BF16), _sds((128, 256), BF16), _sds((128, 256), F32), q)
-  assert cfg.epi_n == q[0].codec.block
+  assert cfg.epi_n == q[0].codec.block and cfg.no_auto_barriers
 
 
 @pytest.mark.parametrize("state_dtype", [F32, BF16])

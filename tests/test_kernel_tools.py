@@ -131,6 +131,6 @@ def test_mlir_tool_lowers_the_call_it_would_profile(tmp_path):
     assert kernel_tools.main(["mlir", "--shape", "128x256x256", "--states", "int8",
                               "--out", str(tmp_path)]) == 0
   result = json.loads((tmp_path / "kernel_mlir.json").read_text())["mlir"]
-  assert result["config"]["epi_n"] == 64
+  assert result["config"]["epi_n"] == 64 and result["config"]["no_auto_barriers"]
   module = (tmp_path / "kernel.mlir").read_text()
   assert "wgmma" in module and "loc(" not in module

@@ -43,6 +43,10 @@ class MosaicTileConfig:
     epi_slots: depth of each compute warpgroup's epilogue ring.
     epi_l2_lookahead: TMA-prefetch into L2 the sub-tile this many beyond the ring (0: off; float
       states only).
+    mma_in_flight: keep one ``wgmma`` in flight across main-loop steps.
+    no_auto_barriers: lower without Pallas's warpgroup barriers around register -> shared-memory
+      stores: each thread rewrites only its own ring elements and ``commit_smem`` orders them
+      before the TMA store (int8 row scales: docs/mosaic_kernel.md, "int8 state blocks").
     grid_tile_width: the persistent loop walks bands of this many tiles along ``N``.
     num_sms: persistent grid size; ``None`` means the device's SM count.
   """
@@ -55,11 +59,16 @@ class MosaicTileConfig:
   epi_n: int = 32
   epi_slots: int = 2
   epi_l2_lookahead: int = 0
+  mma_in_flight: bool = True
+  no_auto_barriers: bool = True
   grid_tile_width: int = 8
   num_sms: Optional[int] = None
 
 
 _Cfg = MosaicTileConfig
+# Fallback tilings: Pallas's store barriers and one wgmma at a time (the shipped schedule is up to
+# 1.25x slower on them: docs/mosaic_kernel.md, "The defaults, and why").
+_PLAIN = dict(mma_in_flight=False, no_auto_barriers=False)
 _SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the main loop, bounds)
 # THE default table: default_config takes the first row whose conditions the call meets and
 # that ``supports`` accepts. Conditions: "float" (no int8 state) or "int8"; "short" / "long" T;
@@ -78,11 +87,11 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         ("float", _Cfg(max_concurrent_steps=3, epi_n=16, epi_l2_lookahead=4)),
         ("float short", _Cfg(epi_n=16, epi_l2_lookahead=4)),
         # Smaller pipelines and tiles, for what the above do not fit or divide.
-        ("float", _Cfg(max_concurrent_steps=3, epi_n=16)),
-        ("float", _Cfg(max_concurrent_steps=2, epi_n=16)),
-        ("float", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=16)),
-        ("float", _Cfg(tile_m=64, epi_n=16)),  # K a multiple of 64 only
-        ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16)),
+        ("float", _Cfg(max_concurrent_steps=3, epi_n=16, **_PLAIN)),
+        ("float", _Cfg(max_concurrent_steps=2, epi_n=16, **_PLAIN)),
+        ("float", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=16, **_PLAIN)),
+        ("float", _Cfg(tile_m=64, epi_n=16, **_PLAIN)),  # K a multiple of 64 only
+        ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16, **_PLAIN)),
         # int8: epi_n is replaced by the quantization block (one block per sub-tile row).
         ("int8", _Cfg(tile_n=64, epi_n=64)),
         ("int8", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=64)),

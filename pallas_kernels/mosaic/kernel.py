@@ -396,12 +396,17 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
                 plgpu.wgmma(acc_ref, xt, dy_block)
               else:
                 plgpu.wgmma(acc_ref, x_block.transpose((1, 0)), dy_block)
-              plgpu.wgmma_wait(1)  # one wgmma in flight: free the previous step's stage
-              prev_slot = lax.rem(step + (stages - 1), stages)
-              pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
+              if cfg.mma_in_flight:  # wait for the previous step's wgmma, then free its stage
+                plgpu.wgmma_wait(1)
+                prev_slot = lax.rem(step + (stages - 1), stages)
+                pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
+              else:
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(stage_free.at[slot])
 
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(stage_free.at[lax.rem(i * t_iters + (t_iters - 1), stages)])
+            if cfg.mma_in_flight:
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(stage_free.at[lax.rem(i * t_iters + (t_iters - 1), stages)])
           with _region("epilogue"):
             epi.finish(acc_ref[...], row0, col0, norm_block=n_idx, norm_row0=m_idx * tile_m)
 
@@ -510,9 +515,7 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cf
                     thread_name="wg")
   compiler_params = plgpu.CompilerParams(
       lowering_semantics=getattr(plgpu.LoweringSemantics, rule_eval.LOWERING_SEMANTICS),
-      # Each thread rewrites only its own ring elements and commit_smem orders them before the
-      # TMA store: no Pallas barriers around register -> shared-memory stores needed.
-      unsafe_no_auto_barriers=True,
+      unsafe_no_auto_barriers=cfg.no_auto_barriers,
       **({} if profile is None else dict(profile_space=profile[0], profile_dir=profile[1])))
   body = functools.partial(_fused_kernel, plan=plan, rule=rule, update_fn=update_fn)
 
