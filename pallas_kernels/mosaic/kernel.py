@@ -221,10 +221,10 @@ class _Epilogue:
     if plan.tile_guard:
       # A tile whose gradient sums to a finite value holds no NaN or inf: its epilogue runs
       # without the per-element guard. Any other tile (a sum that overflowed included) runs the
-      # guarded epilogue.
+      # guarded epilogue as a loop (one copy of its code: it is rarely taken).
       finite = self._sums_to_finite(acc)
       pl.when(finite)(lambda: run(loop=plan.loop, guarded=False))
-      pl.when(jnp.logical_not(finite))(lambda: run(loop=plan.loop, guarded=True))
+      pl.when(jnp.logical_not(finite))(lambda: run(loop=True, guarded=True))
     else:
       run(loop=plan.loop, guarded=plan.guarded)
     if plan.with_norm:
