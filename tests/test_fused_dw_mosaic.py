@@ -31,7 +31,6 @@ import numpy as np
 import pytest
 
 import forge_jax
-import pallas_kernels
 from pallas_kernels import fused_dw_update_reference
 from pallas_kernels import mosaic
 from pallas_kernels import numerics as nm
@@ -160,34 +159,6 @@ def test_tiles_on_two_blocks_with_norm_and_l2_lookahead():
   _check(x, dy, w, slots, rule, norm=True, config=cfg)
 
 
-def test_guard_per_tile_leaves_clean_tiles_on_the_unguarded_path():
-  """A guarded rule decides per tile: a tile whose gradient sums to a finite value runs the
-  epilogue without the per-element guard, any other the guarded loop. Six 64x64 tiles, a NaN
-  in one column of dy poisons the two tiles of that column: its elements keep their old
-  values bit for bit, the other tiles match a clean call bit for bit (the same code), and the
-  poisoned tiles' finite elements match it to float32 rounding (another copy of the rule)."""
-  rule = _rules()["adamw"]
-  x, dy, w, slots = _inputs(5, 128, 128, 192, rule)
-  bad_dy = dy.at[5, 70].set(jnp.nan)
-  kernel = jax.jit(functools.partial(
-      mosaic.fused_dw_update_mosaic, update_fn=pallas_kernels.skip_non_finite(rule.update),
-      config=SMALL, interpret=True, compute_grad_sq_norm=True))
-  scalars = rule.scalars(jnp.int32(3))
-  new_w, new_slots, sq = kernel(x, bad_dy, w, slots, scalars)
-  want_w, want_slots, want_sq = kernel(x, dy, w, slots, scalars)
-  assert np.isnan(float(sq)) and np.isfinite(float(want_sq))
-  bits = lambda a: np.asarray(a).view(np.uint32)
-  poisoned = np.zeros(w.shape, bool)
-  poisoned[:, 64:128] = True
-  for got, old, want in zip((new_w, *new_slots), (w, *slots), (want_w, *want_slots)):
-    np.testing.assert_array_equal(bits(got)[:, 70], bits(old)[:, 70])
-    np.testing.assert_array_equal(bits(got)[~poisoned], bits(want)[~poisoned])
-    finite = poisoned.copy()
-    finite[:, 70] = False
-    np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite], rtol=1e-6,
-                               atol=1e-7)
-
-
 def test_stacked_wide_sub_tiles_update_only_their_layer():
   """64x64 sub-tiles (the bf16 short-T default), stacked bf16 weights and states, the grad norm,
   and steps of 128 tokens: the other layers stay untouched bit for bit."""
@@ -286,9 +257,8 @@ def test_rule_that_is_not_elementwise_is_refused():
 # ----------------------------------------------------------------------------
 
 
-def _lower(config, rule, x, dy, w, slots, guarded=False, **kw):
-  update = pallas_kernels.skip_non_finite(rule.update) if guarded else rule.update
-  kernel = jax.jit(functools.partial(mosaic.fused_dw_update_mosaic, update_fn=update,
+def _lower(config, rule, x, dy, w, slots, **kw):
+  kernel = jax.jit(functools.partial(mosaic.fused_dw_update_mosaic, update_fn=rule.update,
                                      config=config, **kw))
   with skip_if_cuda_lowering_needs_a_gpu():
     text = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0))).lower(
@@ -315,21 +285,6 @@ def test_lowers_for_cuda(name, state_dtype, plain):
     config = dataclasses.replace(config, mma_in_flight=False, no_auto_barriers=False,
                                  epi_l2_lookahead=4)
   text = _lower(config, rule, x, dy, w, slots, compute_grad_sq_norm=True)
-  assert text.count("custom_call @mosaic_gpu") == 1
-  assert text.count("#stablehlo.output_operand_alias<") == 2 + len(slots)
-
-
-@pytest.mark.parametrize("state_dtype", [F32, BF16])
-def test_guard_per_tile_lowers_for_cuda(state_dtype):
-  """A guarded rule (as forge_jax runs it) at the default tiling with the grad norm: the
-  per-tile decision (the warps' sums in inline Mosaic GPU code, then two branches, the guarded
-  one a loop) lowers for sm_90, in place, within the shared-memory limit."""
-  rule = _all_rules()["adamw"].rule
-  x, dy = _sds((1024, 4096), BF16), _sds((1024, 4096), BF16)
-  w = _sds((4096, 4096), state_dtype)
-  slots = tuple(_sds((4096, 4096), state_dtype) for _ in rule.slot_names)
-  config = mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
-  text = _lower(config, rule, x, dy, w, slots, guarded=True, compute_grad_sq_norm=True)
   assert text.count("custom_call @mosaic_gpu") == 1
   assert text.count("#stablehlo.output_operand_alias<") == 2 + len(slots)
 

@@ -108,15 +108,12 @@ def _check_guard(backend, precision, w_dtype, exact_states=True):
   want_w, want_state, want_sq = run(*clean, w, state)
   assert np.isnan(float(sq)) and np.isfinite(float(want_sq))
   _assert_bits(new_w, w, mask)  # guarded: the old weight, bit for bit
-  # The others: the normal update (bit for bit, but under the Mosaic interpreter, whose XLA
-  # compiles a poisoned tile's guarded epilogue apart from a clean tile's: float32 rounding).
-  same = _assert_bits if backend != "mosaic_interpret" else _assert_close
-  same(new_w, want_w, ~mask)
+  _assert_bits(new_w, want_w, ~mask)  # the others: the normal update
   assert int(new_state.count) == int(want_state.count)
   for got, old, want in zip(_slots(new_state), _slots(state), _slots(want_state)):
     if exact_states:
       _assert_bits(got, old, mask)
-      same(got, want, ~mask)
+      _assert_bits(got, want, ~mask)
     else:  # int8: blocks of 64 along N
       block = got.codec.block
       poisoned = mask.reshape(mask.shape[0], -1, block).any(-1)

@@ -14,9 +14,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import contract, numerics
 
-# A Hopper block may use 227 KiB of shared memory; Mosaic GPU's own total (barriers and the
-# guard's 32 bytes of per-warp sums included, checked while lowering) exceeds smem_bytes' count
-# by about 2.1 KiB, hence a 3 KiB margin.
+# A Hopper block may use 227 KiB of shared memory; Mosaic GPU's own total (barriers included,
+# checked while lowering) exceeds smem_bytes' count by about 2.1 KiB, hence a 3 KiB margin.
 # fp32 AdamW's default (exactly 224 KiB here) lowers and runs on the H200; the tests lower every
 # default in the margin, so a config Mosaic refuses fails a test, not a user's compile.
 SMEM_BUDGET_BYTES = 224 * 1024

@@ -20,11 +20,6 @@ from jax import lax
 import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith as mlir_arith
-from jaxlib.mlir.dialects import memref as mlir_memref
-from jaxlib.mlir.dialects import vector as mlir_vector
 
 from pallas_kernels import contract, numerics
 from pallas_kernels.contract import (UpdateFn, apply_update, grad_sq_terms, pack_scalars,
@@ -53,12 +48,6 @@ class _Plan:
   stochastic: bool  # stochastic rounding of the weight (its key in layer_gmem[1])
   gated: bool  # the stores to W and the states run only where layer_gmem[2] != 0
   codecs: tuple  # per slot: None (a float array) or its numerics.BlockQuantized codec
-  guarded: bool  # update_fn leaves elements with a non-finite gradient unchanged
-
-  @property
-  def tile_guard(self) -> bool:
-    """Float states on the GPU: the guard decided once per tile (:meth:`_Epilogue.finish`)."""
-    return self.guarded and not self.loop
 
   @property
   def loop(self) -> bool:
@@ -138,7 +127,6 @@ class _Epilogue:
   slot_rings: Sequence[Any]
   ring_ready: Any
   norm_smem: Any
-  flag_smem: Any  # per warp of the compute warpgroups, its part of the tile's sum (tile_guard)
   wg_idx: Any
 
   def _offsets(self, j):
@@ -217,77 +205,31 @@ class _Epilogue:
     scalar_leaves = [self.sc_gmem[i] for i in range(plan.num_scalars)]
     for j in range(plan.depth, plan.depth + cfg.epi_l2_lookahead):
       self._prefetch_l2(j, row0, col0)
-    run = functools.partial(self._sub_tiles, acc, row0, col0, scalar_leaves)
-    if plan.tile_guard:
-      # A tile whose gradient sums to a finite value holds no NaN or inf: its epilogue runs
-      # without the per-element guard. Any other tile (a sum that overflowed included) runs the
-      # guarded epilogue as a loop (one copy of its code: it is rarely taken).
-      finite = self._sums_to_finite(acc)
-      pl.when(finite)(lambda: run(loop=plan.loop, guarded=False))
-      pl.when(jnp.logical_not(finite))(lambda: run(loop=True, guarded=True))
-    else:
-      run(loop=plan.loop, guarded=plan.guarded)
-    if plan.with_norm:
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(self.norm_smem.at[self.wg_idx],
-                              self.norm_gmem.at[norm_block, pl.ds(norm_row0, cfg.tile_m)])
-
-  def _sums_to_finite(self, acc):
-    """Whether the tile's ``acc`` sums to a finite value, the same for the whole warpgroup: each
-    warp sums its registers (one add per element, then lane shuffles) into its word of
-    ``flag_smem``, and every thread adds the warpgroup's four words. (Not a ``jnp.sum``: its
-    cross-warp scratch sits at one shared-memory offset for both compute warpgroups.)"""
-    if self.plan.interpreting:  # one thread per warpgroup there: no race, no inline code
-      return jnp.abs(jnp.sum(acc)) < jnp.inf
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-    def _warp_sums(ctx, acc, flags):  # pylint: disable=unused-argument
-      regs = list(acc.registers.flat)
-      total = functools.reduce(mlir_arith.addf, regs)
-      total = functools.reduce(mlir_arith.addf, [
-          mlir_vector.extract(total, dynamic_position=[], static_position=[i])
-          for i in range(ir.VectorType(total.type).shape[0])])
-      for distance in (1, 2, 4, 8, 16):
-        total = mlir_arith.addf(total, mgpu_utils.shfl_bfly(total, distance))
-      i32 = ir.IntegerType.get_signless(32)
-      warp = mlir_arith.divui(mgpu_utils.thread_idx(), mgpu_utils.c(32, i32))  # the block's warp
-      index = mlir_arith.index_cast(ir.IndexType.get(), warp)
-      mlir_memref.store(total, flags, [index])  # every lane the same value
-      mgpu_utils.warpgroup_barrier()
-
-    _warp_sums(acc, self.flag_smem)
-    base = self.wg_idx * 4
-    total = (self.flag_smem[base] + self.flag_smem[base + 1]) + (
-        self.flag_smem[base + 2] + self.flag_smem[base + 3])
-    return jnp.abs(total) < jnp.inf
-
-  def _sub_tiles(self, acc, row0, col0, scalar_leaves, *, loop: bool, guarded: bool) -> None:
-    """Every sub-tile of the tile, unrolled or as a loop; the gradient's row norms (if asked)
-    into ``norm_smem``."""
-    plan, cfg = self.plan, self.plan.cfg
     grads = [acc[r:r + cfg.epi_m, c:c + cfg.epi_n] for r, c in plan.sub_tiles]
-    # The squares NaN where g is not finite, unless the tile is known to be finite.
-    square = (lambda g: g * g) if plan.tile_guard and not guarded else grad_sq_terms
     row_sums = {}  # row offset -> the gradient's squares summed along N
-    if loop:
+    if plan.loop:
       # One copy of the sub-tile code, run once per sub-tile: a sub-tile's gradient is picked
       # from the accumulator's static slices by bit masks (registers cannot be indexed).
       @pl.loop(0, len(plan.sub_tiles))
       def _sub_tile(j):
-        self._sub_tile(j, _pick(grads, j), row0, col0, scalar_leaves, guarded)
+        self._sub_tile(j, _pick(grads, j), row0, col0, scalar_leaves)
 
       if plan.with_norm:
-        row_sums[0] = jnp.sum(square(acc), axis=1)
+        row_sums[0] = jnp.sum(grad_sq_terms(acc), axis=1)
     else:
       for j, (r, c) in enumerate(plan.sub_tiles):
-        self._sub_tile(j, grads[j], row0, col0, scalar_leaves, guarded)
+        self._sub_tile(j, grads[j], row0, col0, scalar_leaves)
         if plan.with_norm:
-          part = jnp.sum(square(grads[j]), axis=1)
+          part = jnp.sum(grad_sq_terms(grads[j]), axis=1)
           row_sums[r] = part if r not in row_sums else row_sums[r] + part
-    for r, part in row_sums.items():
-      self.norm_smem[self.wg_idx, pl.ds(r, part.shape[0])] = part
+    if plan.with_norm:
+      for r, part in row_sums.items():
+        self.norm_smem[self.wg_idx, pl.ds(r, part.shape[0])] = part
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(self.norm_smem.at[self.wg_idx],
+                              self.norm_gmem.at[norm_block, pl.ds(norm_row0, cfg.tile_m)])
 
-  def _sub_tile(self, j, g, row0, col0, scalar_leaves, guarded: bool) -> None:
+  def _sub_tile(self, j, g, row0, col0, scalar_leaves) -> None:
     """Sub-tile ``j`` (static, or the loop's int32) with gradient ``g``: wait for its ring slot,
     decode, update, encode, store, refill the slot."""
     plan, cfg = self.plan, self.plan.cfg
@@ -305,8 +247,7 @@ class _Epilogue:
       s32 = tuple(raw.astype(jnp.float32) if codec is None else codec.decode_block_rows(*raw)
                   for raw, codec in zip(s_raw, plan.codecs))
     with _region("epi_math"):
-      update_fn = self.update_fn if guarded else unwrap(self.update_fn)[0]
-      new_w32, new_slots = apply_update(update_fn, g, w32, s32, scalar_leaves, rule=self.rule)
+      new_w32, new_slots = apply_update(self.update_fn, g, w32, s32, scalar_leaves, rule=self.rule)
     with _region("epi_write"):
       bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
       if plan.stochastic:
@@ -330,7 +271,7 @@ class _Epilogue:
         for smem, gmem in self._slot_copies(j, row0, col0, s_refs):
           plgpu.copy_smem_to_gmem(smem, gmem, commit_group=False)
       plgpu.commit_smem_to_gmem_group()
-      if cfg.epi_l2_lookahead and isinstance(j, int):  # a hint: not from the guarded loop
+      if cfg.epi_l2_lookahead:
         self._prefetch_l2(j + plan.depth + cfg.epi_l2_lookahead, row0, col0)
 
     @pl.when(j + plan.depth < len(plan.sub_tiles))  # a Python bool for a static j
@@ -381,13 +322,12 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
       ring_ready=plgpu.Barrier(num_arrivals=1 + len(plan.codecs) + sum(c is not None for c in plan.codecs),
                                num_barriers=_WGS * plan.depth),
       norm_smem=plgpu.SMEM((_WGS, tile_m), jnp.float32) if plan.with_norm else None,
-      flag_smem=plgpu.SMEM((_WGS * 4,), jnp.float32) if plan.tile_guard else None,
       xt_smem=(plgpu.SMEM((_WGS, tile_m, tile_t), in_dtype, transforms=in_transforms)
                if plan.interpreting else None),
       collective_axes="wg",
   )
   def _scope(x_stages, dy_stages, stage_ready, stage_free, w_ring, slot_rings, ring_ready,
-             norm_smem, flag_smem, xt_smem):
+             norm_smem, xt_smem):
     wg_idx = lax.axis_index("wg")
     block = lax.axis_index("sm")
     # This block's tiles: block, block + num_sms, ... of the snake order.
@@ -430,7 +370,7 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
       registers = min(256, (512 - mcfg.MEMORY_REGISTERS) // _WGS) // 8 * 8
       plgpu.set_max_registers(registers, action="increase")
       epi = _Epilogue(plan, rule, update_fn, sc_gmem, layer_gmem, w_gmem, slot_gmems,
-                      norm_gmem, w_ring, slot_rings, ring_ready, norm_smem, flag_smem, wg_idx)
+                      norm_gmem, w_ring, slot_rings, ring_ready, norm_smem, wg_idx)
       xt = xt_smem.at[wg_idx] if plan.interpreting else None
 
       @pl.loop(0, lax.div(num_local - wg_idx + (_WGS - 1), _WGS))
@@ -566,8 +506,7 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cf
   plan = _Plan(cfg=cfg, t=t, k=k, n=n, num_sms=mcfg.grid_size(cfg), num_scalars=len(jax.tree.leaves(scalars)),
                with_norm=compute_grad_sq_norm, interpreting=params is not None,
                stochastic=isinstance(codec, numerics.StochasticRound), gated=apply is not None,
-               codecs=tuple(s.codec if mcfg.quantized(s) else None for s in slots),
-               guarded=unwrap(update_fn)[1])
+               codecs=tuple(s.codec if mcfg.quantized(s) else None for s in slots))
   rule = rule_eval.trace_rule(unwrap(update_fn)[0], (cfg.epi_m, cfg.epi_n), len(slots), scalars)
   flat = lambda a: a.reshape(num_layers * k, n)  # one [L*K, N] array; the layer is a row offset
   # One row of per-W-row partial sums per column tile; NaN makes a missed entry loud.
