@@ -34,6 +34,7 @@ import forge_jax
 from pallas_kernels import fused_dw_update_reference
 from pallas_kernels import mosaic
 from pallas_kernels import numerics as nm
+from pallas_kernels.mosaic import common as mcommon
 from pallas_kernels.mosaic import config as mcfg
 from pallas_kernels.mosaic import kernel as mkernel
 from pallas_kernels.mosaic import rule_eval
@@ -502,7 +503,7 @@ def test_default_config_fits(state_dtype, n_slots):
 def test_planar_snake_visits_every_tile_once_in_plgpus_order():
   for m, n, width in [(5, 7, 3), (4, 8, 8), (6, 6, 4), (3, 9, 2)]:
     lin = jnp.arange(m * n, dtype=jnp.int32)
-    mi, ni = (np.asarray(v) for v in mkernel.planar_snake(lin, m, n, width))
+    mi, ni = (np.asarray(v) for v in mcommon.planar_snake(lin, m, n, width))
     assert sorted(zip(mi.tolist(), ni.tolist())) == [(i, j) for i in range(m) for j in range(n)]
     if n % width:  # plgpu's version divides by zero otherwise
       ref = plgpu.planar_snake(lin, (m, n), 1, width)

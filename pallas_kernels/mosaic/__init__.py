@@ -2,6 +2,7 @@
 
 ``config``: the tiling and its one table of defaults (shapes and dtypes only); ``rule_eval``: the
 optimizer rule evaluated so that Mosaic GPU can lower it; ``kernel``: the kernel and its wrapper.
+``stacked_matmul`` is the GEMM of scanned stacks; ``common`` holds what both kernels use.
 """
 
 from pallas_kernels.mosaic.config import (MosaicTileConfig, default_config, interpreter_problem,

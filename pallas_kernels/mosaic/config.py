@@ -22,7 +22,6 @@ SMEM_BUDGET_BYTES = 224 * 1024
 MOSAIC_SMEM_LIMIT = 227 * 1024
 NUM_COMPUTE_WGS = 2
 MAX_SLOTS = 4
-MEMORY_REGISTERS = 40  # per thread of the memory warpgroup; the compute warpgroups get the rest
 DEFAULT_NUM_SMS = 132  # the grid when the device says nothing (interpreter, cross-lowering): H200
 _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -24,6 +24,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import contract, numerics
 from pallas_kernels.contract import (UpdateFn, apply_update, grad_sq_terms, pack_scalars,
                                      rounding_ints, unwrap)
+from pallas_kernels.mosaic import common
 from pallas_kernels.mosaic import config as mcfg
 from pallas_kernels.mosaic import rule_eval
 from pallas_kernels.mosaic.config import MosaicTileConfig
@@ -73,41 +74,6 @@ class _Plan:
 def _region(name: str):
   """A named range of the kernel body: a timed range per warpgroup under the profiler."""
   return jax.named_scope(f"fdw_{name}")
-
-
-def _mma_transforms(cols: int, dtype) -> tuple:
-  """Tiling + swizzle for a shared-memory buffer whose rows hold ``cols`` elements."""
-  swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(swizzle))
-
-
-def planar_snake(lin: Array, m_iters: int, n_iters: int, width: int):
-  """``(m, n)`` of linear tile ``lin`` in ``plgpu.planar_snake``'s order along ``N`` (bands of
-  ``width`` tiles, every other one walking ``M`` backwards), with static band widths: jax's
-  evaluates a remainder band of width 0 when the width divides the grid, an integer division
-  by zero that kills the CPU interpreter (SIGFPE)."""
-  width = max(1, min(width, n_iters))
-  full_bands = n_iters // width
-  full_elems = full_bands * width * m_iters
-  rem_width = n_iters - full_bands * width
-
-  def coords(idx, band_width, first_n, first_band):
-    per_band = jnp.int32(band_width * m_iters)
-    band, within = lax.div(idx, per_band), lax.rem(idx, per_band)
-    n = first_n + band * band_width + lax.rem(within, jnp.int32(band_width))
-    m = lax.div(within, jnp.int32(band_width))
-    odd = lax.rem(band + first_band, 2) == 1
-    return jnp.where(odd, m_iters - 1 - m, m), n
-
-  m, n = coords(lin, width, 0, 0)
-  if rem_width:  # a last, narrower band
-    tail_m, tail_n = coords(jnp.maximum(lin - full_elems, 0), rem_width, full_bands * width,
-                            full_bands)
-    in_tail = lin >= full_elems
-    n = jnp.where(in_tail, tail_n, n)
-    m = jnp.where(in_tail, tail_m, m)
-  return m, n
 
 
 @dataclasses.dataclass
@@ -304,9 +270,9 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
   stages, t_iters = cfg.max_concurrent_steps, plan.t // cfg.tile_t
   m_iters, n_iters = plan.k // tile_m, plan.n // tile_n
   in_dtype = x_gmem.dtype
-  in_transforms = _mma_transforms(64, in_dtype)  # rows of >= 64 16-bit elements: 128 B swizzle
+  in_transforms = common.mma_transforms(64, in_dtype)  # rows of >= 64 16-bit elements: 128 B swizzle
   epi_shape = (_WGS, plan.depth, cfg.epi_m, cfg.epi_n)
-  ring = lambda d: plgpu.SMEM(epi_shape, d, transforms=_mma_transforms(cfg.epi_n, d))
+  ring = lambda d: plgpu.SMEM(epi_shape, d, transforms=common.mma_transforms(cfg.epi_n, d))
   slot_rings = [(ring(g[0].dtype), plgpu.SMEM(epi_shape[:3], jnp.float32)) if isinstance(g, tuple)
                 else ring(g.dtype) for g in slot_gmems]  # int8: codes and row scales
 
@@ -332,12 +298,12 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
     block = lax.axis_index("sm")
     # This block's tiles: block, block + num_sms, ... of the snake order.
     num_local = lax.div(m_iters * n_iters - block + (plan.num_sms - 1), jnp.int32(plan.num_sms))
-    tile_coords = lambda i: planar_snake(block + i * plan.num_sms, m_iters, n_iters,
+    tile_coords = lambda i: common.planar_snake(block + i * plan.num_sms, m_iters, n_iters,
                                          cfg.grid_tile_width)
 
     @pl.when(wg_idx == _WGS)
     def _memory_warpgroup():
-      plgpu.set_max_registers(mcfg.MEMORY_REGISTERS, action="decrease")
+      plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
       total = num_local * t_iters
 
       @pl.loop(0, num_local)
@@ -367,8 +333,7 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
 
     @pl.when(wg_idx < _WGS)
     def _compute_warpgroup():
-      registers = min(256, (512 - mcfg.MEMORY_REGISTERS) // _WGS) // 8 * 8
-      plgpu.set_max_registers(registers, action="increase")
+      plgpu.set_max_registers(common.compute_registers(_WGS), action="increase")
       epi = _Epilogue(plan, rule, update_fn, sc_gmem, layer_gmem, w_gmem, slot_gmems,
                       norm_gmem, w_ring, slot_rings, ring_ready, norm_smem, wg_idx)
       xt = xt_smem.at[wg_idx] if plan.interpreting else None
@@ -413,18 +378,6 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
     plgpu.wait_smem_to_gmem(0)  # every result is in device memory before the kernel exits
 
 
-def _interpret_params(interpret: Any):
-  """``InterpretGPUParams`` for ``interpret=True`` (public in jax 0.11.2, private before)."""
-  if interpret is False or interpret is None:
-    return None
-  if interpret is not True:
-    return interpret
-  params_cls = getattr(plgpu, "InterpretGPUParams", None)
-  if params_cls is None:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params_cls  # pylint: disable=g-import-not-at-top
-  return params_cls()
-
-
 def fused_dw_update_mosaic(
     x: Array, dy: Array, w: Array, slots: Sequence[Array], scalars: Any, update_fn: UpdateFn, *,
     layer: Optional[Array] = None, config: Optional[MosaicTileConfig] = None,
@@ -459,7 +412,7 @@ def fused_dw_update_mosaic(
     ValueError: for operands the kernel cannot take (the message says why and what to change).
   """
   slots = tuple(slots)
-  interpreting = _interpret_params(interpret) is not None
+  interpreting = common.interpret_params(interpret) is not None
   codec = weight_codec or numerics.Cast()
   if not config_checked:
     config, reason = mcfg.select_config(x, dy, w, slots, config,
@@ -502,7 +455,7 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cf
   if apply is not None:
     ints.append(jnp.asarray(apply).astype(jnp.int32))
   layer_vec = jnp.stack(ints)
-  params = _interpret_params(interpret)
+  params = common.interpret_params(interpret)
   plan = _Plan(cfg=cfg, t=t, k=k, n=n, num_sms=mcfg.grid_size(cfg), num_scalars=len(jax.tree.leaves(scalars)),
                with_norm=compute_grad_sq_norm, interpreting=params is not None,
                stochastic=isinstance(codec, numerics.StochasticRound), gated=apply is not None,

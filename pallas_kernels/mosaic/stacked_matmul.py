@@ -33,7 +33,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic import config as mcfg
-from pallas_kernels.mosaic.kernel import _interpret_params, planar_snake
+from pallas_kernels.mosaic import common
 
 _WGS = 2  # compute warpgroups
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -90,13 +90,6 @@ class _Plan:
   interpreting: bool
 
 
-def _transforms(cols: int, dtype) -> tuple:
-  """Tiling + swizzle of a shared-memory buffer whose rows hold ``cols`` elements."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(min(cols * itemsize, 128) * 8)
-  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
 def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
   cfg, dtype = plan.cfg, x_gmem.dtype
   tm, tn, tk, stages = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.max_concurrent_steps
@@ -105,27 +98,27 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
 
   @functools.partial(
       pl.run_scoped,
-      x_stages=plgpu.SMEM((stages, tm, tk), dtype, transforms=_transforms(tk, dtype)),
-      w_stages=plgpu.SMEM((stages, *w_block), dtype, transforms=_transforms(w_block[1], dtype)),
+      x_stages=plgpu.SMEM((stages, tm, tk), dtype, transforms=common.mma_transforms(tk, dtype)),
+      w_stages=plgpu.SMEM((stages, *w_block), dtype, transforms=common.mma_transforms(w_block[1], dtype)),
       stage_ready=plgpu.Barrier(num_arrivals=2, num_barriers=_WGS * stages),
       stage_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-      out_smem=plgpu.SMEM((_WGS, tm, tn), dtype, transforms=_transforms(tn, dtype)),
+      out_smem=plgpu.SMEM((_WGS, tm, tn), dtype, transforms=common.mma_transforms(tn, dtype)),
       # The 0.10.2 interpreter reads no transposed operand: the w block goes through registers.
-      wt_smem=(plgpu.SMEM((_WGS, tk, tn), dtype, transforms=_transforms(tn, dtype))
+      wt_smem=(plgpu.SMEM((_WGS, tk, tn), dtype, transforms=common.mma_transforms(tn, dtype))
                if plan.interpreting and plan.transpose_w else None),
       collective_axes="wg",
   )
   def _scope(x_stages, w_stages, stage_ready, stage_free, out_smem, wt_smem):
     wg_idx, block = lax.axis_index("wg"), lax.axis_index("sm")
     num_local = lax.div(m_iters * n_iters - block + (plan.num_sms - 1), jnp.int32(plan.num_sms))
-    tile_coords = lambda i: planar_snake(block + i * plan.num_sms, m_iters, n_iters,
+    tile_coords = lambda i: common.planar_snake(block + i * plan.num_sms, m_iters, n_iters,
                                          cfg.grid_tile_width)
     # The layer is a row offset into the [L*R, C] view of the stack.
     w_row0 = layer_gmem[0] * (plan.n if plan.transpose_w else plan.k)
 
     @pl.when(wg_idx == _WGS)
     def _memory_warpgroup():
-      plgpu.set_max_registers(mcfg.MEMORY_REGISTERS, action="decrease")
+      plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
 
       @pl.loop(0, num_local)
       def _tile(i):
@@ -154,8 +147,7 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
 
     @pl.when(wg_idx < _WGS)
     def _compute_warpgroup():
-      plgpu.set_max_registers(min(256, (512 - mcfg.MEMORY_REGISTERS) // _WGS) // 8 * 8,
-                              action="increase")
+      plgpu.set_max_registers(common.compute_registers(_WGS), action="increase")
 
       @pl.loop(0, lax.div(num_local - wg_idx + (_WGS - 1), _WGS))
       def _tile(j):
@@ -252,7 +244,7 @@ def stacked_matmul(x: jax.Array, w_stack: jax.Array, layer: Any, *, transpose_w:
     raise ValueError(f"stacked_matmul: layer must be an integer scalar; got {layer.dtype}{list(layer.shape)}")
   num_layers, rows, cols = w_stack.shape
   (m, k), n = x.shape, (rows if transpose_w else cols)
-  params = _interpret_params(interpret)
+  params = common.interpret_params(interpret)
   plan = _Plan(cfg, m, k, n, transpose_w, mcfg.grid_size(cfg), params is not None)
   # As lax.dynamic_index_in_dim: a negative layer counts from the end, then clamped into [0, L).
   layer = layer.astype(jnp.int32)
