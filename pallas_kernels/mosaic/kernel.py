@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import contract, numerics
-from pallas_kernels.contract import (UpdateFn, apply_update, grad_sq_terms, pack_scalars,
-                                     rounding_ints, unwrap)
+from pallas_kernels import numerics
+from pallas_kernels.contract import (UpdateFn, apply_update, grad_sq_terms, layer_problem,
+                                     pack_scalars, rounding_ints, unwrap)
 from pallas_kernels.mosaic import common
 from pallas_kernels.mosaic import config as mcfg
 from pallas_kernels.mosaic import rule_eval
@@ -299,7 +299,7 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
     # This block's tiles: block, block + num_sms, ... of the snake order.
     num_local = lax.div(m_iters * n_iters - block + (plan.num_sms - 1), jnp.int32(plan.num_sms))
     tile_coords = lambda i: common.planar_snake(block + i * plan.num_sms, m_iters, n_iters,
-                                         cfg.grid_tile_width)
+                                                cfg.grid_tile_width)
 
     @pl.when(wg_idx == _WGS)
     def _memory_warpgroup():
@@ -419,7 +419,7 @@ def fused_dw_update_mosaic(
                                         compute_grad_sq_norm=compute_grad_sq_norm)
     if config is None:
       raise ValueError(f"fused_dw_update_mosaic: {reason}")
-  if why := contract.layer_problem(w, layer):
+  if why := layer_problem(w, layer):
     raise ValueError(f"fused_dw_update_mosaic: {why}")
   if codec.needs_bits and not isinstance(codec, numerics.StochasticRound):
     raise ValueError(f"weight_codec={codec!r}: the Mosaic kernel takes Cast or StochasticRound")

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic import config as mcfg
 from pallas_kernels.mosaic import common
+from pallas_kernels.mosaic import config as mcfg
 
 _WGS = 2  # compute warpgroups
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -99,7 +99,8 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
   @functools.partial(
       pl.run_scoped,
       x_stages=plgpu.SMEM((stages, tm, tk), dtype, transforms=common.mma_transforms(tk, dtype)),
-      w_stages=plgpu.SMEM((stages, *w_block), dtype, transforms=common.mma_transforms(w_block[1], dtype)),
+      w_stages=plgpu.SMEM((stages, *w_block), dtype,
+                          transforms=common.mma_transforms(w_block[1], dtype)),
       stage_ready=plgpu.Barrier(num_arrivals=2, num_barriers=_WGS * stages),
       stage_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       out_smem=plgpu.SMEM((_WGS, tm, tn), dtype, transforms=common.mma_transforms(tn, dtype)),
@@ -112,7 +113,7 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
     wg_idx, block = lax.axis_index("wg"), lax.axis_index("sm")
     num_local = lax.div(m_iters * n_iters - block + (plan.num_sms - 1), jnp.int32(plan.num_sms))
     tile_coords = lambda i: common.planar_snake(block + i * plan.num_sms, m_iters, n_iters,
-                                         cfg.grid_tile_width)
+                                                cfg.grid_tile_width)
     # The layer is a row offset into the [L*R, C] view of the stack.
     w_row0 = layer_gmem[0] * (plan.n if plan.transpose_w else plan.k)
 
