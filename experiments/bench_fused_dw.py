@@ -49,8 +49,10 @@ dispatch at every size, each consuming the previous one's outputs. 480 cases in 
 ``--workers`` processes compile the Mosaic kernels side by side and take turns on the GPU (one
 at a time holds it for its first launches and timing); ``--estimate-only`` prints the plan and
 its estimate; ``--time-limit`` starts no case that would end past it (the Llama-3.1-8B classes
-come first, then the class farthest from those measured); ``--dry-run`` runs it on CPU with the
-interpreted Triton kernel in seconds. On the H200::
+come first, then the class farthest from those measured); ``--merge ROWS.json`` keeps the cases an
+earlier run on the same device and jax measured and measures the rest, so a plan longer than one
+call is split over several (e.g. ``--tokens 512 1024`` first, then the whole plan with ``--merge``);
+``--dry-run`` runs it on CPU with the interpreted Triton kernel in seconds. On the H200::
 
     PYTHONPATH=$PWD python -m experiments.bench_fused_dw --auto-table --time-limit 500 --out $OUT
 
@@ -551,6 +553,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   auto.add_argument("--time-limit", type=float, default=None,
                     help="seconds: no case starts that would end past it; the table keeps what was measured")
   auto.add_argument("--estimate-only", action="store_true", help="print the plan and its estimate, measure nothing")
+  auto.add_argument("--merge", type=pathlib.Path, nargs="+", default=None, metavar="ROWS",
+                    help="auto_table_rows.json of earlier runs (same device and jax): their measured "
+                    "cases are kept, not measured again; the table written holds both")
   auto.add_argument("--workers", type=int, default=None,
                     help="processes that compile side by side, taking turns on the device (default: 8 "
                     "on a GPU, 1 interpreted)")
@@ -936,6 +941,7 @@ def auto_table_run(args) -> int:
   classes = shape_classes(shapes, first)
   plan = auto_plan(classes, tokens, configs)
   folder = _timing.out_dir(args.out)
+  merged, earlier = merged_rows(args.merge or (), plan)
   if args.worker is not None:  # one of the processes below
     index, deadline = args.worker, args.deadline
     rows_path = folder / f"auto_rows_{index}.jsonl"
@@ -945,21 +951,29 @@ def auto_table_run(args) -> int:
         out.flush()
       # Whole (class, T) groups per worker: their configurations share the inputs and XLA's
       # autotuning of the dot.
-      mine = [i for i in range(len(plan)) if (i // len(configs)) % workers == index]
+      mine = [i for i in range(len(plan)) if (i // len(configs)) % workers == index and i not in merged]
       measure_cases(plan, mine, kernel=kernel, interpret=interpret,
                     timing=timing, deadline=deadline, gpu_lock=lambda: _file_lock(folder / "gpu.lock"),
                     sink=sink)
     return 0
 
   info = _timing.run_info("experiments.bench_fused_dw", args.argv)
+  for run in earlier:
+    for field in ("device", "jax"):
+      if run[field] != info[field]:
+        raise SystemExit(f"--merge {run['path']}: measured with {field} {run[field]!r}, this run has "
+                         f"{info[field]!r}: merge only runs of one device and jax")
   info.update(commit=args.commit or _git_commit(), kernel=kernel, interpret=interpret, timing=timing,
               calls_per_dispatch=1 if interpret else _timing.LAYER_CALLS,
               time_limit_s=args.time_limit, workers=workers, cases=len(plan),
-              estimate_s=round(auto_estimate_s(plan, "mosaic" if not args.dry_run else kernel, workers)),
-              classes=[{"representative": list(r), "members": [list(m) for m in ms]} for r, ms in classes])
+              classes=[{"representative": list(r), "members": [list(m) for m in ms]} for r, ms in classes],
+              merged=earlier)
+  todo = [p for i, p in enumerate(plan) if i not in merged]
+  info["estimate_s"] = round(auto_estimate_s(todo, "mosaic" if not args.dry_run else kernel, workers))
   _timing.log(f"auto table on {info['device']} (jax {info['jax']}): {len(classes)} shape classes x "
-              f"{len(tokens)} T x {len(configs)} configs = {len(plan)} cases, {workers} workers, estimated "
-              f"{info['estimate_s']} s; time limit {args.time_limit} s")
+              f"{len(tokens)} T x {len(configs)} configs = {len(plan)} cases ({len(merged)} merged from "
+              f"earlier runs), {workers} workers, estimated {info['estimate_s']} s; time limit "
+              f"{args.time_limit} s")
   if args.estimate_only:
     return 0
   start = time.time()
@@ -967,10 +981,11 @@ def auto_table_run(args) -> int:
   deadline = None if args.time_limit is None else start + args.time_limit - 15.0
   rows: dict[int, dict] = {}
   if workers == 1:
-    measure_cases(plan, range(len(plan)), kernel=kernel, interpret=interpret, timing=timing,
+    measure_cases(plan, [i for i in range(len(plan)) if i not in merged], kernel=kernel, interpret=interpret, timing=timing,
                   deadline=deadline, gpu_lock=contextlib.nullcontext, sink=rows.__setitem__)
   else:
     rows = _run_workers(args, folder, workers, deadline)
+  rows.update(merged)
   all_rows = [rows.get(i) or dict(auto_case_key(c, AUTO_CONFIGS[c][0], t, *r), config=c,
                                   status="skipped: worker ended")
               for i, (r, _, t, c) in enumerate(plan)]
@@ -980,6 +995,26 @@ def auto_table_run(args) -> int:
   _timing.write_json(folder / "auto_table_rows.json", {"info": info, "rows": all_rows})
   _timing.write_table(folder / "auto_table.md", auto_markdown(info, all_rows), folder / "auto_table.json")
   return 0
+
+
+def merged_rows(paths: Sequence[pathlib.Path], plan) -> tuple[dict[int, dict], list[dict]]:
+  """``({plan index: row}, [each run's provenance])``: the cases of ``plan`` measured in the
+  earlier runs whose ``auto_table_rows.json`` are ``paths`` (a later file's row wins), each
+  row marked with its run's commit and date."""
+  index = {(t, tuple(rep), config): i for i, (rep, _, t, config) in enumerate(plan)}
+  merged, earlier = {}, []
+  for path in paths:
+    payload = json.loads(pathlib.Path(path).read_text())
+    info = payload["info"]
+    run = {"path": str(path), **{f: info.get(f) for f in ("device", "jax", "commit", "date", "elapsed_s")}}
+    taken = 0
+    for row in payload["rows"]:
+      i = index.get((row["t"], (row["k"], row["n"]), row["config"]))
+      if i is not None and row.get("choice") is not None:
+        merged[i] = dict(row, measured_in={"commit": run["commit"], "date": run["date"]})
+        taken += 1
+    earlier.append(dict(run, cases=taken))
+  return merged, earlier
 
 
 def _run_workers(args, folder: pathlib.Path, workers: int, deadline: Optional[float]) -> dict[int, dict]:
@@ -1026,6 +1061,8 @@ def _auto_table(info: dict, rows: list[dict], interpret: bool, planned: int):
   provenance = {k: info[k] for k in ("device", "date", "jax", "jaxlib", "commit", "command")}
   provenance.update(measured=not interpret, elapsed_s=info["elapsed_s"], cases_measured=len(entries),
                     cases_planned=planned)
+  if info.get("merged"):
+    provenance["merged"] = [{f: run[f] for f in ("commit", "date", "elapsed_s", "cases")} for run in info["merged"]]
   return _auto.Table.from_json({"provenance": provenance, "entries": entries})
 
 
@@ -1067,7 +1104,9 @@ def auto_markdown(info: dict, rows: list[dict]) -> str:
          f"{info['jaxlib']}; commit {info['commit']}; {info['elapsed_s']} s. AdamW, bf16 x/dy; ms per "
          f"layer update, device time ({info.get('calls_per_dispatch', '?')} per dispatch, each feeding the "
          "next: experiments/_timing.layer_update, the program bench_lowp times). "
-         "Each shape stands for its class (members listed).", "",
+         "Each shape stands for its class (members listed)."
+         + "".join(f" {run['cases']} cases measured earlier (commit {run['commit']}, {run['date']}, "
+                   f"{run['elapsed_s']} s: `{run['path']}`)." for run in info.get("merged") or ()), "",
          "| T | K x N (class members) | config | kernel ms | xla ms | kernel / xla | auto |",
          "|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -1150,11 +1189,6 @@ def rule_table(tokens=AUTO_TOKENS, shapes=None, configs=None):
                 "device": None, "date": None, "jax": None, "commit": None}
   return _auto.Table.from_json({"provenance": provenance, "entries": entries})
 
-
-def _write_text(path: pathlib.Path, text: str) -> None:
-  tmp = path.with_suffix(path.suffix + ".tmp")
-  tmp.write_text(text)
-  tmp.replace(path)
 
 
 if __name__ == "__main__":
