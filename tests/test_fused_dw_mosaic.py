@@ -311,15 +311,15 @@ def test_default_configs_in_the_smem_margin_lower_for_cuda():
   assert set(lowered) >= {("adamw", "float32"), ("adamw", "bfloat16")}, lowered
 
 
-@pytest.mark.parametrize("w_dtype, stacked", [(BF16, True), (F32, False), (BF16, False)])
-def test_stochastic_rounding_and_int8_states_lower_for_cuda(w_dtype, stacked):
+@pytest.mark.parametrize("w_dtype, stacked, t", [(BF16, True, 1024), (F32, False, 4096), (BF16, False, 1024)])
+def test_stochastic_rounding_and_int8_states_lower_for_cuda(w_dtype, stacked, t):
   """The SR epilogue (uint32 hash on WGMMA-layout iotas) with forge_jax's default int8 maps
-  (the second moment rounds stochastically; the sub-tiles run as a loop) or stacked bf16 states
-  (the sub-tiles unrolled): the default tiling lowers for sm_90 (the interpreter cannot run
-  stochastic rounding)."""
+  (the second moment rounds stochastically; the sub-tiles run as a loop; 128x64 tiles at short
+  T, 128x128 at long T) or stacked bf16 states (the sub-tiles unrolled): the default tiling
+  lowers for sm_90 (the interpreter cannot run stochastic rounding)."""
   rule = _all_rules()["adamw"].rule
   lead = (3,) if stacked else ()
-  x, dy = _sds((1024, 4096), BF16), _sds((1024, 4096), BF16)
+  x, dy = _sds((t, 4096), BF16), _sds((t, 4096), BF16)
   w = _sds(lead + (4096, 4096), w_dtype)
   if stacked:
     slots = tuple(_sds(lead + (4096, 4096), BF16) for _ in rule.slot_names)
@@ -489,6 +489,18 @@ def test_default_table_rows_for_odd_shapes_and_int8():
   q = _int8_slots(rule, rule.init_slots(jnp.zeros((128, 256), F32)))
   cfg = mosaic.default_config(_sds((128, 128), BF16), _sds((128, 256), BF16), _sds((128, 256), F32), q)
   assert cfg.epi_n == q[0].codec.block and cfg.no_auto_barriers
+
+
+@pytest.mark.parametrize("w_dtype", [F32, BF16])
+def test_int8_default_tiles_follow_the_sweeps(w_dtype):
+  """int8 states: 128x64 tiles and 4 stages at short T (the epilogue bounds), 128x128 tiles
+  and 3 stages at long T (the main loop bounds; 0.90-0.97x the 128x64 tiles at T=4096)."""
+  w, precision = _sds((4096, 4096), w_dtype), forge_jax.Precision(state_dtype="int8")
+  q = [nm.QuantizedArray(_sds((4096, 4096), jnp.int8), _sds((4096, 64), F32), precision.codec(name))
+       for name in ("mu", "nu")]
+  pick = lambda t: mosaic.default_config(_sds((t, 4096), BF16), _sds((t, 4096), BF16), w, q,
+                                         compute_grad_sq_norm=True, num_sms=132)
+  assert [(pick(t).tile_n, pick(t).max_concurrent_steps) for t in (1024, 2048, 4096)] == [(64, 4), (64, 4), (128, 3)]
 
 
 @pytest.mark.parametrize("state_dtype", [F32, BF16])

@@ -92,6 +92,7 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         ("float", _Cfg(tile_m=64, epi_n=16, **_PLAIN)),  # K a multiple of 64 only
         ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16, **_PLAIN)),
         # int8: epi_n is replaced by the quantization block (one block per sub-tile row).
+        ("int8 long", _Cfg(max_concurrent_steps=3, epi_n=64)),
         ("int8", _Cfg(tile_n=64, epi_n=64)),
         ("int8", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=64)),
         ("int8", _Cfg(tile_n=64, max_concurrent_steps=2, epi_n=64)),
@@ -233,7 +234,7 @@ def default_config(x: Any, dy: Any, w: Any, slots: Sequence[Any], *,
   t = x.shape[0] if len(x.shape) == 2 else 0
   k, n = w.shape[-2:]
   grid_sms = grid_size(MosaicTileConfig(num_sms=num_sms))
-  traits = {"int8"} if quant_blocks else {"float", "short" if t <= _SHORT_T else "long"}
+  traits = {"int8" if quant_blocks else "float", "short" if t <= _SHORT_T else "long"}
   if all(jnp.dtype(stored_dtype(a)).itemsize <= 2 for a in (w, *slots)):
     traits.add("two_byte")
   if -(-k // 128) * -(-n // 128) <= _SMALL_GRID_WAVES * grid_sms:
