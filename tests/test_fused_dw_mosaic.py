@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import forge_jax
+import pallas_kernels
 from pallas_kernels import fused_dw_update_reference
 from pallas_kernels import mosaic
 from pallas_kernels import numerics as nm
@@ -158,6 +159,28 @@ def test_tiles_on_two_blocks_with_norm_and_l2_lookahead():
   cfg = dataclasses.replace(SMALL, max_concurrent_steps=3, num_sms=2, epi_l2_lookahead=2)
   x, dy, w, slots = _inputs(4, 128, 192, 64, rule, slot_dtype=BF16)
   _check(x, dy, w, slots, rule, norm=True, config=cfg)
+
+
+def test_float_epilogue_loop_is_bit_identical_to_the_unrolled_one():
+  """Float states at short T run the sub-tiles as a loop (one copy of their code, the gradient
+  picked by bit masks); with an L2 lookahead (a hint the interpreter skips) or at long T they
+  stay unrolled. Both write the same bits, a non-finite gradient element and the norm included."""
+  plan = lambda t, cfg: mkernel._Plan(cfg=cfg, t=t, k=64, n=64, num_sms=1, num_scalars=0, with_norm=False,
+                                      interpreting=True, stochastic=False, gated=False, codecs=(None,))
+  assert plan(mcfg.SHORT_T, SMALL).loop and not plan(mcfg.SHORT_T + 64, SMALL).loop
+  assert not plan(64, dataclasses.replace(SMALL, epi_l2_lookahead=2)).loop
+  rule = _rules()["adamw"]
+  x, dy, w, slots = _inputs(12, 128, 128, 64, rule, w_dtype=BF16, slot_dtype=BF16)
+  dy = dy.at[5, 3].set(jnp.nan)
+  update_fn = pallas_kernels.skip_non_finite(rule.update)  # the guard, as forge_jax passes it
+  run = lambda cfg: mosaic.fused_dw_update_mosaic(
+      x, dy, w, slots, rule.scalars(jnp.int32(3)), update_fn, config=cfg,
+      compute_grad_sq_norm=True, interpret=True)
+  cfg = dataclasses.replace(SMALL, num_sms=2)
+  looped, unrolled = run(cfg), run(dataclasses.replace(cfg, epi_l2_lookahead=2))
+  for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(unrolled)):
+    np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32))
+  assert np.isnan(float(looped[2]))  # the norm marks the non-finite gradient
 
 
 def test_stacked_wide_sub_tiles_update_only_their_layer():

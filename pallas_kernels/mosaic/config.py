@@ -37,11 +37,12 @@ class MosaicTileConfig:
     tile_t: tokens per pipeline step (wgmma ``K``); a multiple of 64.
     max_concurrent_steps: stages of ``x``/``dy`` blocks in the shared ring (at least 2).
     epi_m, epi_n: epilogue sub-tile, multiples of 64 / 16 dividing the tile; ``epi_n`` is the
-      quantization block of int8 states. int8 states run the sub-tiles as a loop over one copy
-      of their code (the straight-line int8 epilogue did not fit the instruction cache).
+      quantization block of int8 states. int8 states, and float states at T <= SHORT_T
+      without ``epi_l2_lookahead``, run the sub-tiles as a loop over one copy of their code
+      (docs/mosaic_kernel.md); the others unroll them.
     epi_slots: depth of each compute warpgroup's epilogue ring.
     epi_l2_lookahead: TMA-prefetch into L2 the sub-tile this many beyond the ring (0: off; float
-      states only).
+      states only; it keeps the epilogue unrolled).
     mma_in_flight: keep one ``wgmma`` in flight across main-loop steps.
     no_auto_barriers: lower without Pallas's warpgroup barriers around register -> shared-memory
       stores: each thread rewrites only its own ring elements and ``commit_smem`` orders them
@@ -68,7 +69,7 @@ _Cfg = MosaicTileConfig
 # Fallback tilings: Pallas's store barriers and one wgmma at a time (the shipped schedule is up to
 # 1.25x slower on them: docs/mosaic_kernel.md, "The defaults, and why").
 _PLAIN = dict(mma_in_flight=False, no_auto_barriers=False)
-_SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the main loop, bounds)
+SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the main loop, bounds)
 # THE default table: default_config takes the first row whose conditions the call meets and
 # that ``supports`` accepts. Conditions: "float" (no int8 state) or "int8"; "short" / "long" T;
 # "two_byte" (weight and every state in 2 bytes); "small_grid" (128x128 tiles give the SMs at
@@ -234,7 +235,7 @@ def default_config(x: Any, dy: Any, w: Any, slots: Sequence[Any], *,
   t = x.shape[0] if len(x.shape) == 2 else 0
   k, n = w.shape[-2:]
   grid_sms = grid_size(MosaicTileConfig(num_sms=num_sms))
-  traits = {"int8" if quant_blocks else "float", "short" if t <= _SHORT_T else "long"}
+  traits = {"int8" if quant_blocks else "float", "short" if t <= SHORT_T else "long"}
   if all(jnp.dtype(stored_dtype(a)).itemsize <= 2 for a in (w, *slots)):
     traits.add("two_byte")
   if -(-k // 128) * -(-n // 128) <= _SMALL_GRID_WAVES * grid_sms:

@@ -52,8 +52,14 @@ class _Plan:
 
   @property
   def loop(self) -> bool:
-    """int8 states: the epilogue's sub-tiles run as a loop over one copy of their code."""
-    return any(c is not None for c in self.codecs)
+    """Whether the epilogue's sub-tiles run as a loop over one copy of their code: always for
+    int8 states (their straight-line code did not fit the instruction cache), and for float
+    states at short T without L2 prefetch (0.95-0.98x the straight-line epilogue per layer at
+    T=1024 on the H200, half its compile time; docs/mosaic_kernel.md). Long T keeps the
+    straight-line epilogue, not measured as a loop since the defaults changed."""
+    if any(c is not None for c in self.codecs):
+      return True
+    return self.t <= mcfg.SHORT_T and not self.cfg.epi_l2_lookahead
 
   @property
   def needs_bits(self) -> bool:
