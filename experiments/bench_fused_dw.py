@@ -951,7 +951,8 @@ def auto_table_run(args) -> int:
         out.flush()
       # Whole (class, T) groups per worker: their configurations share the inputs and XLA's
       # autotuning of the dot.
-      mine = [i for i in range(len(plan)) if (i // len(configs)) % workers == index and i not in merged]
+      mine = [i for i in range(len(plan))
+              if (i // len(configs)) % workers == index and i not in merged]
       measure_cases(plan, mine, kernel=kernel, interpret=interpret,
                     timing=timing, deadline=deadline, gpu_lock=lambda: _file_lock(folder / "gpu.lock"),
                     sink=sink)
@@ -981,8 +982,9 @@ def auto_table_run(args) -> int:
   deadline = None if args.time_limit is None else start + args.time_limit - 15.0
   rows: dict[int, dict] = {}
   if workers == 1:
-    measure_cases(plan, [i for i in range(len(plan)) if i not in merged], kernel=kernel, interpret=interpret, timing=timing,
-                  deadline=deadline, gpu_lock=contextlib.nullcontext, sink=rows.__setitem__)
+    measure_cases(plan, [i for i in range(len(plan)) if i not in merged], kernel=kernel,
+                  interpret=interpret, timing=timing, deadline=deadline,
+                  gpu_lock=contextlib.nullcontext, sink=rows.__setitem__)
   else:
     rows = _run_workers(args, folder, workers, deadline)
   rows.update(merged)
@@ -1006,7 +1008,8 @@ def merged_rows(paths: Sequence[pathlib.Path], plan) -> tuple[dict[int, dict], l
   for path in paths:
     payload = json.loads(pathlib.Path(path).read_text())
     info = payload["info"]
-    run = {"path": str(path), **{f: info.get(f) for f in ("device", "jax", "commit", "date", "elapsed_s")}}
+    run = {"path": str(path),
+           **{f: info.get(f) for f in ("device", "jax", "commit", "date", "elapsed_s")}}
     taken = 0
     for row in payload["rows"]:
       i = index.get((row["t"], (row["k"], row["n"]), row["config"]))
@@ -1062,7 +1065,8 @@ def _auto_table(info: dict, rows: list[dict], interpret: bool, planned: int):
   provenance.update(measured=not interpret, elapsed_s=info["elapsed_s"], cases_measured=len(entries),
                     cases_planned=planned)
   if info.get("merged"):
-    provenance["merged"] = [{f: run[f] for f in ("commit", "date", "elapsed_s", "cases")} for run in info["merged"]]
+    provenance["merged"] = [{f: run[f] for f in ("commit", "date", "elapsed_s", "cases")}
+                            for run in info["merged"]]
   return _auto.Table.from_json({"provenance": provenance, "entries": entries})
 
 
@@ -1188,7 +1192,6 @@ def rule_table(tokens=AUTO_TOKENS, shapes=None, configs=None):
                 "over the cases experiments.bench_fused_dw --auto-table measures",
                 "device": None, "date": None, "jax": None, "commit": None}
   return _auto.Table.from_json({"provenance": provenance, "entries": entries})
-
 
 
 if __name__ == "__main__":

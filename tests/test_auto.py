@@ -199,7 +199,8 @@ def test_auto_table_script_merges_an_earlier_run(tmp_path):
                               "--merge", str(tmp_path / "a" / "auto_table_rows.json")]) == 0
   rows = json.loads((tmp_path / "b" / "auto_table_rows.json").read_text())["rows"]
   assert [r["t"] for r in rows] == [32, 64]
-  assert rows[0]["kernel_row"] == first["rows"][0]["kernel_row"] and rows[0]["measured_in"]["commit"] == "abc123"
+  assert rows[0]["kernel_row"] == first["rows"][0]["kernel_row"]
+  assert rows[0]["measured_in"]["commit"] == "abc123"
   assert "measured_in" not in rows[1] and rows[1]["kernel_row"]["ms"] > 0
   table = _auto.read_table(tmp_path / "b" / "auto_table.json")
   assert [e.t for e in table.entries] == [32, 64] and table.provenance["merged"][0]["cases"] == 1
@@ -207,7 +208,8 @@ def test_auto_table_script_merges_an_earlier_run(tmp_path):
   first["info"]["jax"] = "0.0.1"
   (tmp_path / "other.json").write_text(json.dumps(first))
   with pytest.raises(SystemExit, match="jax '0.0.1'"):
-    bench_fused_dw.main([*base, "--tokens", "32", "--out", str(tmp_path / "c"), "--merge", str(tmp_path / "other.json")])
+    bench_fused_dw.main([*base, "--tokens", "32", "--out", str(tmp_path / "c"),
+                         "--merge", str(tmp_path / "other.json")])
 
 
 def test_auto_table_script_time_limit_writes_what_it_has(tmp_path):

@@ -165,8 +165,9 @@ def test_float_epilogue_loop_is_bit_identical_to_the_unrolled_one():
   """Float states at short T run the sub-tiles as a loop (one copy of their code, the gradient
   picked by bit masks); with an L2 lookahead (a hint the interpreter skips) or at long T they
   stay unrolled. Both write the same bits, a non-finite gradient element and the norm included."""
-  plan = lambda t, cfg: mkernel._Plan(cfg=cfg, t=t, k=64, n=64, num_sms=1, num_scalars=0, with_norm=False,
-                                      interpreting=True, stochastic=False, gated=False, codecs=(None,))
+  plan = lambda t, cfg: mkernel._Plan(cfg=cfg, t=t, k=64, n=64, num_sms=1, num_scalars=0,
+                                      with_norm=False, interpreting=True, stochastic=False,
+                                      gated=False, codecs=(None,))
   assert plan(mcfg.SHORT_T, SMALL).loop and not plan(mcfg.SHORT_T + 64, SMALL).loop
   assert not plan(64, dataclasses.replace(SMALL, epi_l2_lookahead=2)).loop
   rule = _rules()["adamw"]
@@ -334,12 +335,13 @@ def test_default_configs_in_the_smem_margin_lower_for_cuda():
   assert set(lowered) >= {("adamw", "float32"), ("adamw", "bfloat16")}, lowered
 
 
-@pytest.mark.parametrize("w_dtype, stacked, t", [(BF16, True, 1024), (F32, False, 4096), (BF16, False, 1024)])
+@pytest.mark.parametrize("w_dtype, stacked, t",
+                         [(BF16, True, 1024), (F32, False, 4096), (BF16, False, 1024)])
 def test_stochastic_rounding_and_int8_states_lower_for_cuda(w_dtype, stacked, t):
   """The SR epilogue (uint32 hash on WGMMA-layout iotas) with forge_jax's default int8 maps
-  (the second moment rounds stochastically; the sub-tiles run as a loop; 128x64 tiles at short
-  T, 128x128 at long T) or stacked bf16 states (the sub-tiles unrolled): the default tiling
-  lowers for sm_90 (the interpreter cannot run stochastic rounding)."""
+  (the second moment rounds stochastically; 128x64 tiles at short T, 128x128 at long T) or
+  stacked bf16 states, the sub-tiles as a loop: the default tiling lowers for sm_90 (the
+  interpreter cannot run stochastic rounding)."""
   rule = _all_rules()["adamw"].rule
   lead = (3,) if stacked else ()
   x, dy = _sds((t, 4096), BF16), _sds((t, 4096), BF16)
@@ -523,7 +525,8 @@ def test_int8_default_tiles_follow_the_sweeps(w_dtype):
        for name in ("mu", "nu")]
   pick = lambda t: mosaic.default_config(_sds((t, 4096), BF16), _sds((t, 4096), BF16), w, q,
                                          compute_grad_sq_norm=True, num_sms=132)
-  assert [(pick(t).tile_n, pick(t).max_concurrent_steps) for t in (1024, 2048, 4096)] == [(64, 4), (64, 4), (128, 3)]
+  picks = [(pick(t).tile_n, pick(t).max_concurrent_steps) for t in (1024, 2048, 4096)]
+  assert picks == [(64, 4), (64, 4), (128, 3)]
 
 
 @pytest.mark.parametrize("state_dtype", [F32, BF16])
