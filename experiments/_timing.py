@@ -204,13 +204,44 @@ def _kernel_kind(name: str) -> str:
   return re.sub(r"(_?\d+)+$", "", re.split(r"[.(<]", name, maxsplit=1)[0]) or name
 
 
+GAP_BUCKETS_US = (10.0, 100.0)  # idle gaps by length: < 10 us (launch to launch), < 100 us, longer
+
+
+def busy_and_gaps(intervals: list[tuple[int, int]]) -> dict[str, Any]:
+  """The union of ``(start_ns, end_ns)`` kernel intervals (one device, all its streams): ``busy_ms``
+  (time with at least one kernel running), ``span_ms`` (first start to last end), and the idle gaps
+  between busy stretches, ``gaps`` ({bucket: [count, ms]}, buckets by :data:`GAP_BUCKETS_US`)."""
+  names = [f"<{GAP_BUCKETS_US[0]:g}us"] + [f"{a:g}-{b:g}us" for a, b in zip(GAP_BUCKETS_US, GAP_BUCKETS_US[1:])]
+  names.append(f">={GAP_BUCKETS_US[-1]:g}us")
+  gaps = {name: [0, 0.0] for name in names}
+  if not intervals:
+    return {"busy_ms": 0.0, "span_ms": 0.0, "gaps": gaps}
+  busy, end = 0, None
+  for start, stop in sorted(intervals):
+    if end is None or start > end:
+      if end is not None:
+        gap_us = (start - end) / 1e3
+        name = names[sum(gap_us >= b for b in GAP_BUCKETS_US)]
+        gaps[name][0] += 1
+        gaps[name][1] += gap_us / 1e3
+      busy += stop - start
+      end = stop
+    elif stop > end:
+      busy += stop - end
+      end = stop
+  span = max(e for _, e in intervals) - min(s for s, _ in intervals)
+  return {"busy_ms": busy / 1e6, "span_ms": span / 1e6, "gaps": gaps}
+
+
 def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict[str, Any]:
   """Where the device time of ``calls`` calls goes: ``run()`` (which runs them and blocks) under
   ``jax.profiler.trace``, read back with ``jax.profiler.ProfileData``.
 
   Returns ``{"calls", "device_ms" (per call, kernels of every GPU stream summed), "by_kind"
   ({kind: ms per call}: :func:`_kernel_kind`), "top" ([{"kernel", "ops", "ms", "count"}] per
-  call, longest first)}``, grouped by kernel name (XLA runs most of a step inside command
+  call, longest first), "launches" (kernels per call), "busy_ms" / "idle_ms" (per call: time
+  with a kernel running on the device, and the rest of the kernels' span) and "gaps" (the idle
+  time per call by gap length, :func:`busy_and_gaps`)}``, grouped by kernel name (XLA runs most of a step inside command
   buffers, so the profiler's ``hlo_op`` of a kernel is often its command buffer; ``ops`` lists up
   to four). Empty totals on a backend without device planes (CPU).
   """
@@ -225,24 +256,33 @@ def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict
               "error": "no trace written"}
     data = ProfileData.from_file(str(paths[-1]))
   kernels: dict[str, list] = {}  # kernel name -> [ms, count, the HLO ops it ran for]
+  timeline = {"busy_ms": 0.0, "span_ms": 0.0, "gaps": {}}
   for plane in data.planes:
     if not plane.name.startswith("/device:"):
       continue
+    intervals = []
     for line in plane.lines:
       if line.name in _NOT_KERNELS:
         continue
       for event in line.events:
+        intervals.append((event.start_ns, event.end_ns))
         entry = kernels.setdefault(event.name, [0.0, 0, set()])
         entry[0] += event.duration_ns / 1e6
         entry[1] += 1
         op = dict(event.stats).get("hlo_op")
         if op and len(entry[2]) < 4:
           entry[2].add(str(op))
+    if intervals:  # the busiest device (one per process here)
+      timeline = max(timeline, busy_and_gaps(intervals), key=lambda t: t["busy_ms"])
   by_kind: dict[str, float] = {}
   for name, (ms, _, _) in kernels.items():
     by_kind[_kernel_kind(name)] = by_kind.get(_kernel_kind(name), 0.0) + ms / calls
   rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
   return {"calls": calls, "device_ms": sum(v[0] for v in kernels.values()) / calls,
+          "launches": sum(v[1] for v in kernels.values()) / calls,
+          "busy_ms": timeline["busy_ms"] / calls,
+          "idle_ms": (timeline["span_ms"] - timeline["busy_ms"]) / calls,
+          "gaps": {k: [n / calls, ms / calls] for k, (n, ms) in timeline["gaps"].items()},
           "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
           "top": [{"kernel": name[:160], "ops": sorted(ops), "ms": ms / calls, "count": n / calls}
                   for name, (ms, n, ops) in rows]}

@@ -887,6 +887,10 @@ def profile_markdown(rows, meta, kinds: int = 14, ops: int = 25) -> str:
       continue
     out.append(f"## {r['model']} {r['impl']} {r['batch']}x{r['tokens']}: step {_fmt(r.get('step_ms'), '.1f')} ms, "
                f"kernels {prof['device_ms']:.1f} ms/step\n")
+    if "launches" in prof:
+      gaps = ", ".join(f"{k}: {n:g} gaps, {ms:.2f} ms" for k, (n, ms) in prof.get("gaps", {}).items())
+      out.append(f"{prof['launches']:g} kernel launches per step; the device busy {prof['busy_ms']:.1f} ms, "
+                 f"idle {prof['idle_ms']:.2f} ms between its first and last kernel ({gaps}).\n")
     out.append("| op kind | ms/step |\n|---|---:|")
     out += [f"| {k} | {v:.2f} |" for k, v in list(prof["by_kind"].items())[:kinds]]
     out.append("\n| kernel | ms/step | calls/step | HLO ops |\n|---|---:|---:|---|")

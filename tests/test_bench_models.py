@@ -412,6 +412,26 @@ def test_profile_markdown_lists_each_profiled_row():
       "gemm", "gemm", "copy", "loop_dynamic_update_slice_fusion", "input_reduce_fusion", "copy"]
 
 
+def test_busy_and_gaps_unions_streams_and_buckets_idle_time():
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+  us = 1000
+  # Two streams overlapping (0-50 and 20-80 us), then gaps of 5 us, 40 us and 300 us.
+  t = _timing.busy_and_gaps([(0, 50 * us), (20 * us, 80 * us), (85 * us, 95 * us),
+                             (135 * us, 140 * us), (440 * us, 450 * us)])
+  assert t["busy_ms"] == pytest.approx((80 + 10 + 5 + 10) / 1e3)
+  assert t["span_ms"] == pytest.approx(450 / 1e3)
+  assert t["gaps"] == {"<10us": [1, pytest.approx(0.005)], "10-100us": [1, pytest.approx(0.04)],
+                       ">=100us": [1, pytest.approx(0.3)]}
+  assert _timing.busy_and_gaps([])["busy_ms"] == 0.0
+  prof = {"calls": 1, "device_ms": 1.0, "by_kind": {}, "top": [], "launches": 5.0, "busy_ms": 0.105,
+          "idle_ms": 0.345, "gaps": t["gaps"]}
+  md = bench_models.profile_markdown([{"model": "m", "impl": "forge", "batch": 1, "tokens": 8,
+                                       "step_ms": 1.0, "profile": prof}],
+                                     {"command": "c", "date": "d", "device": "H200", "jax": "0"})
+  assert "5 kernel launches per step; the device busy 0.1 ms, idle 0.34 ms" in md
+  assert ">=100us: 1 gaps, 0.30 ms" in md
+
+
 def test_rounding_and_state_implementations():
   precision = lambda base: bench_models._forge_optimizer(base).precision
   assert precision("forge").weight_rounding == "nearest" and precision("forge").state_dtype is None
