@@ -136,7 +136,7 @@ class LayerUpdate:
 
 
 def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
-                 config: Any = None) -> LayerUpdate:
+                 config: Any = None, grad_norm: bool = True) -> LayerUpdate:
   """What a model step runs per FORGE layer, ``calls`` times per dispatch.
 
   Each call is ``forge_jax.Dense``'s backward update: ``fused_linear_update``
@@ -145,6 +145,7 @@ def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
   call into the next and every call writes its weight and state. The calls run
   in a ``fori_loop`` (a static trip count: no host round trip per iteration),
   like a scanned model's layers; the same program at every size and backend.
+  ``grad_norm=False`` leaves the norm out (its cost, side by side).
   """
   import forge_jax  # pylint: disable=g-import-not-at-top
 
@@ -155,9 +156,10 @@ def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
     w, state, sq_sum, x, dy = carry
     if backend in ("mosaic", "mosaic_interpret"):
       _check_mosaic(optimizer, backend, x, dy, w, state, config)
-    new_w, new_state, sq = forge_jax.fused_linear_update(
-        x, dy, w, state, optimizer, backend, config=config, return_grad_sq_norm=True,
+    out = forge_jax.fused_linear_update(
+        x, dy, w, state, optimizer, backend, config=config, return_grad_sq_norm=grad_norm,
         stream=LAYER_STREAM)
+    new_w, new_state, sq = out if grad_norm else (*out, jnp.zeros((), jnp.float32))
     return jax.lax.optimization_barrier((new_w, new_state, sq_sum + sq, x, dy))
 
   run = jax.jit(lambda carry: jax.lax.fori_loop(0, calls, layer, carry), donate_argnums=(0,))

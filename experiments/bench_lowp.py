@@ -49,7 +49,7 @@ projections on the H200, against a checkout of an older commit in /tmp/old::
       --baseline-tree /tmp/old --baseline-configs fp32_int8 bf16_sr_bf16 bf16_sr_int8
 
 What the kernels' non-finite guard costs: each configuration beside its ``_noguard`` twin
-(``Precision(nonfinite="propagate")``), e.g.::
+(``Precision(nonfinite="propagate")``; ``_nonorm``: without the gradient norm), e.g.::
 
     PYTHONPATH=$PWD python -m experiments.bench_lowp --out $OUT --tokens 1024 4096 \
       --shapes 4096x4096 4096x14336 14336x4096 --impls pallas mosaic \
@@ -99,6 +99,10 @@ NOGUARD = "_noguard"
 if "nonfinite" in {f.name for f in dataclasses.fields(P)}:
   CONFIGS.update({name + NOGUARD: (w, dataclasses.replace(p, nonfinite="propagate"))
                   for name, (w, p) in list(CONFIGS.items())})
+# Each configuration without the gradient norm the layers return (the train step reports it and
+# clips by it), to time what it costs side by side: opt-in (--configs fp32 fp32_nonorm ...).
+NONORM = "_nonorm"
+CONFIGS.update({name + NONORM: cfg for name, cfg in list(CONFIGS.items())})
 BASELINES = {"optax_fp32": F32, "optax_bf16": BF16}
 REFERENCE = "fp32"  # speed-up column: against the fp32 fused kernel
 UPDATE_TOL = 1e-2  # relative Frobenius error of the weight update vs the xla row
@@ -107,6 +111,10 @@ SLOT_TOL = 2e-2  # ... of the decoded slots (int8: rare one-code flips)
 
 def _optimizer(precision):
   return forge_jax.adamw(LR, weight_decay=WD, precision=precision)
+
+
+def _with_norm(config: str) -> bool:
+  return not config.endswith(NONORM)
 
 
 def mosaic_problem(x, dy, w0, config: str, interpret: bool,
@@ -123,10 +131,12 @@ def mosaic_problem(x, dy, w0, config: str, interpret: bool,
   tiling = None
   if fields:
     from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
-    tiling = dataclasses.replace(mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True), **fields)
+    tiling = dataclasses.replace(mosaic.default_config(x, dy, w, slots,
+                                                       compute_grad_sq_norm=_with_norm(config)), **fields)
   rounding = {"weight_codec": _lowp.weight_codec(precision, w_dtype)}  # as fused_linear_update passes it
-  # With the grad norm, as _timing.layer_update (and a model step) asks for it.
-  why = _fused._mosaic_problem(x, dy, w, slots, tiling, True, rounding, interpret=interpret)[0]
+  # With the grad norm (as a model step asks for it) unless the configuration leaves it out.
+  why = _fused._mosaic_problem(x, dy, w, slots, tiling, _with_norm(config), rounding,
+                               interpret=interpret)[0]
   return why, tiling
 
 
@@ -135,7 +145,7 @@ def fused_runner(x, dy, w0, config: str, backend: str, *, tile=None, calls: Opti
   (``calls`` per dispatch, default ``_timing.LAYER_CALLS``)."""
   w_dtype, precision = CONFIGS[config]
   update = _timing.layer_update(_optimizer(precision), backend, w_dtype, config=tile,
-                                calls=calls or _timing.LAYER_CALLS)
+                                calls=calls or _timing.LAYER_CALLS, grad_norm=_with_norm(config))
   return (lambda: update.init(x, dy, w0)), update, update.result
 
 
@@ -308,8 +318,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help=f"T values (default {bench_fused_dw.TOKENS})")
   parser.add_argument("--shapes", type=bench_fused_dw._parse_kn, nargs="+", default=None, help="KxN shapes")
   parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
-                      default=[c for c in CONFIGS if not c.endswith(NOGUARD)],
-                      help=f"storage configurations; NAME{NOGUARD}: NAME with the non-finite guard off")
+                      default=[c for c in CONFIGS if not c.endswith((NOGUARD, NONORM))],
+                      help=f"storage configurations; NAME{NOGUARD}: NAME with the non-finite guard "
+                           f"off; NAME{NONORM}: NAME without the gradient norm")
   impls_default = ["xla", "pallas", *BASELINES]
   parser.add_argument("--impls", nargs="+", default=impls_default, choices=impls_default + ["mosaic"],
                       help="mosaic: the Mosaic GPU kernel too (opt-in)")

@@ -286,3 +286,23 @@ def test_benchmarks_time_the_guard_against_its_absence():
     off = bench_models._forge_optimizer(name + "_noguard").precision  # pylint: disable=protected-access
     assert on.nonfinite == "skip" and off == dataclasses.replace(on, nonfinite="propagate")
     assert bench_models.skips_nonfinite(name) and not bench_models.skips_nonfinite(name + "_noguard")
+
+
+def test_benchmarks_time_the_norm_against_its_absence():
+  """bench_lowp's NAME_nonorm configurations: the same storage and the same update, the layers'
+  gradient norm left out (and the Mosaic kernel told so)."""
+  from experiments import _timing, bench_lowp  # pylint: disable=g-import-not-at-top
+  assert bench_lowp.CONFIGS["bf16_sr_int8_nonorm"] == bench_lowp.CONFIGS["bf16_sr_int8"]
+  assert bench_lowp._with_norm("fp32") and not bench_lowp._with_norm("fp32_nonorm")  # pylint: disable=protected-access
+  x = jax.random.normal(jax.random.PRNGKey(0), (64, 128), jnp.bfloat16)
+  dy = jax.random.normal(jax.random.PRNGKey(1), (64, 256), jnp.bfloat16)
+  w0 = jax.random.normal(jax.random.PRNGKey(2), (128, 256), jnp.float32)
+  out = {}
+  for norm in (True, False):
+    update = _timing.layer_update(forge_jax.adamw(1e-3), "xla", jnp.float32, calls=2, grad_norm=norm)
+    text = update.run.lower(update.init(x, dy, w0)).as_text()
+    w, state, sq = update.run(update.init(x, dy, w0))[:3]
+    out[norm] = (w, state.mu, state.nu, sq, text.count("stablehlo.reduce"))
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(out[True][:3], out[False][:3]))
+  assert float(out[True][3]) > 0 and float(out[False][3]) == 0
+  assert out[False][4] < out[True][4]  # the norm's sums are gone
