@@ -658,6 +658,8 @@ class Runner:
       record = dict(zip(("model", "impl", "batch", "tokens"), cell), seconds=time.monotonic() - t0, rc=rc)
       if row is not None and "compile_s" in row:
         record["compile_s"] = row["compile_s"]
+      if row is not None and "phases_s" in row:  # where the rest of `seconds` went (model.init's compile)
+        record["phases_s"] = row["phases_s"]
       return record if rc == 0 else {**record, "error": err}
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.precompile) as pool:

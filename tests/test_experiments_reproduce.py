@@ -99,6 +99,7 @@ def test_models_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
   assert row["step_from_cache"] and row["init_from_cache"] and row["compile_first"]
   assert set(row["phases_s"]) >= {"trace_lower", "compile", "init_compile", "init", "first_step"}
   assert row["compile_s"] == pre["compile_s"] > 0 and row["compile_parallel"] == 1
+  assert pre["phases_s"]["init_compile"] > 0  # where the precompile's other seconds went
   headline = (tmp_path / "headline.md").read_text()
   assert "| optax.adamw | bf16 / bf16 | scanned | full | default | n/a |" in headline
   assert record["tables"] == ["headline.md"]
