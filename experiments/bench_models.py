@@ -137,6 +137,8 @@ XLA_FLAG_SETS = {
     # while loops and conditionals recorded into CUDA graphs with the rest (a scanned stack's
     # loop over layers one graph launch, not one per layer).
     "cbw": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+    # the step's LLVM module split and compiled in parallel (compile_s of an unrolled model).
+    "par": "--xla_gpu_enable_llvm_module_compilation_parallelism=true",
 }  # ":key=value" after a row's implementation name
 APIS = ("linen", "nnx")  # the front end of a row (":api=nnx")
 SKIPPED = "skipped: time budget"
