@@ -137,7 +137,8 @@ XLA_FLAG_SETS = {
     # while loops and conditionals recorded into CUDA graphs with the rest (a scanned stack's
     # loop over layers one graph launch, not one per layer).
     "cbw": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
-    # the step's LLVM module split and compiled in parallel (compile_s of an unrolled model).
+    # the LLVM module split and compiled in parallel (an unrolled model's compile_s, and its
+    # model.init's compile, which --precompile records in phases_s).
     "par": "--xla_gpu_enable_llvm_module_compilation_parallelism=true",
 }  # ":key=value" after a row's implementation name
 APIS = ("linen", "nnx")  # the front end of a row (":api=nnx")
@@ -315,27 +316,6 @@ def optax_baseline(base: str, loss_fn):
   return tx, step
 
 
-# model.init of an unrolled 8B model is hundreds of separate random fills, slow to compile on a GPU
-# host one LLVM module at a time; its compile may split the module (the step's compile keeps XLA's
-# defaults: compile_s is what a user waits for). Init's values do not depend on it.
-INIT_COMPILE_OPTIONS = {"xla_gpu_enable_llvm_module_compilation_parallelism": True}
-
-
-def _compile_init(lowered, row: dict):
-  """``lowered.compile()`` with :data:`INIT_COMPILE_OPTIONS` on a GPU (without them where this XLA
-  does not know them); ``row["init_compile_options"]`` says which."""
-  import jax  # pylint: disable=g-import-not-at-top
-
-  if jax.default_backend() == "gpu":
-    try:
-      compiled = lowered.compile(compiler_options=INIT_COMPILE_OPTIONS)
-      row["init_compile_options"] = INIT_COMPILE_OPTIONS
-      return compiled
-    except Exception as e:  # pylint: disable=broad-except
-      row["init_compile_options"] = f"none ({type(e).__name__}: {str(e)[:120]})"
-  return lowered.compile()
-
-
 def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
                attention: str, loss: str = "lean", on_compiled=None, layers: int | None = None,
                compile_first: bool = False, compile_only: bool = False, remat: str = REMAT,
@@ -448,7 +428,7 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   # model.init compiled on its own, so that --precompile caches it too: an unrolled model's
   # init is one program per layer's parameters, slower to compile than to run (qwen3-0.6b
   # unrolled on XLA:CPU: 45 s of init, most of it compiling).
-  init = _compile_init(jax.jit(model.init).lower(*init_args), row)
+  init = jax.jit(model.init).lower(*init_args).compile()
   phases["init_compile"] = time.perf_counter() - tick
   row["init_from_cache"] = len(hits) > before
   if compile_only:

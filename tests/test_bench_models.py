@@ -412,33 +412,6 @@ def test_profile_markdown_lists_each_profiled_row():
       "gemm", "gemm", "copy", "loop_dynamic_update_slice_fusion", "input_reduce_fusion", "copy"]
 
 
-def test_init_compile_options_on_a_gpu_only_and_never_fatal(monkeypatch):
-  calls = []
-
-  class Lowered:
-    def __init__(self, known):
-      self.known = known
-
-    def compile(self, compiler_options=None):
-      calls.append(compiler_options)
-      if compiler_options and not self.known:
-        raise ValueError("No such compile option")
-      return "compiled"
-
-  row = {}
-  assert bench_models._compile_init(Lowered(True), row) == "compiled" and calls == [None]  # CPU
-  assert "init_compile_options" not in row
-  import jax  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  calls.clear()
-  assert bench_models._compile_init(Lowered(True), row) == "compiled"
-  assert calls == [bench_models.INIT_COMPILE_OPTIONS] and row["init_compile_options"] == calls[0]
-  calls.clear()
-  assert bench_models._compile_init(Lowered(False), row) == "compiled"
-  assert calls == [bench_models.INIT_COMPILE_OPTIONS, None]
-  assert row["init_compile_options"].startswith("none (ValueError")
-
-
 def test_busy_and_gaps_unions_streams_and_buckets_idle_time():
   from experiments import _timing  # pylint: disable=g-import-not-at-top
   us = 1000
