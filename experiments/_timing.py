@@ -136,7 +136,7 @@ class LayerUpdate:
 
 
 def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
-                 config: Any = None, grad_norm: bool = True) -> LayerUpdate:
+                 config: Any = None, grad_norm: bool = True, applied: bool = False) -> LayerUpdate:
   """What a model step runs per FORGE layer, ``calls`` times per dispatch.
 
   Each call is ``forge_jax.Dense``'s backward update: ``fused_linear_update``
@@ -145,20 +145,23 @@ def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
   call into the next and every call writes its weight and state. The calls run
   in a ``fori_loop`` (a static trip count: no host round trip per iteration),
   like a scanned model's layers; the same program at every size and backend.
-  ``grad_norm=False`` leaves the norm out (its cost, side by side).
+  ``grad_norm=False`` leaves the norm out (its cost, side by side); ``applied`` passes
+  ``apply=True`` as a value the kernel reads (train_step's flag for a non-finite loss).
   """
   import forge_jax  # pylint: disable=g-import-not-at-top
 
   if calls < 1:
     raise ValueError(f"calls={calls} must be >= 1 (layer updates per dispatch)")
 
-  def layer(_, carry):
+  def layer(i, carry):
     w, state, sq_sum, x, dy = carry
+    # A traced flag (true at every call), as train_step's isfinite(loss): not folded away.
+    flag = {"apply": i >= 0} if applied else {}
     if backend in ("mosaic", "mosaic_interpret"):
       _check_mosaic(optimizer, backend, x, dy, w, state, config)
     out = forge_jax.fused_linear_update(
         x, dy, w, state, optimizer, backend, config=config, return_grad_sq_norm=grad_norm,
-        stream=LAYER_STREAM)
+        stream=LAYER_STREAM, **flag)
     new_w, new_state, sq = out if grad_norm else (*out, jnp.zeros((), jnp.float32))
     return jax.lax.optimization_barrier((new_w, new_state, sq_sum + sq, x, dy))
 

@@ -49,7 +49,8 @@ projections on the H200, against a checkout of an older commit in /tmp/old::
       --baseline-tree /tmp/old --baseline-configs fp32_int8 bf16_sr_bf16 bf16_sr_int8
 
 What the kernels' non-finite guard costs: each configuration beside its ``_noguard`` twin
-(``Precision(nonfinite="propagate")``; ``_nonorm``: without the gradient norm), e.g.::
+(``Precision(nonfinite="propagate")``; ``_nonorm``: without the gradient norm; ``_applied``:
+with train_step's apply flag, which a non-finite loss sets false), e.g.::
 
     PYTHONPATH=$PWD python -m experiments.bench_lowp --out $OUT --tokens 1024 4096 \
       --shapes 4096x4096 4096x14336 14336x4096 --impls pallas mosaic \
@@ -103,6 +104,11 @@ if "nonfinite" in {f.name for f in dataclasses.fields(P)}:
 # clips by it), to time what it costs side by side: opt-in (--configs fp32 fp32_nonorm ...).
 NONORM = "_nonorm"
 CONFIGS.update({name + NONORM: cfg for name, cfg in list(CONFIGS.items())})
+# Each configuration with train_step's apply flag (a non-finite loss stores nothing) passed to
+# the kernels, to time what it costs side by side: opt-in (--configs fp32 fp32_applied ...).
+APPLIED = "_applied"
+CONFIGS.update({name + APPLIED: cfg for name, cfg in list(CONFIGS.items())
+                if not name.endswith(NONORM)})
 BASELINES = {"optax_fp32": F32, "optax_bf16": BF16}
 REFERENCE = "fp32"  # speed-up column: against the fp32 fused kernel
 UPDATE_TOL = 1e-2  # relative Frobenius error of the weight update vs the xla row
@@ -145,7 +151,8 @@ def fused_runner(x, dy, w0, config: str, backend: str, *, tile=None, calls: Opti
   (``calls`` per dispatch, default ``_timing.LAYER_CALLS``)."""
   w_dtype, precision = CONFIGS[config]
   update = _timing.layer_update(_optimizer(precision), backend, w_dtype, config=tile,
-                                calls=calls or _timing.LAYER_CALLS, grad_norm=_with_norm(config))
+                                calls=calls or _timing.LAYER_CALLS, grad_norm=_with_norm(config),
+                                applied=config.endswith(APPLIED))
   return (lambda: update.init(x, dy, w0)), update, update.result
 
 
@@ -318,9 +325,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help=f"T values (default {bench_fused_dw.TOKENS})")
   parser.add_argument("--shapes", type=bench_fused_dw._parse_kn, nargs="+", default=None, help="KxN shapes")
   parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
-                      default=[c for c in CONFIGS if not c.endswith((NOGUARD, NONORM))],
+                      default=[c for c in CONFIGS if not c.endswith((NOGUARD, NONORM, APPLIED))],
                       help=f"storage configurations; NAME{NOGUARD}: NAME with the non-finite guard "
-                           f"off; NAME{NONORM}: NAME without the gradient norm")
+                           f"off; NAME{NONORM}: NAME without the gradient norm; NAME{APPLIED}: "
+                           "NAME with train_step's apply flag passed")
   impls_default = ["xla", "pallas", *BASELINES]
   parser.add_argument("--impls", nargs="+", default=impls_default, choices=impls_default + ["mosaic"],
                       help="mosaic: the Mosaic GPU kernel too (opt-in)")
