@@ -45,9 +45,7 @@ of ``models`` with random weights on random tokens:
   (XLA flags for that row's worker, by name: ``XLA_FLAG_SETS``; several joined by ``+``),
   ``:stacked=N`` (a scanned FORGE row's ``forge_jax._fused.STACKED_GEMM_MAX_ROWS``: the most
   rows for which its stacked layers' products run on the Mosaic stacked GEMM; ``0``: XLA's slice
-  and dot), ``:norm=off`` (a FORGE row's ``train_step(grad_norm=False)``: no global gradient
-  norm, as a plain optax.adamw step computes none), e.g.
-  ``optax_unrolled:remat=none:master=float32:mem=0.95``.
+  and dot), e.g. ``optax_unrolled:remat=none:master=float32:mem=0.95``.
   The row's ``impl`` is the whole name; its ``remat``, ``param_dtype`` and
   ``mem_fraction`` are recorded. The model config validates the combination
   (e.g. a name policy without names): a refused one is an error row.
@@ -122,7 +120,7 @@ IMPLS = ("optax", "optax_clip", "forge", "forge_sr", "forge_int8", "forge_int8_s
 UNROLLED = "_unrolled"
 FORGE_BACKENDS = ("xla", "pallas", "mosaic")  # optional "_<backend>" suffix of a forge impl
 REMAT = "full"  # --remat's default
-ROW_OPTIONS = ("remat", "master", "mem", "api", "mesh", "xla", "stacked", "norm")
+ROW_OPTIONS = ("remat", "master", "mem", "api", "mesh", "xla", "stacked")
 # ":xla=NAME[+NAME]": XLA flags a row's worker runs with (appended to $XLA_FLAGS), by name.
 XLA_FLAG_SETS = {
     # cuBLAS GEMMs and copies read a dynamic slice of a stacked operand in place (a scanned
@@ -209,12 +207,6 @@ def parse_spec(spec: str) -> tuple[str, dict]:
       raise ValueError(f"stacked={options['stacked']!r} in {spec!r}: a FORGE row's most rows for "
                        "the Mosaic stacked GEMM, an int >= 0 (0: off), e.g. forge:stacked=0")
     options["stacked"] = int(options["stacked"])
-  if "norm" in options:
-    if options["norm"] not in ("on", "off") or not name.startswith("forge"):
-      raise ValueError(f"norm={options['norm']!r} in {spec!r}: a FORGE row's global gradient "
-                       "norm, 'on' (the default) or 'off' (train_step(grad_norm=False)), "
-                       "e.g. forge:norm=off")
-    options["norm"] = options["norm"] == "on"
   if "xla" in options:
     unknown = [f for f in options["xla"].split("+") if f not in XLA_FLAG_SETS]
     if unknown:
@@ -236,7 +228,7 @@ def row_settings(spec: str, remat: str = REMAT, master_dtype: str | None = None,
   _, options = parse_spec(spec)
   settings = {"remat": options.get("remat", remat), "param_dtype": options.get("master", master_dtype),
               "mem_fraction": options.get("mem", mem_fraction)}
-  for key in ("mesh", "stacked", "norm"):
+  for key in ("mesh", "stacked"):
     if key in options:
       settings[key] = options[key]
   return settings
@@ -386,9 +378,6 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
     tp = forge_jax.TensorParallel(mesh, "tensor")
     row["mesh"] = settings["mesh"]
   data = jax.random.randint(jax.random.PRNGKey(0), (batch, tokens + 1), 0, cfg.vocab_size)
-  grad_norm = settings.get("norm", True)
-  if opt is not None:
-    row["grad_norm"] = grad_norm
   if parse_spec(impl)[1].get("api") == "nnx":
     row["api"] = "nnx"
     return _build_nnx_step(cfg, row, opt, data, loss, on_compiled, compile_first, compile_only)
@@ -402,12 +391,11 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
         return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                             state, shardings)
       return jax.device_put(state, shardings)
-    lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn, grad_norm=grad_norm)
+    lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn)
   elif opt is not None:
     make_state = lambda v: forge_jax.TrainState.create(model.apply, v, opt)
     lower = lambda s: forge_jax.train_step.lower(s, data, loss_fn,
-                                                 skip_nonfinite=skips_nonfinite(base),
-                                                 grad_norm=grad_norm)
+                                                 skip_nonfinite=skips_nonfinite(base))
   else:
     tx, optax_step = optax_baseline(base, loss_fn)
     make_state = lambda v: (v["params"], tx.init(v["params"]))
@@ -507,8 +495,7 @@ def _build_nnx_step(cfg, row, opt, data, loss: str, on_compiled, compile_first: 
 
   def compile_step(model, optimizer):
     tick = time.perf_counter()
-    lowered = forge_jax.nnx.train_step.lower(model, optimizer, data, loss_fn,
-                                             grad_norm=row.get("grad_norm", True))
+    lowered = forge_jax.nnx.train_step.lower(model, optimizer, data, loss_fn)
     phases["trace_lower"] = time.perf_counter() - tick
     before, tick = len(hits), time.perf_counter()
     out = lowered.compile()

@@ -117,9 +117,6 @@ _UPDATED: contextvars.ContextVar = contextvars.ContextVar("forge_updated", defau
 # Within fused_backward(apply=...): a traced bool; where it is False every FORGE update is
 # skipped and the weight and state come back bit for bit (train_step's non-finite guard).
 _APPLY: contextvars.ContextVar = contextvars.ContextVar("forge_apply", default=None)
-# Within fused_backward(grad_norm=False): FORGE layers skip their squared gradient norm (the
-# cotangent of KernelState.grad_sq_norm is then 0) unless their optimizer clips by it.
-_GRAD_NORM: contextvars.ContextVar = contextvars.ContextVar("forge_grad_norm", default=True)
 
 
 # The module path of the block a ScannedStack is applying (its layers have
@@ -153,7 +150,7 @@ _EXPECTED_OPTIMIZER: contextvars.ContextVar = contextvars.ContextVar("forge_opti
 
 
 @contextlib.contextmanager
-def fused_backward(optimizer=None, apply=None, grad_norm=True):
+def fused_backward(optimizer=None, apply=None):
   """Allows the backward pass of FORGE layers to be traced in this scope.
 
   :func:`forge_jax.train_step` opens it around its VJP. A FORGE layer's
@@ -168,14 +165,11 @@ def fused_backward(optimizer=None, apply=None, grad_norm=True):
   the FORGE counts), a FORGE layer built with a different rule or precision
   raises. With ``apply`` (a boolean scalar, traced or not), each FORGE update
   runs only where it is true; otherwise the layer returns its weight and state
-  unchanged. With ``grad_norm=False`` the layers do not compute their
-  squared gradient norms (``KernelState.grad_sq_norm``'s cotangent is 0).
-  Yields the set of the layers whose backward pass ran, as
+  unchanged. Yields the set of the layers whose backward pass ran, as
   :func:`kernel_stream` of their module paths.
   """
   token = _FUSED_BACKWARD.set(True)
   token_apply = _APPLY.set(apply)
-  token_norm = _GRAD_NORM.set(bool(grad_norm))
   updated = set()
   token_updated = _UPDATED.set(updated)
   token_opt = _EXPECTED_OPTIMIZER.set(optimizer)
@@ -184,7 +178,6 @@ def fused_backward(optimizer=None, apply=None, grad_norm=True):
   finally:
     _EXPECTED_OPTIMIZER.reset(token_opt)
     _UPDATED.reset(token_updated)
-    _GRAD_NORM.reset(token_norm)
     _APPLY.reset(token_apply)
     _FUSED_BACKWARD.reset(token)
 
@@ -281,12 +274,8 @@ def _forge_matmul_fwd(optimizer, dtype, precision, backend, decay, config, path,
 def _update(layout, name, x, dy, kernel, opt_state, optimizer, backend, **kwargs):
   """The fused update of one weight: on each device's slice for a tensor-parallel layout."""
   if layout is None:
-    if _GRAD_NORM.get():
-      return _fused.fused_linear_update(x, dy, kernel, opt_state, optimizer, backend,
-                                        return_grad_sq_norm=True, **kwargs)
-    new_kernel, new_opt = _fused.fused_linear_update(x, dy, kernel, opt_state, optimizer,
-                                                     backend, **kwargs)
-    return new_kernel, new_opt, jnp.zeros((), jnp.float32)
+    return _fused.fused_linear_update(x, dy, kernel, opt_state, optimizer, backend,
+                                      return_grad_sq_norm=True, **kwargs)
   tp, kind = layout
   return _parallel.sharded_linear_update(tp, kind, name, x, dy, kernel, opt_state, optimizer,
                                          backend, **kwargs)

@@ -210,11 +210,10 @@ def _clip_scale(rule, forge_state, opt_state, prev_norm) -> jax.Array:
   steps += list(zip(*leaves))
   scales = [jnp.min(rule.grad_scale(*st)) for st in steps]
   return jnp.min(jnp.stack(scales)) if scales else jnp.ones((), jnp.float32)
-def _backward_jaxpr(vjp_fn, loss, optimizer, apply=None, grad_norm=True):
+def _backward_jaxpr(vjp_fn, loss, optimizer, apply=None):
   """The step's whole backward pass as a jaxpr, checked to run each FORGE backward pass once;
-  with ``apply``, its FORGE updates run only where ``apply`` is true; without ``grad_norm``,
-  the FORGE layers skip their squared gradient norms."""
-  with _dense.fused_backward(optimizer, apply=apply, grad_norm=grad_norm):
+  with ``apply``, its FORGE updates run only where ``apply`` is true."""
+  with _dense.fused_backward(optimizer, apply=apply):
     jaxpr, ct_shape = jax.make_jaxpr(vjp_fn, return_shape=True)(jnp.ones_like(loss))
   counts = _reuse.count_backward_passes(jaxpr)
   _reuse.check_single_use(counts)
@@ -227,11 +226,11 @@ def _plain(tree):
   return traverse_util.unflatten_dict(_dense.flat_variables(tree)) if tree else tree
 
 
-def _apply_cotangents(state: TrainState, paths, cts, finite, grad_norm=True):
+def _apply_cotangents(state: TrainState, paths, cts, finite):
   """The step's new (params, forge_state, opt_state, step, grad_norm, nonfinite_grads) from the
   backward pass's cotangents. FORGE kernels and states come updated (or, where ``finite`` is
   false, kept) by their layers; the rest is updated by the optax form and kept where ``finite``
-  is false. Without ``grad_norm`` the norm and the count are NaN and 0, uncomputed."""
+  is false."""
   keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   ct_params, ct_forge = cts
   ct_forge = _lowp.from_float_view(ct_forge)
@@ -256,28 +255,18 @@ def _apply_cotangents(state: TrainState, paths, cts, finite, grad_norm=True):
     count = jnp.where(finite, _rules.safe_increment(old.opt.count), old.opt.count)
     new_forge[p] = _dense.KernelState(ct.opt._replace(count=count), old.grad_sq_norm)
     forge_sq.append(ct.grad_sq_norm)  # one per layer of a ScannedStack
-  step = jnp.where(finite, _rules.safe_increment(state.step), state.step)
-  new_forge = traverse_util.unflatten_dict(new_forge)
-  if not grad_norm:
-    return params, new_forge, opt_state, step, jnp.full((), jnp.nan), jnp.zeros((), jnp.int32)
   rest_sq = _leaf_sq_norms(grads_rest)
   total = lambda sqs: sum((jnp.sum(q) for q in sqs), jnp.zeros((), jnp.float32))
-  norm = jnp.where(finite, jnp.sqrt(total(forge_sq) + total(rest_sq)), jnp.nan)
+  grad_norm = jnp.where(finite, jnp.sqrt(total(forge_sq) + total(rest_sq)), jnp.nan)
   nonfinite = jnp.where(finite, _nonfinite_count(forge_sq + rest_sq), 0)
-  return params, new_forge, opt_state, step, norm, nonfinite
+  step = jnp.where(finite, _rules.safe_increment(state.step), state.step)
+  return params, traverse_util.unflatten_dict(new_forge), opt_state, step, grad_norm, nonfinite
 
 
-def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite: bool = True,
-                grad_norm: bool = True):
+def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite: bool = True):
   _reuse.check_no_mapped_axis()
   paths = forge_paths(state.forge_state)
   rule = state.optimizer.rule
-  if not grad_norm and rule.norm_scope is not None:
-    raise ValueError(
-        f"train_step(grad_norm=False) with an optimizer that clips by the gradient norm "
-        f"({type(rule).__name__} with norm_scope={rule.norm_scope!r}: clip_prev_norm or "
-        "layer_clip): the next step's clipping needs this step's norm. Pass grad_norm=True "
-        "(the default) or drop the clipping.")
   prev_norm = state.prev_grad_norm
   if prev_norm is None:  # a TrainState built without create()
     prev_norm = jnp.zeros((), jnp.float32)
@@ -309,49 +298,42 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   # _reuse.per_layer_guard_ok), whose transposition jax caches. Then the whole backward pass
   # goes in one cond (which keeps the forward residuals live to its end). The backward pass is
   # traced and checked before anything is updated.
-  #
-  # grad_norm=False takes the same fresh trace, so a backward pass jax caches (traced in an
-  # earlier step with the norm) never goes without one: there the norm is computed, unreported.
   loss, vjp_fn, aux = linearize()
   bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer)
   _check_all_updated(paths, counts)
   ones = jnp.ones_like(loss)
-  per_layer = _reuse.per_layer_guard_ok(bwd)
-  if skip_nonfinite and not per_layer:
+  if skip_nonfinite and not _reuse.per_layer_guard_ok(bwd):
     finite = jnp.isfinite(loss)
     def unchanged(_):
       return (_plain(state.params), _plain(state.forge_state), state.opt_state, state.step,
               jnp.full((), jnp.nan, jnp.float32), jnp.zeros((), jnp.int32))
     def backward(_):
       cts = jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(ones))
-      out = _apply_cotangents(state, paths, cts, True, grad_norm)
+      out = _apply_cotangents(state, paths, cts, True)
       return (_plain(out[0]), _plain(out[1]), *out[2:])
-    params, forge_state, opt_state, step, norm, nonfinite = jax.lax.cond(
+    params, forge_state, opt_state, step, grad_norm, nonfinite = jax.lax.cond(
         finite, backward, unchanged, None)
   else:
-    finite = jnp.ones((), bool)
-    lean = not grad_norm and per_layer
-    if skip_nonfinite or lean:
+    if skip_nonfinite:
       # jax traces each custom VJP's backward pass once per linearization: a fresh one, traced
       # with the flag (the first one's forward pass is dead code).
       loss, vjp_fn, aux = linearize()
-      finite = jnp.isfinite(loss) if skip_nonfinite else finite
-      bwd, ct_tree, _ = _backward_jaxpr(vjp_fn, loss, state.optimizer,
-                                        apply=finite if skip_nonfinite else None,
-                                        grad_norm=not lean)
+      finite = jnp.isfinite(loss)
+      bwd, ct_tree, _ = _backward_jaxpr(vjp_fn, loss, state.optimizer, apply=finite)
+    else:
+      finite = jnp.ones((), bool)
     cts = jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(ones))
-    params, forge_state, opt_state, step, norm, nonfinite = _apply_cotangents(
-        state, paths, cts, finite, grad_norm)
+    params, forge_state, opt_state, step, grad_norm, nonfinite = _apply_cotangents(
+        state, paths, cts, finite)
   skipped = jnp.zeros([], jnp.int32) if state.skipped_steps is None else state.skipped_steps
   skipped = jnp.where(finite, skipped, _rules.safe_increment(skipped))
-  metrics = {"loss": loss, "clip_scale": clip_scale,
-             "skipped": jnp.logical_not(finite), "skipped_steps": skipped}
-  if grad_norm:
-    metrics.update(grad_norm=norm, nonfinite_grads=nonfinite)
+  metrics = {"loss": loss, "grad_norm": grad_norm, "clip_scale": clip_scale,
+             "skipped": jnp.logical_not(finite), "skipped_steps": skipped,
+             "nonfinite_grads": nonfinite}
   if has_aux:
     metrics["aux"] = aux
   # A skipped step keeps the last finite norm (its own is NaN).
-  new_prev_norm = carry_grad_norm(prev_norm, norm, applied=finite)
+  new_prev_norm = carry_grad_norm(prev_norm, grad_norm, applied=finite)
   if rule.norm_scope == "global":
     forge_state, opt_state = _set_prev_norm(forge_state, opt_state, new_prev_norm)
   new_state = state.replace(
@@ -365,7 +347,7 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   return new_state, metrics
 
 
-_train_step_jit = jax.jit(_train_step, static_argnums=(2, 3, 4, 5), donate_argnums=(0,))
+_train_step_jit = jax.jit(_train_step, static_argnums=(2, 3, 4), donate_argnums=(0,))
 
 
 def _explicit_split(tracer) -> int:
@@ -434,7 +416,7 @@ def _check_not_data_parallel(state: TrainState, batch):
 
 
 def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False,
-               skip_nonfinite: bool = True, grad_norm: bool = True):
+               skip_nonfinite: bool = True):
   """One FORGE training step: forward, backward with fused updates, optax for the rest.
 
   Args:
@@ -450,14 +432,6 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
       ``optax.apply_if_finite`` does (the default). ``False`` takes every
       step as it comes (``metrics["skipped"]`` is then always false); the
       kernels' per-element guard is the optimizer's ``Precision(nonfinite=)``.
-    grad_norm: compute the global gradient norm (``metrics["grad_norm"]``
-      and ``metrics["nonfinite_grads"]``; the default). ``False`` leaves both
-      metrics out and the FORGE kernels skip their share of the norm, which
-      saves 7-9% of each fused kernel's time (a plain optax.adamw computes no
-      norm either; README, "Performance"). Where a FORGE backward pass runs
-      inside a ``jax.jit``'d call or a ``jax.checkpoint`` in the loss, it
-      still computes its part (unreported). An optimizer that clips by the
-      norm (``clip_prev_norm``, ``layer_clip``) needs it: ``False`` raises.
 
   Returns:
     ``(new_state, metrics)`` with ``metrics["loss"]``, ``metrics["grad_norm"]``
@@ -484,14 +458,13 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
       batch is split over devices.
   """
   _check_not_data_parallel(state, batch)
-  return _train_step_jit(state, batch, loss_fn, has_aux, bool(skip_nonfinite), bool(grad_norm))
+  return _train_step_jit(state, batch, loss_fn, has_aux, bool(skip_nonfinite))
 
 
 def _lower(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False,
-           skip_nonfinite: bool = True, grad_norm: bool = True):
+           skip_nonfinite: bool = True):
   _check_not_data_parallel(state, batch)
-  return _train_step_jit.lower(state, batch, loss_fn, has_aux, bool(skip_nonfinite),
-                               bool(grad_norm))
+  return _train_step_jit.lower(state, batch, loss_fn, has_aux, bool(skip_nonfinite))
 
 
 train_step.lower = _lower  # type: ignore[attr-defined]

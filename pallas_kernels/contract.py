@@ -22,12 +22,9 @@ the one slice that is read and rewritten, so a loop over layers updates a
 stacked parameter in place without slicing copies.
 
 Skipping a whole update: with ``apply`` (a boolean scalar, may be traced) false, an
-implementation changes nothing (the Triton kernel and the Mosaic kernel with int8 states skip
-their stores into the aliased buffers; the Mosaic kernel with float states and a guarded rule
-treats every element as non-finite, through the guard's compare against a bound of 0 instead of
-inf, and stores the old values; the reference selects the old stored values), so ``w`` and every
-slot, int8 codes and scales included, come back bit for bit; the gradient and its norm are still
-computed.
+implementation stores nothing (the kernels skip their stores into the aliased buffers, the
+reference selects the old stored values), so ``w`` and every slot, int8 codes and scales
+included, come back bit for bit; the gradient and its norm are still computed.
 
 Every implementation returns ``(new_w, new_slots, grad_sq_norm)``, the last
 ``None`` unless ``compute_grad_sq_norm``. The squared norm is summed from
@@ -175,15 +172,12 @@ def grad_sq_terms(g: Array) -> Array:
 
 
 def apply_update(update_fn: UpdateFn, g: Array, w: Array, slots: Sequence[Array], scalars: Any,
-                 rule: Any = None, bound: Any = None) -> tuple[Array, tuple[Array, ...]]:
+                 rule: Any = None) -> tuple[Array, tuple[Array, ...]]:
   """``(new w, new slots)`` in float32: ``w + u`` and the rule's slots, with every element whose
   gradient is not finite left at ``w`` and ``slots`` if ``update_fn`` is :func:`skip_non_finite`'s.
 
   ``rule``: what to call instead of the unwrapped ``update_fn`` (the Mosaic kernel's traced
   copy of it). Selecting after the add costs one compare and one select per stored value.
-  ``bound``: a float32 scalar; elements are updated only where ``|g| < bound``. ``inf`` is the
-  finiteness test, ``0`` keeps every element: how the Mosaic kernel folds a false ``apply``
-  into the guard's compare (no branch, no extra instruction per element).
   """
   inner, skip = unwrap(update_fn)
   u, new_slots = (rule or inner)(g, w, tuple(slots), scalars)
@@ -193,9 +187,9 @@ def apply_update(update_fn: UpdateFn, g: Array, w: Array, slots: Sequence[Array]
         f"update_fn returned {len(new_slots)} slots for {len(slots)} slot inputs; "
         "it must return (u, new_slots) with one new slot per slot."
     )
-  if not skip and bound is None:
+  if not skip:
     return new_w, new_slots
-  ok = finite(g) if bound is None else jnp.abs(g) < bound
+  ok = finite(g)
   return jnp.where(ok, new_w, w), tuple(jnp.where(ok, n, s) for n, s in zip(new_slots, slots))
 
 

@@ -371,10 +371,6 @@ def test_row_options_override_the_run_and_refuse_bad_values():
   for bad in ("forge:stacked=off", "optax:stacked=0"):
     with pytest.raises(ValueError, match="stacked=.*most rows for the Mosaic stacked GEMM"):
       bench_models.parse_spec(bad)
-  assert bench_models.row_settings("forge_unrolled:norm=off")["norm"] is False
-  for bad in ("forge:norm=0", "optax:norm=off"):
-    with pytest.raises(ValueError, match="norm=.*global gradient norm, 'on'.*or 'off'"):
-      bench_models.parse_spec(bad)
 
 
 def test_a_row_sets_its_workers_stacked_gemm_limit(monkeypatch):
@@ -385,15 +381,6 @@ def test_a_row_sets_its_workers_stacked_gemm_limit(monkeypatch):
   row, _, _ = bench_models.build_step("tiny-qwen3", "forge:stacked=0", 1, 16, "float32", "auto",
                                       compile_only=True)
   assert row["stacked_gemm_max_rows"] == 0 and _fused.STACKED_GEMM_MAX_ROWS == 0
-
-
-def test_a_row_without_the_norm_steps_without_it():
-  """``:norm=off``: the row's step is ``train_step(grad_norm=False)``, recorded."""
-  row, step, (state, metrics) = bench_models.build_step("tiny-qwen3", "forge_unrolled:norm=off",
-                                                        1, 16, "float32", "auto")
-  assert row["grad_norm"] is False and "grad_norm" not in metrics
-  _, metrics = step(state)
-  assert "grad_norm" not in metrics and math.isfinite(float(metrics["loss"]))
 
 
 def test_xla_flag_sets_reach_the_workers_env(monkeypatch):

@@ -306,3 +306,22 @@ def test_benchmarks_time_the_norm_against_its_absence():
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(out[True][:3], out[False][:3]))
   assert float(out[True][3]) > 0 and float(out[False][3]) == 0
   assert out[False][4] < out[True][4]  # the norm's sums are gone
+
+
+def test_benchmarks_time_the_apply_flag():
+  """bench_lowp's NAME_applied configurations: the same storage and, with the flag true at every
+  call, the same update as without it."""
+  from experiments import _timing, bench_lowp  # pylint: disable=g-import-not-at-top
+  assert bench_lowp.CONFIGS["bf16_rtn_bf16_applied"] == bench_lowp.CONFIGS["bf16_rtn_bf16"]
+  assert "fp32_nonorm_applied" not in bench_lowp.CONFIGS
+  x = jax.random.normal(jax.random.PRNGKey(0), (64, 128), jnp.bfloat16)
+  dy = jax.random.normal(jax.random.PRNGKey(1), (64, 256), jnp.bfloat16)
+  w0 = jax.random.normal(jax.random.PRNGKey(2), (128, 256), jnp.float32)
+  out = {}
+  for applied in (False, True):
+    update = _timing.layer_update(forge_jax.adamw(1e-3), "xla", jnp.float32, calls=2,
+                                  applied=applied)
+    w, state, sq = update.run(update.init(x, dy, w0))[:3]
+    out[applied] = (w, state.mu, state.nu, sq)
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(out[True], out[False]))
+  assert not bool(jnp.array_equal(out[True][0], w0))  # the update ran

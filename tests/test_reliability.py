@@ -341,60 +341,6 @@ def test_skip_nonfinite_false_takes_every_step():
   assert not np.all(np.isfinite(np.asarray(plain.params["embed"]["kernel"])))
 
 
-@pytest.mark.parametrize("remat", [False, True], ids=["per_layer", "remat"])
-def test_grad_norm_false_is_the_same_step_without_the_norm(remat, monkeypatch):
-  """``grad_norm=False``: the default step's weights and states (to an ulp or two: XLA fuses
-  the "xla" route's dot and update differently without the norm's reduction beside them; the
-  GPU kernels read the norm from the accumulator and store the same bits), no
-  ``grad_norm``/``nonfinite_grads`` metrics, and every FORGE update traced afresh asks its
-  kernel for no norm. Under nn.remat (a backward pass jax may have traced with the norm and
-  cached) the layers keep computing their part, unreported."""
-  opt = forge_jax.adamw(1e-2, weight_decay=0.1)
-  model = Net(opt, remat) if remat else StackNet(opt)
-  batches = [_batch(key=i) for i in range(2)]
-  asked = []
-  fused = _fused.fused_linear_update
-
-  def spy(*args, return_grad_sq_norm=False, **kwargs):
-    asked.append(return_grad_sq_norm)
-    return fused(*args, return_grad_sq_norm=return_grad_sq_norm, **kwargs)
-
-  with monkeypatch.context() as m:
-    m.setattr(_fused, "fused_linear_update", spy)
-    state = _state(model, batches[0]["x"], opt)
-    forge_jax.train_step.lower(state, batches[0], functools.partial(_mse, model.apply),
-                               grad_norm=False)
-  # Traced twice (the first trace checks the reuses); the second is the step's.
-  step_calls = asked[len(asked) // 2:]
-  assert step_calls and all(step_calls) == remat, asked
-
-  loss = functools.partial(_mse, model.apply)
-  with_norm = _state(model, batches[0]["x"], opt)
-  lean = _state(model, batches[0]["x"], opt)
-  for b in batches:
-    with_norm, m_on = forge_jax.train_step(with_norm, b, loss)
-    lean, m_off = forge_jax.train_step(lean, b, loss, grad_norm=False)
-    np.testing.assert_array_equal(m_on["loss"], m_off["loss"])
-  assert np.isfinite(float(m_on["grad_norm"])) and int(m_on["nonfinite_grads"]) == 0
-  assert "grad_norm" not in m_off and "nonfinite_grads" not in m_off
-  for a, b in zip(jax.tree.leaves(_host((with_norm.params, with_norm.forge_state,
-                                         with_norm.opt_state, with_norm.step))),
-                  jax.tree.leaves(_host((lean.params, lean.forge_state, lean.opt_state,
-                                         lean.step))), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
-
-
-def test_grad_norm_false_with_norm_clipping_is_refused():
-  opt = forge_jax.adamw(1e-2, clip_prev_norm=1.0)
-  model = Net(opt)
-  batch = _batch()
-  state = _state(model, batch["x"], opt)
-  before = _host(state)
-  with pytest.raises(ValueError, match=r"grad_norm=False.*clip_prev_norm"):
-    forge_jax.train_step(state, batch, functools.partial(_mse, model.apply), grad_norm=False)
-  _assert_unchanged(state, before)
-
-
 def _mse_plus(apply_fn, variables, batch):
   """The MSE plus a constant of the batch: a non-finite constant makes the loss non-finite and
   leaves every gradient finite, so only the loss check can keep the weights."""

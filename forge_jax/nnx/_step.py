@@ -191,7 +191,7 @@ def _train_state(model, optimizer):
 
 
 def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_aux: bool = False,
-               skip_nonfinite: bool = True, grad_norm: bool = True):
+               skip_nonfinite: bool = True):
   """One FORGE training step of an NNX model, updating ``model`` and ``optimizer`` in place.
 
   Args:
@@ -203,14 +203,12 @@ def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_a
       ``has_aux=True``); hashable (a module-level function or a
       ``functools.partial``), as it is a static argument of the jitted step.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    skip_nonfinite, grad_norm: as :func:`forge_jax.train_step`'s.
+    skip_nonfinite: as :func:`forge_jax.train_step`'s.
 
   Returns:
     the metrics of :func:`forge_jax.train_step`: ``loss``, ``grad_norm`` (the
     exact global gradient norm), ``clip_scale``, ``skipped`` (a non-finite
-    loss: nothing was updated), ``skipped_steps``, ``nonfinite_grads`` and
-    ``aux`` if any (without ``grad_norm`` and ``nonfinite_grads`` under
-    ``grad_norm=False``).
+    loss: nothing was updated), ``skipped_steps`` and ``aux`` if any.
 
   Variables outside ``wrt`` (RNG counters, batch statistics) are read, not
   updated: a loss that draws random numbers draws the same ones each step.
@@ -223,8 +221,7 @@ def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_a
       ``vmap``/``pmap``/``shard_map``, or when the batch is split over devices.
   """
   layout, model_state, state = _train_state(model, optimizer)
-  new, metrics = _train.train_step(state, batch, _Loss(layout, loss_fn), has_aux, skip_nonfinite,
-                                   grad_norm)
+  new, metrics = _train.train_step(state, batch, _Loss(layout, loss_fn), has_aux, skip_nonfinite)
   _write_back(model, optimizer, layout, model_state, new)
   return metrics
 
@@ -307,12 +304,12 @@ class _Lowered:
 
 
 def _lower(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_aux: bool = False,
-           skip_nonfinite: bool = True, grad_norm: bool = True):
+           skip_nonfinite: bool = True):
   """``train_step``'s jitted step lowered for these arguments; ``.compile()`` gives a step
   callable as ``compiled(model, optimizer, batch)``."""
   layout, _, state = _train_state(model, optimizer)
   return _Lowered(_train.train_step.lower(state, batch, _Loss(layout, loss_fn), has_aux,
-                                          skip_nonfinite, grad_norm), layout)
+                                          skip_nonfinite), layout)
 
 
 train_step.lower = _lower  # type: ignore[attr-defined]

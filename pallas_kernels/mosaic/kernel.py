@@ -49,12 +49,6 @@ class _Plan:
   stochastic: bool  # stochastic rounding of the weight (its key in layer_gmem[1])
   gated: bool  # the stores to W and the states run only where layer_gmem[2] != 0
   codecs: tuple  # per slot: None (a float array) or its numerics.BlockQuantized codec
-  # A gate folded into the guard's compare (float states, non-finite elements skipped): the
-  # scalar after the rule's is the bound |g| must stay below, inf where applied, else 0, and
-  # every store runs (it writes the old values back bit for bit: the module docstring of
-  # pallas_kernels.contract). int8 states keep the branch around the stores: their block
-  # scales are recomputed, which is not bit for bit.
-  bound_gate: bool = False
 
   @property
   def loop(self) -> bool:
@@ -227,9 +221,7 @@ class _Epilogue:
       s32 = tuple(raw.astype(jnp.float32) if codec is None else codec.decode_block_rows(*raw)
                   for raw, codec in zip(s_raw, plan.codecs))
     with _region("epi_math"):
-      bound = self.sc_gmem[plan.num_scalars] if plan.bound_gate else None
-      new_w32, new_slots = apply_update(self.update_fn, g, w32, s32, scalar_leaves, rule=self.rule,
-                                        bound=bound)
+      new_w32, new_slots = apply_update(self.update_fn, g, w32, s32, scalar_leaves, rule=self.rule)
     with _region("epi_write"):
       bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
       if plan.stochastic:
@@ -246,7 +238,7 @@ class _Epilogue:
     with _region("epi_store"):
       plgpu.commit_smem()
 
-      @pl.when(self.layer_gmem[2] != 0 if plan.gated and not plan.bound_gate else True)
+      @pl.when(self.layer_gmem[2] != 0 if plan.gated else True)
       def _store():  # not applied: W and the states in memory stay as they were, bit for bit
         plgpu.copy_smem_to_gmem(w_ref, self.w_gmem.at[self._window(j, row0, col0)],
                                 commit_group=False)
@@ -472,16 +464,10 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cf
     ints.append(jnp.asarray(apply).astype(jnp.int32))
   layer_vec = jnp.stack(ints)
   params = common.interpret_params(interpret)
-  codecs = tuple(s.codec if mcfg.quantized(s) else None for s in slots)
-  bound_gate = apply is not None and unwrap(update_fn)[1] and all(c is None for c in codecs)
-  num_scalars = len(jax.tree.leaves(scalars))
-  if bound_gate:
-    bound = jnp.where(jnp.asarray(apply, bool), jnp.float32(jnp.inf), jnp.float32(0.0))
-    sc_vec = jnp.concatenate([sc_vec[:num_scalars], bound[None]])
-  plan = _Plan(cfg=cfg, t=t, k=k, n=n, num_sms=mcfg.grid_size(cfg), num_scalars=num_scalars,
+  plan = _Plan(cfg=cfg, t=t, k=k, n=n, num_sms=mcfg.grid_size(cfg), num_scalars=len(jax.tree.leaves(scalars)),
                with_norm=compute_grad_sq_norm, interpreting=params is not None,
                stochastic=isinstance(codec, numerics.StochasticRound), gated=apply is not None,
-               codecs=codecs, bound_gate=bound_gate)
+               codecs=tuple(s.codec if mcfg.quantized(s) else None for s in slots))
   rule = rule_eval.trace_rule(unwrap(update_fn)[0], (cfg.epi_m, cfg.epi_n), len(slots), scalars)
   flat = lambda a: a.reshape(num_layers * k, n)  # one [L*K, N] array; the layer is a row offset
   # One row of per-W-row partial sums per column tile; NaN makes a missed entry loud.
