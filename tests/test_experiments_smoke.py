@@ -299,3 +299,38 @@ def test_capacity_plan_finds_a_tiny_models_edge(tmp_path, monkeypatch):
     capacity_plan.main(["--model", "tiny-llama", "--out", str(tmp_path)])
 
 
+
+
+def test_gpu_clocks_summarizes_busy_samples_by_phase(tmp_path, monkeypatch, capsys):
+  """experiments.gpu_clocks: nvidia-smi's samples (a cut last line and an error line skipped)
+  grouped by phase window and power band, the throttle reasons named; --summarize rewrites
+  the summary of a folder."""
+  import gzip  # pylint: disable=g-import-not-at-top
+  from experiments import gpu_clocks  # pylint: disable=g-import-not-at-top
+  lines = ["2026/12/04 07:00:00.000, 1980 MHz, 3201 MHz, 230.00 W, 95 %, 40, 0x0000000000000000",
+           "2026/12/04 07:00:00.050, 1575 MHz, 3201 MHz, 690.50 W, 100 %, 55, 0x0000000000000004",
+           "2026/12/04 07:00:00.100, 1560 MHz, 3201 MHz, 688.00 W, 100 %, 56, 0x0000000000000004",
+           "2026/12/04 07:00:00.150, 1980 MHz, 3201 MHz, 80.00 W, 0 %, 40, 0x0000000000000001",
+           "Unable to determine the device handle",
+           "2026/12/04 07:00:00.2"]
+  samples = gpu_clocks.parse_samples("\n".join(lines))
+  assert len(samples) == 4 and samples[1]["reasons"] == 4
+  assert gpu_clocks.reason_names(0x5) == ["idle", "SW power cap"]
+  t0 = samples[0]["t"]
+  phases = {"layers": {"command": "a", "window": [t0, t0 + 0.01]},
+            "step": {"command": "b", "window": [t0 + 0.04, t0 + 0.2]}}
+  (tmp_path / "clocks.csv.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
+  (tmp_path / "phases.json").write_text(json.dumps({"date": "d", "device": "H200",
+                                                    "interval_ms": 50, "phases": phases}))
+  assert gpu_clocks.main(["--summarize", str(tmp_path)]) == 0
+  summary = json.loads((tmp_path / "clocks.json").read_text())["summary"]
+  assert summary["layers"]["bands"] == [{
+      "power_w": [0, 300], "samples": 1, "sm_mhz_median": 1980, "sm_mhz_min": 1980,
+      "sm_mhz_max": 1980, "power_w_median": 230.0, "reasons": []}]
+  (step,) = summary["step"]["bands"]  # the idle sample is not busy
+  assert step["samples"] == 2 and step["sm_mhz_median"] == 1567.5
+  assert step["reasons"] == ["SW power cap"] and summary["step"]["busy_samples"] == 2
+  assert "| step | 500- | 2 of 3 | 1568 (1560-1575) | 689 | SW power cap |" in (
+      tmp_path / "clocks.md").read_text()
+  with pytest.raises(SystemExit):
+    gpu_clocks.main([])  # neither --run nor --summarize
