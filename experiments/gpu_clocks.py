@@ -133,7 +133,8 @@ def run(out: pathlib.Path, phases: Sequence[tuple[str, str]], interval_ms: int) 
                           capture_output=True, text=True, check=True).stdout.strip()
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "device": device, "interval_ms": interval_ms, "phases": {},
-          "argv": " ".join(shlex.quote(a) for a in sys.argv)}
+          "argv": " ".join(["python -m experiments.gpu_clocks",
+                            *(shlex.quote(a) for a in sys.argv[1:])])}
   with open(raw, "w") as f:
     sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader",
                                 f"--loop-ms={interval_ms}"], stdout=f, stderr=subprocess.STDOUT)
