@@ -44,7 +44,7 @@ POWER_BANDS = ((0, 300), (300, 500), (500, 10_000))
 
 def reason_names(mask: int) -> list[str]:
   """The throttle reasons set in ``mask`` (``[]`` for none)."""
-  return [name for bit, name in REASONS.items() if mask & bit] or []
+  return [name for bit, name in REASONS.items() if mask & bit]
 
 
 def parse_samples(text: str) -> list[dict]:

@@ -299,9 +299,7 @@ def test_capacity_plan_finds_a_tiny_models_edge(tmp_path, monkeypatch):
     capacity_plan.main(["--model", "tiny-llama", "--out", str(tmp_path)])
 
 
-
-
-def test_gpu_clocks_summarizes_busy_samples_by_phase(tmp_path, monkeypatch, capsys):
+def test_gpu_clocks_summarizes_busy_samples_by_phase(tmp_path):
   """experiments.gpu_clocks: nvidia-smi's samples (a cut last line and an error line skipped)
   grouped by phase window and power band, the throttle reasons named; --summarize rewrites
   the summary of a folder."""

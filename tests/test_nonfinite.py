@@ -317,11 +317,13 @@ def test_benchmarks_time_the_apply_flag():
   x = jax.random.normal(jax.random.PRNGKey(0), (64, 128), jnp.bfloat16)
   dy = jax.random.normal(jax.random.PRNGKey(1), (64, 256), jnp.bfloat16)
   w0 = jax.random.normal(jax.random.PRNGKey(2), (128, 256), jnp.float32)
-  out = {}
+  out, selects = {}, {}
   for applied in (False, True):
     update = _timing.layer_update(forge_jax.adamw(1e-3), "xla", jnp.float32, calls=2,
                                   applied=applied)
+    selects[applied] = update.run.lower(update.init(x, dy, w0)).as_text().count("stablehlo.select")
     w, state, sq = update.run(update.init(x, dy, w0))[:3]
     out[applied] = (w, state.mu, state.nu, sq)
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(out[True], out[False]))
   assert not bool(jnp.array_equal(out[True][0], w0))  # the update ran
+  assert selects[True] > selects[False]  # the flag reached the update (kept where it is false)
