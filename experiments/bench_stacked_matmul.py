@@ -16,7 +16,8 @@ and ``transposed`` ``dX = dy @ W[l].T`` (dy [T, N]). Programs:
 
 * ``xla_scan``: ``lax.scan`` over the layers, ``jnp.dot(x, W_stack[l])`` (the copy + GEMM);
 * ``xla_unrolled``: 32 separate weight arrays, one ``jnp.dot`` each (no copy: the floor);
-* ``stacked``: ``lax.scan`` over the layers, :func:`stacked_matmul` reading the stack in place.
+* ``stacked``: ``lax.scan`` over the layers, :func:`stacked_matmul` reading the stack in place;
+  with several ``--config`` tilings, one row per tiling (its ``tile`` column), side by side.
 
 Layer ``l`` of the stack is random, scaled by ``(l + 1) / L``. Each layer's output is consumed by
 a sum of its absolute values (the same fused reduction in every program, so no GEMM is dead code),
@@ -60,6 +61,12 @@ def _layer_dot(x, w_l, transposed: bool):
   return jnp.dot(x, w_l.T if transposed else w_l)
 
 
+def config_label(cfg: StackedMatmulConfig) -> str:
+  """``TMxTNxTK/STAGES``, then ``/m`` or ``/n`` for a split tile and ``/eN`` for chunked stores."""
+  label = f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}/{cfg.max_concurrent_steps}"
+  return label + (f"/{cfg.wg_split}" if cfg.wg_split else "") + (f"/e{cfg.epi_n}" if cfg.epi_n else "")
+
+
 def programs(transposed: bool, cfg: StackedMatmulConfig, interpret: bool):
   """name -> jitted ``run(x, weights, acc) -> acc + sum over layers of sum(|y_l|)``."""
   absum = lambda y: jnp.sum(jnp.abs(y), dtype=jnp.float32)
@@ -97,7 +104,8 @@ def layer_errors(x, w_stack, transposed, cfg, interpret) -> dict:
   return errs
 
 
-def bench_shape(t, k, n, *, layers, cfg, interpret, timing, impls, profile=False) -> list[dict]:
+def bench_shape(t, k, n, *, layers, cfgs, interpret, timing, impls, profile=False) -> list[dict]:
+  """Rows of every impl (``stacked`` once per tiling in ``cfgs``; ``None``: default_config's)."""
   kw, kx = jax.random.split(jax.random.key(t * 7 + k * 3 + n))
   # Layer l scaled by (l + 1) / L: a program that reads a wrong layer changes the sum of |y|.
   scale = (jnp.arange(1, layers + 1, dtype=jnp.float32) / layers * k**-0.5)[:, None, None]
@@ -106,27 +114,30 @@ def bench_shape(t, k, n, *, layers, cfg, interpret, timing, impls, profile=False
   for direction in DIRECTIONS:
     transposed = direction == "transposed"
     x = jax.random.normal(kx, (t, n if transposed else k), jnp.bfloat16)
-    progs = programs(transposed, cfg, interpret)
-    used = cfg or default_config(t, k if transposed else n)
-    base = dict(shape=f"{t}x{k}x{n}", t=t, k=k, n=n, layers=layers, direction=direction,
-                tile=f"{used.tile_m}x{used.tile_n}x{used.tile_k}/{used.max_concurrent_steps}")
+    n_out = k if transposed else n
+    base = dict(shape=f"{t}x{k}x{n}", t=t, k=k, n=n, layers=layers, direction=direction)
     flops = 2 * t * k * n * layers
-    sums = {}
-    try:
-      errs = layer_errors(x, w_stack, transposed, cfg, interpret)
-      check = dict(layer_rel_err=errs, layer_ok=max(errs.values()) <= LAYER_TOL)
-    except Exception as e:  # pylint: disable=broad-except  (recorded; XLA still timed)
-      check = dict(layer_error=_timing.short_error(e), layer_ok=False)
-    for impl in impls:
+    sums, first = {}, len(rows)
+    runs = [(impl, None) for impl in impls if impl != "stacked"]
+    runs += [("stacked", cfg) for cfg in cfgs] if "stacked" in impls else []
+    for impl, cfg in runs:
       row = dict(base, impl=impl)
+      if impl == "stacked":
+        row["tile"] = config_label(cfg or default_config(t, n_out))
+        try:
+          errs = layer_errors(x, w_stack, transposed, cfg, interpret)
+          row.update(layer_rel_err=errs, layer_ok=max(errs.values()) <= LAYER_TOL)
+        except Exception as e:  # pylint: disable=broad-except  (recorded; still timed)
+          row.update(layer_error=_timing.short_error(e), layer_ok=False)
       try:
         weights = list(w_stack) if impl == "xla_unrolled" else w_stack  # 32 separate arrays
-        run = lambda acc, f=progs[impl], w=weights: f(x, w, acc)
-        sums[impl] = float(run(jnp.zeros((), jnp.float32)))
+        run = lambda acc, f=programs(transposed, cfg, interpret)[impl], w=weights: f(x, w, acc)
+        abs_sum = float(run(jnp.zeros((), jnp.float32)))
+        sums.setdefault(impl, abs_sum)
         t_ms, _ = _timing.time_steps(run, jnp.zeros((), jnp.float32), **timing)
         row.update(status="ok", ms=t_ms.median_ms, min_ms=t_ms.min_ms, repeats_ms=t_ms.repeats_ms,
                    iters=t_ms.iters, per_layer_ms=t_ms.median_ms / layers,
-                   tflops=flops / (t_ms.median_ms * 1e-3) / 1e12, abs_sum=sums[impl])
+                   tflops=flops / (t_ms.median_ms * 1e-3) / 1e12, abs_sum=abs_sum)
         if profile:  # where the device time goes: GEMMs, XLA's copies of W[l], the sums
           row["profile"] = _timing.device_profile(
               lambda: jax.block_until_ready(functools.reduce(
@@ -135,12 +146,10 @@ def bench_shape(t, k, n, *, layers, cfg, interpret, timing, impls, profile=False
         del weights
       except Exception as e:  # pylint: disable=broad-except  (recorded, the next one runs)
         row.update(status="error", error=_timing.short_error(e))
-      if impl == "stacked":
-        row.update(check)
       rows.append(row)
       _timing.log(" ".join(f"{k_}={v}" for k_, v in row.items() if k_ != "repeats_ms"))
     ref = sums.get("xla_scan")
-    for row in rows[-len(impls):]:
+    for row in rows[first:]:
       if ref and row.get("status") == "ok":
         row["sum_rel_diff"] = abs(row["abs_sum"] - ref) / abs(ref)
         row["sum_ok"] = row["sum_rel_diff"] <= SUM_TOL
@@ -148,29 +157,33 @@ def bench_shape(t, k, n, *, layers, cfg, interpret, timing, impls, profile=False
 
 
 def markdown(info: dict, rows: list[dict]) -> str:
-  by = {(r["shape"], r.get("direction"), r.get("impl")): r for r in rows}
+  by = {(r["shape"], r.get("direction"), r.get("impl")): r for r in rows if r.get("impl") != "stacked"}
   keys = sorted({(r["t"], r["k"], r["n"], r["shape"], r["direction"]) for r in rows if "t" in r})
-  cell = lambda r: f"{r['ms']:.3f}" if r and r.get("status") == "ok" else (r or {}).get("status", "-")
+  ok = lambda r: r is not None and r.get("status") == "ok"
+  cell = lambda r: f"{r['ms']:.3f}" if ok(r) else (r or {}).get("status", "-")
+  ratio = lambda a, b: f"{a['ms'] / b['ms']:.2f}x" if ok(a) and ok(b) else "-"
   out = ["# stacked_matmul in a scan over layers, against XLA", "",
          f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}; "
          f"interpret={info['interpret']}. ms per dispatch of {info['layers']} layers' GEMMs "
-         "(each output summed, the same in every program); median of repeats.", "",
+         "(each output summed, the same in every program); median of repeats. `tile`: "
+         "TMxTNxTK/stages, `/m` or `/n` where both warpgroups share a tile twice as tall or wide, "
+         "`/eN` for results stored N columns at a time.", "",
          "| T x K x N | direction | xla_scan ms | xla_unrolled ms | stacked ms | stacked tile "
          "| stacked / xla_scan | stacked / unrolled | stacked TFLOP/s | layer err | checks |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]
   for _, _, _, shape, direction in keys:
-    xs, xu, st = (by.get((shape, direction, i)) for i in IMPLS)
-    ok = lambda r: r is not None and r.get("status") == "ok"
-    ratio = lambda a, b: f"{a['ms'] / b['ms']:.2f}x" if ok(a) and ok(b) else "-"
-    errs = (st or {}).get("layer_rel_err")
-    st_ = st or {}
-    checks = ("FAILED" if not st_.get("layer_ok") or st_.get("sum_ok") is False else
-              "ok" if "sum_ok" in st_ else "layers ok (no xla_scan sum)")
-    tile = st_.get("tile", "-")
-    out.append(f"| {shape} | {direction} | {cell(xs)} | {cell(xu)} | {cell(st)} | {tile} | "
-               f"{ratio(st, xs)} | {ratio(st, xu)} | {st['tflops']:.0f} |" if ok(st) else
-               f"| {shape} | {direction} | {cell(xs)} | {cell(xu)} | {cell(st)} | {tile} | - | - | - |")
-    out[-1] += f" {max(errs.values()):.1e} | {checks} |" if errs else f" - | {checks} |"
+    xs, xu = by.get((shape, direction, "xla_scan")), by.get((shape, direction, "xla_unrolled"))
+    stacked = [r for r in rows if r.get("impl") == "stacked" and r["shape"] == shape
+               and r.get("direction") == direction] or [None]
+    for st in stacked:
+      st_ = st or {}
+      errs = st_.get("layer_rel_err")
+      checks = ("-" if st is None else "FAILED" if not st_.get("layer_ok") or st_.get("sum_ok") is False
+                else "ok" if "sum_ok" in st_ else "layers ok (no xla_scan sum)")
+      tflops = f"{st_['tflops']:.0f}" if ok(st) else "-"
+      out.append(f"| {shape} | {direction} | {cell(xs)} | {cell(xu)} | {cell(st)} | "
+                 f"{st_.get('tile', '-')} | {ratio(st, xs)} | {ratio(st, xu)} | {tflops} | "
+                 f"{f'{max(errs.values()):.1e}' if errs else '-'} | {checks} |")
   profiled = [r for r in rows if "profile" in r]
   if profiled:
     out += ["", f"Device time by kernel kind (`--profile`, ms per dispatch, {PROFILE_CALLS} "
@@ -193,8 +206,16 @@ def _parse_kn(text: str) -> tuple[int, int]:
 
 
 def _parse_config(text: str) -> StackedMatmulConfig:
-  tm, tn, tk, stages = (int(v) for v in text.split(","))
-  return StackedMatmulConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=stages)
+  """``TM,TN,TK,STAGES[,SPLIT[,EPI_N]]``; SPLIT ``m``, ``n`` or ``-`` (each warpgroup its own
+  tiles)."""
+  parts = text.split(",")
+  if not 4 <= len(parts) <= 6:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected TM,TN,TK,STAGES[,SPLIT[,EPI_N]]")
+  tm, tn, tk, stages = (int(v) for v in parts[:4])
+  split = parts[4] if len(parts) > 4 and parts[4] != "-" else None
+  epi_n = int(parts[5]) if len(parts) > 5 else None
+  return StackedMatmulConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=stages,
+                             wg_split=split, epi_n=epi_n)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -204,8 +225,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--tokens", type=int, nargs="+", default=None, help=f"T values (default {TOKENS})")
   parser.add_argument("--shapes", type=_parse_kn, nargs="+", default=None, help="KxN weight shapes")
   parser.add_argument("--layers", type=int, default=None, help=f"stack depth (default {LAYERS})")
-  parser.add_argument("--config", type=_parse_config, default=None, metavar="TM,TN,TK,STAGES",
-                      help="stacked_matmul tiling (default: default_config per product)")
+  parser.add_argument("--config", type=_parse_config, nargs="+", default=None,
+                      metavar="TM,TN,TK,STAGES[,SPLIT[,EPI_N]]",
+                      help="stacked_matmul tilings, each timed (default: default_config per "
+                           "product); SPLIT m/n: both warpgroups on one tile, EPI_N: store width")
   parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
   parser.add_argument("--iters", type=int, default=None, help="calls per repeat (default: ~20 ms)")
   parser.add_argument("--repeats", type=int, default=5)
@@ -217,23 +240,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   interpret = args.smoke or jax.default_backend() == "cpu"
   if args.smoke:
     tokens, shapes, layers = args.tokens or (64,), args.shapes or [(128, 128)], args.layers or 2
-    cfg, timing = args.config or SMOKE_CONFIG, dict(warmup=1, iters=1, repeats=1)
+    # On one block, as SMOKE_CONFIG: the interpreter runs every block of the grid.
+    cfgs = [dataclasses.replace(c, num_sms=1, grid_tile_width=2) for c in args.config or [SMOKE_CONFIG]]
+    timing = dict(warmup=1, iters=1, repeats=1)
   else:
     tokens, shapes, layers = args.tokens or TOKENS, args.shapes or list(SHAPES_KN), args.layers or LAYERS
-    cfg = args.config  # None: the kernel's default_config per product
+    cfgs = args.config or [None]  # None: the kernel's default_config per product
     timing = dict(warmup=3, iters=args.iters, repeats=args.repeats)
   if layers < 1:
     raise ValueError(f"--layers must be >= 1; got {layers}")
   folder = _timing.out_dir(args.out)
   info = _timing.run_info("experiments.bench_stacked_matmul", argv)
   info.update(interpret=interpret, timing=timing, layers=layers,
-              config=dataclasses.asdict(cfg) if cfg else "default_config per product (row 'tile')",
+              configs=[dataclasses.asdict(c) if c else "default_config per product" for c in cfgs],
               layer_tol=LAYER_TOL, sum_tol=SUM_TOL)
   _timing.log(f"bench_stacked_matmul on {info['device']} (jax {info['jax']}), interpret={interpret}")
   json_path = folder / "bench_stacked_matmul.json"
   rows = _timing.run_shapes(
       json_path, info, tokens, shapes,
-      lambda t, k, n: bench_shape(t, k, n, layers=layers, cfg=cfg, interpret=interpret,
+      lambda t, k, n: bench_shape(t, k, n, layers=layers, cfgs=cfgs, interpret=interpret,
                                   timing=timing, impls=args.impls, profile=args.profile),
       {"impl": "-", "direction": "-"})
   _timing.write_table(folder / "bench_stacked_matmul.md", markdown(info, rows), json_path)

@@ -82,6 +82,29 @@ def test_matches_the_layer_it_is_given(transpose_w):
   assert not np.allclose(_expected(x, w, 0, transpose_w), _expected(x, w, 2, transpose_w), atol=1)
 
 
+# Both warpgroups on one block tile: 128x64 (split along M) or 64x128 (along N) blocks of a
+# 128x256 output, the "n" case with each warpgroup's 64x128 result stored 64 columns at a time.
+SHARED = {"m": dataclasses.replace(SMALL, wg_split="m"),
+          "n": dataclasses.replace(SMALL, tile_n=128, wg_split="n"),
+          "m_epi": dataclasses.replace(SMALL, tile_n=128, wg_split="m", epi_n=64)}
+
+
+@pytest.mark.parametrize("split", sorted(SHARED))
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["forward", "transposed"])
+def test_warpgroups_sharing_a_tile_match_the_layer(split, transpose_w):
+  """With ``wg_split`` each warpgroup computes its half of every block tile from the stages
+  both share; the halves land where they belong (a swapped half or a misplaced 64-column
+  store fails) for layers traced inside a scan."""
+  kx, kw = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(kx, (M, K), BF16)
+  w = jax.random.normal(kw, (L, 256, K) if transpose_w else (L, K, 256), BF16)
+  run = functools.partial(stacked_matmul, transpose_w=transpose_w, config=SHARED[split],
+                          interpret=True)
+  ys = jax.jit(lambda ls: lax.map(lambda l: run(x, w, l), ls))(jnp.array((2, 0), jnp.int32))
+  for layer, got in zip((2, 0), ys):
+    _check(got, _expected(x, w, layer, transpose_w))
+
+
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["forward", "transposed"])
 def test_lowers_for_cuda_reading_the_whole_stack(transpose_w):
   """The default (H200) config lowers for cuda inside a scan over 32 layers (Mosaic GPU checks
@@ -150,6 +173,21 @@ def test_bench_smoke_times_checks_and_reports_every_program(tmp_path):
   table = (tmp_path / "bench_stacked_matmul.md").read_text()
   assert table.count("| ok |") == 2 and "FAILED" not in table
   assert result["info"]["command"].startswith("python -m experiments.bench_stacked_matmul --smoke")
+
+
+def test_bench_times_several_tilings_side_by_side(tmp_path):
+  """``--config`` with two tilings (one with both warpgroups on a 64x128 tile): one checked
+  ``stacked`` row per tiling and direction, named by its tile."""
+  from experiments import bench_stacked_matmul as bench  # pylint: disable=g-import-not-at-top
+  assert bench.main(["--smoke", "--impls", "xla_scan", "stacked", "--config", "64,64,64,2",
+                     "64,64,64,2,n,64", "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "bench_stacked_matmul.json").read_text())["rows"]
+  stacked = [r for r in rows if r["impl"] == "stacked"]
+  assert sorted((r["direction"], r["tile"]) for r in stacked) == sorted(
+      (d, t) for d in bench.DIRECTIONS for t in ("64x64x64/2", "64x64x64/2/n/e64"))
+  assert all(r["status"] == "ok" and r["layer_ok"] and r["sum_ok"] for r in stacked), stacked
+  table = (tmp_path / "bench_stacked_matmul.md").read_text()
+  assert table.count("| ok |") == 4 and "| 64x64x64/2/n/e64 |" in table
 
 
 def test_bench_flags_a_kernel_that_reads_the_wrong_layer(tmp_path, monkeypatch):

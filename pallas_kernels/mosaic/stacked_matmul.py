@@ -8,7 +8,9 @@ so no slice of the stack is ever materialized.
 Schedule (the FORGE kernel's, with a plain epilogue): a persistent grid, one block per SM; two
 compute warpgroups take turns on whole ``tile_m x tile_n`` output tiles, fed by a memory
 warpgroup through one ring of ``x``/``w`` stages; the fp32 accumulator is cast and leaves
-through shared memory with one TMA store per tile. With ``transpose_w`` the ``w`` block goes to
+through shared memory with one TMA store per tile (or per ``epi_n`` columns). With ``wg_split``
+the two warpgroups instead share each block tile, twice as tall (``"m"``) or wide (``"n"``) as
+one warpgroup's, and each stage of the ring feeds both (jax's Hopper matmul's schedule). With ``transpose_w`` the ``w`` block goes to
 ``wgmma`` as a transposed view of shared memory; under the interpreter, which cannot read one
 (jax 0.10.2), it goes through registers into a scratch buffer instead.
 
@@ -53,6 +55,11 @@ class StackedMatmulConfig:
     max_concurrent_steps: stages of the ``x``/``w`` ring (at least 2).
     grid_tile_width: the persistent loop walks bands of this many tiles along N.
     num_sms: persistent grid size; ``None``: the device's SM count (132 off a GPU).
+    wg_split: ``None``: each compute warpgroup takes whole tiles of its own, in turns;
+      ``"m"`` / ``"n"``: both take one block tile of ``2 * tile_m`` rows / ``2 * tile_n``
+      columns, a ``tile_m x tile_n`` half each, and share its ring stages.
+    epi_n: columns per TMA store of a tile's result (two store buffers per warpgroup, a
+      divisor of ``tile_n`` and a multiple of 64); ``None``: the whole tile at once.
   """
 
   tile_m: int = 128
@@ -61,10 +68,28 @@ class StackedMatmulConfig:
   max_concurrent_steps: int = 5
   grid_tile_width: int = 8
   num_sms: Optional[int] = None
+  wg_split: Optional[str] = None
+  epi_n: Optional[int] = None
+
+  @property
+  def block_m(self) -> int:
+    """Output rows of a block's tile (both warpgroups' with ``wg_split="m"``)."""
+    return self.tile_m * (_WGS if self.wg_split == "m" else 1)
+
+  @property
+  def block_n(self) -> int:
+    """Output columns of a block's tile (both warpgroups' with ``wg_split="n"``)."""
+    return self.tile_n * (_WGS if self.wg_split == "n" else 1)
+
+  @property
+  def out_buffers(self) -> int:
+    """Store buffers per compute warpgroup."""
+    return 1 if self.epi_n in (None, self.tile_n) else 2
 
   def smem_bytes(self, itemsize: int = 2) -> int:
-    stage = (self.tile_m * self.tile_k + self.tile_k * self.tile_n) * itemsize
-    return self.max_concurrent_steps * stage + _WGS * self.tile_m * self.tile_n * itemsize
+    stage = (self.block_m * self.tile_k + self.tile_k * self.block_n) * itemsize
+    out = _WGS * self.out_buffers * self.tile_m * (self.epi_n or self.tile_n) * itemsize
+    return self.max_concurrent_steps * stage + out
 
 
 def default_config(m: int, n: int) -> StackedMatmulConfig:
@@ -74,7 +99,7 @@ def default_config(m: int, n: int) -> StackedMatmulConfig:
   128x128 tiles, where 128x64 took 0.742 and XLA 0.652; at 4096 tokens, 256 tiles, 64-row tiles
   are 1.37x slower)."""
   cfg = StackedMatmulConfig()
-  if m % 64 == 0 and 2 * (m // cfg.tile_m) * (n // cfg.tile_n) <= mcfg.grid_size(cfg):
+  if m % 64 == 0 and 2 * (m // cfg.block_m) * (n // cfg.block_n) <= mcfg.grid_size(cfg):
     return dataclasses.replace(cfg, tile_m=64)
   return cfg
 
@@ -93,17 +118,21 @@ class _Plan:
 def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
   cfg, dtype = plan.cfg, x_gmem.dtype
   tm, tn, tk, stages = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.max_concurrent_steps
-  m_iters, n_iters, k_iters = plan.m // tm, plan.n // tn, plan.k // tk
-  w_block = (tn, tk) if plan.transpose_w else (tk, tn)
+  bm, bn, shared = cfg.block_m, cfg.block_n, cfg.wg_split is not None
+  epi_n, out_buffers = cfg.epi_n or tn, cfg.out_buffers
+  m_iters, n_iters, k_iters = plan.m // bm, plan.n // bn, plan.k // tk
+  w_block = (bn, tk) if plan.transpose_w else (tk, bn)
 
   @functools.partial(
       pl.run_scoped,
-      x_stages=plgpu.SMEM((stages, tm, tk), dtype, transforms=common.mma_transforms(tk, dtype)),
+      x_stages=plgpu.SMEM((stages, bm, tk), dtype, transforms=common.mma_transforms(tk, dtype)),
       w_stages=plgpu.SMEM((stages, *w_block), dtype,
                           transforms=common.mma_transforms(w_block[1], dtype)),
-      stage_ready=plgpu.Barrier(num_arrivals=2, num_barriers=_WGS * stages),
-      stage_free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-      out_smem=plgpu.SMEM((_WGS, tm, tn), dtype, transforms=common.mma_transforms(tn, dtype)),
+      # Taking turns, each warpgroup waits on barriers of its own; sharing, both on one set.
+      stage_ready=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (1 if shared else _WGS)),
+      stage_free=plgpu.Barrier(num_arrivals=_WGS if shared else 1, num_barriers=stages),
+      out_smem=plgpu.SMEM((_WGS, out_buffers, tm, epi_n), dtype,
+                          transforms=common.mma_transforms(epi_n, dtype)),
       # The 0.10.2 interpreter reads no transposed operand: the w block goes through registers.
       wt_smem=(plgpu.SMEM((_WGS, tk, tn), dtype, transforms=common.mma_transforms(tn, dtype))
                if plan.interpreting and plan.transpose_w else None),
@@ -124,7 +153,7 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
       @pl.loop(0, num_local)
       def _tile(i):
         m_idx, n_idx = tile_coords(i)
-        ready_base = lax.rem(i, _WGS) * stages  # the owner's barriers
+        ready_base = 0 if shared else lax.rem(i, _WGS) * stages  # the owner's barriers
 
         @pl.loop(0, k_iters)
         def _step(k):
@@ -132,12 +161,12 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
           slot = lax.rem(step, stages)
           pl.when(step >= stages)(lambda: plgpu.barrier_wait(stage_free.at[slot]))
           ready = stage_ready.at[ready_base + slot]
-          plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(m_idx * tm, tm), pl.ds(k * tk, tk)],
+          plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(m_idx * bm, bm), pl.ds(k * tk, tk)],
                                   x_stages.at[slot], ready)
           if plan.transpose_w:  # rows of W[l] are output columns
-            window = pl.ds(w_row0 + n_idx * tn, tn), pl.ds(k * tk, tk)
+            window = pl.ds(w_row0 + n_idx * bn, bn), pl.ds(k * tk, tk)
           else:
-            window = pl.ds(w_row0 + k * tk, tk), pl.ds(n_idx * tn, tn)
+            window = pl.ds(w_row0 + k * tk, tk), pl.ds(n_idx * bn, bn)
           plgpu.copy_gmem_to_smem(w_gmem.at[window], w_stages.at[slot], ready)
 
       total = num_local * k_iters
@@ -149,10 +178,21 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
     @pl.when(wg_idx < _WGS)
     def _compute_warpgroup():
       plgpu.set_max_registers(common.compute_registers(_WGS), action="increase")
+      # This warpgroup's rows / columns within a block tile.
+      row_off = wg_idx * tm if cfg.wg_split == "m" else 0
+      col_off = wg_idx * tn if cfg.wg_split == "n" else 0
 
-      @pl.loop(0, lax.div(num_local - wg_idx + (_WGS - 1), _WGS))
+      def operands(slot):
+        x_ref, w_ref = x_stages.at[slot], w_stages.at[slot]
+        if cfg.wg_split == "m":
+          x_ref = x_ref.at[pl.ds(row_off, tm)]
+        elif cfg.wg_split == "n":
+          w_ref = w_ref.at[pl.ds(col_off, tn)] if plan.transpose_w else w_ref.at[:, pl.ds(col_off, tn)]
+        return x_ref, w_ref
+
+      @pl.loop(0, num_local if shared else lax.div(num_local - wg_idx + (_WGS - 1), _WGS))
       def _tile(j):
-        i = wg_idx + j * _WGS  # tiles wg_idx, wg_idx + 2, ... of this block's list
+        i = j if shared else wg_idx + j * _WGS  # taking turns: tiles wg_idx, wg_idx + 2, ...
         m_idx, n_idx = tile_coords(i)
 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
@@ -161,8 +201,8 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
           def _step(k):
             step = i * k_iters + k
             slot = lax.rem(step, stages)
-            plgpu.barrier_wait(stage_ready.at[wg_idx * stages + slot])
-            w_ref = w_stages.at[slot]
+            plgpu.barrier_wait(stage_ready.at[slot if shared else wg_idx * stages + slot])
+            x_ref, w_ref = operands(slot)
             if plan.transpose_w and plan.interpreting:
               plgpu.wgmma_wait(0)  # the previous step's wgmma has read the scratch block
               wt_smem.at[wg_idx][...] = w_ref[...].T
@@ -170,7 +210,7 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
               w_ref = wt_smem.at[wg_idx]
             elif plan.transpose_w:
               w_ref = w_ref.transpose((1, 0))  # wgmma's transposed view of shared memory
-            plgpu.wgmma(acc_ref, x_stages.at[slot], w_ref)
+            plgpu.wgmma(acc_ref, x_ref, w_ref)
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: free its stage
             prev_slot = lax.rem(step + (stages - 1), stages)
             pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage_free.at[prev_slot]))
@@ -178,11 +218,15 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
           plgpu.wgmma_wait(0)
           plgpu.barrier_arrive(stage_free.at[lax.rem(i * k_iters + (k_iters - 1), stages)])
           out = acc_ref[...].astype(out_smem.dtype)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store read out
-          out_smem.at[wg_idx][...] = out
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg_idx],
-                                  out_gmem.at[pl.ds(m_idx * tm, tm), pl.ds(n_idx * tn, tn)])
+          rows = pl.ds(m_idx * bm + row_off, tm)
+          for c in range(tn // epi_n):
+            buf = out_smem.at[wg_idx, c % out_buffers]
+            # The store that last read this buffer (a tile or a chunk earlier) has read it out.
+            plgpu.wait_smem_to_gmem(out_buffers - 1, wait_read_only=True)
+            buf[...] = out[:, c * epi_n:(c + 1) * epi_n]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                buf, out_gmem.at[rows, pl.ds(n_idx * bn + col_off + c * epi_n, epi_n)])
 
     plgpu.wait_smem_to_gmem(0)  # every result is in device memory before the kernel exits
 
@@ -207,9 +251,14 @@ def problem(x, w_stack, transpose_w: bool, cfg: StackedMatmulConfig) -> Optional
     return f"tile_m={c.tile_m}, tile_n={c.tile_n}, tile_k={c.tile_k} must be multiples of 64 (tile_n <= 256)"
   if c.max_concurrent_steps < 2:
     return f"max_concurrent_steps={c.max_concurrent_steps} must be at least 2"
-  if m % c.tile_m or n % c.tile_n or k % c.tile_k:
+  if c.wg_split not in (None, "m", "n"):
+    return f"wg_split={c.wg_split!r} must be None, 'm' or 'n'"
+  if c.epi_n is not None and (c.epi_n % 64 or c.epi_n <= 0 or c.tile_n % c.epi_n):
+    return f"epi_n={c.epi_n} must be a multiple of 64 that divides tile_n={c.tile_n}"
+  if m % c.block_m or n % c.block_n or k % c.tile_k:
+    split = f" (wg_split={c.wg_split!r}: a block's tile is {c.block_m}x{c.block_n})" if c.wg_split else ""
     return (f"M={m}, N={n}, K={k} must be multiples of tile_m={c.tile_m}, tile_n={c.tile_n}, "
-            f"tile_k={c.tile_k}")
+            f"tile_k={c.tile_k}{split}")
   if (smem := c.smem_bytes(jnp.dtype(x.dtype).itemsize)) > mcfg.SMEM_BUDGET_BYTES:
     return f"the config needs {smem} bytes of shared memory (at most {mcfg.SMEM_BUDGET_BYTES})"
   return None
