@@ -57,13 +57,18 @@ def _check(got, want):
   np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * np.abs(want).max())
 
 
-def test_default_config_takes_64_row_tiles_only_for_products_too_small_to_fill_the_gpu():
-  """128x128 tiles, but 64x128 where 128x128 ones would leave more than half of the 132 SMs idle
-  (Llama-3.1-8B's k/v projections at 1024 tokens: 64 tiles)."""
-  from pallas_kernels.mosaic.stacked_matmul import default_config  # pylint: disable=g-import-not-at-top
+def test_default_config_picks_the_tiling_by_how_many_tiles_fill_the_gpu():
+  """64x128 tiles where 128x128 ones would leave more than half of the 132 SMs idle (Llama-3.1-8B's
+  k/v projections at 1024 tokens: 64 tiles); both warpgroups on 128x256 tiles where those fill
+  the SMs in one wave (a 1024x4096 result: 128 tiles); 128x128 tiles taken in turns otherwise."""
+  from pallas_kernels.mosaic.stacked_matmul import SHARED_TILE, default_config  # pylint: disable=g-import-not-at-top
   assert default_config(1024, 1024) == dataclasses.replace(StackedMatmulConfig(), tile_m=64)
-  for m, n in ((1024, 4096), (4096, 1024), (1024, 14336), (1024, 1152)):
+  for m, n in ((1024, 4096), (4096, 1024), (512, 8192), (2048, 2048)):
+    assert default_config(m, n) == SHARED_TILE, (m, n)
+  # More than one wave (448 and 512 tiles), at most half the SMs (64), or not a multiple of 256.
+  for m, n in ((1024, 14336), (4096, 4096), (512, 4096), (1024, 1152)):
     assert default_config(m, n) == StackedMatmulConfig(), (m, n)
+  assert SHARED_TILE.smem_bytes() <= 224 * 1024
 
 
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["forward", "transposed"])

@@ -92,15 +92,36 @@ class StackedMatmulConfig:
     return self.max_concurrent_steps * stage + out
 
 
+# Both compute warpgroups on one 128x256 tile, 64x256 each, stored 64 columns at a time (four
+# stages fit beside the store buffers). Measured on the H200 at T=1024 (ms per 32 Llama-3.1-8B
+# layers, experiments/results/h200/stacked_gemm/shared_tiles): where these tiles fill the SMs in
+# one wave (a 1024x4096 result: 128 tiles) 0.80-0.98x the time of 128x128 tiles taken in turns
+# (q/o 1.782 / 1.726 against 1.815 / 1.924 forward / transposed, gate/up's dX 5.597 against
+# 6.181, down 5.078 against 5.638); over several waves the turns' overlap of one warpgroup's
+# store with the other's GEMM wins (a 1024x14336 result: 6.545 / 6.599 against 6.504 / 6.366).
+SHARED_TILE = StackedMatmulConfig(tile_m=64, tile_n=256, max_concurrent_steps=4, wg_split="m",
+                                  epi_n=64)
+
+
 def default_config(m: int, n: int) -> StackedMatmulConfig:
-  """The tiling of an [M, N] product: :class:`StackedMatmulConfig`'s, with 64-row tiles where
-  128x128 tiles would leave more than half the SMs without one (the k and v projections of
-  Llama-3.1-8B at 1024 tokens: 64 tiles for 132 SMs; per 32 layers 0.721 ms against 0.917 with
-  128x128 tiles, where 128x64 took 0.742 and XLA 0.652; at 4096 tokens, 256 tiles, 64-row tiles
-  are 1.37x slower)."""
+  """The tiling of an [M, N] product.
+
+  * 64x128 tiles taken in turns where 128x128 ones would leave more than half the SMs without
+    one (the k and v projections of Llama-3.1-8B at 1024 tokens: 64 tiles for 132 SMs; per 32
+    layers 0.721 ms against 0.917 with 128x128 tiles, where 128x64 took 0.742 and XLA 0.652; at
+    4096 tokens, 256 tiles, 64-row tiles are 1.37x slower);
+  * else :data:`SHARED_TILE` where its 128x256 tiles fill the SMs in one wave (more than half of
+    them, at most all);
+  * else :class:`StackedMatmulConfig`'s 128x128 tiles taken in turns.
+  """
   cfg = StackedMatmulConfig()
-  if m % 64 == 0 and 2 * (m // cfg.block_m) * (n // cfg.block_n) <= mcfg.grid_size(cfg):
+  sms = mcfg.grid_size(cfg)
+  if m % 64 == 0 and 2 * (m // cfg.block_m) * (n // cfg.block_n) <= sms:
     return dataclasses.replace(cfg, tile_m=64)
+  shared = SHARED_TILE
+  if m % shared.block_m == 0 and n % shared.block_n == 0:
+    if sms < 2 * (m // shared.block_m) * (n // shared.block_n) <= 2 * sms:
+      return shared
   return cfg
 
 
