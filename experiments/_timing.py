@@ -260,7 +260,7 @@ def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict
       return {"calls": calls, "device_ms": float("nan"), "by_kind": {}, "top": [],
               "error": "no trace written"}
     data = ProfileData.from_file(str(paths[-1]))
-  kernels: dict[str, list] = {}  # kernel name -> [ms, count, the HLO ops it ran for]
+  kernels: dict[str, list] = {}  # kernel name -> [ms, count, the HLO ops it ran for, durations]
   timeline = {"busy_ms": 0.0, "span_ms": 0.0, "gaps": {}}
   for plane in data.planes:
     if not plane.name.startswith("/device:"):
@@ -271,16 +271,17 @@ def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict
         continue
       for event in line.events:
         intervals.append((event.start_ns, event.end_ns))
-        entry = kernels.setdefault(event.name, [0.0, 0, set()])
+        entry = kernels.setdefault(event.name, [0.0, 0, set(), []])
         entry[0] += event.duration_ns / 1e6
         entry[1] += 1
+        entry[3].append(event.duration_ns / 1e3)
         op = dict(event.stats).get("hlo_op")
         if op and len(entry[2]) < 4:
           entry[2].add(str(op))
     if intervals:  # the busiest device (one per process here)
       timeline = max(timeline, busy_and_gaps(intervals), key=lambda t: t["busy_ms"])
   by_kind: dict[str, float] = {}
-  for name, (ms, _, _) in kernels.items():
+  for name, (ms, _, _, _) in kernels.items():
     by_kind[_kernel_kind(name)] = by_kind.get(_kernel_kind(name), 0.0) + ms / calls
   rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
   return {"calls": calls, "device_ms": sum(v[0] for v in kernels.values()) / calls,
@@ -289,8 +290,25 @@ def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict
           "idle_ms": (timeline["span_ms"] - timeline["busy_ms"]) / calls,
           "gaps": {k: [n / calls, ms / calls] for k, (n, ms) in timeline["gaps"].items()},
           "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-          "top": [{"kernel": name[:160], "ops": sorted(ops), "ms": ms / calls, "count": n / calls}
-                  for name, (ms, n, ops) in rows]}
+          "top": [{"kernel": name[:160], "ops": sorted(ops), "ms": ms / calls, "count": n / calls,
+                   "durations": duration_classes(us, calls)}
+                  for name, (ms, n, ops, us) in rows]}
+
+
+def duration_classes(durations_us, calls: int, *, width: float = 0.08, top: int = 6) -> list:
+  """A kernel's launches grouped by duration: ``[[median us, launches per call], ...]`` for the
+  ``top`` groups with the most time, longest first. Sorted durations start a new group where one
+  exceeds its group's first by more than ``width`` (relative): one kernel run on several shapes
+  (a GEMM on each product of a layer) shows one group per shape."""
+  groups: list[list[float]] = []
+  for d in sorted(durations_us):
+    if groups and d <= groups[-1][0] * (1 + width):
+      groups[-1].append(d)
+    else:
+      groups.append([d])
+  groups.sort(key=lambda g: -sum(g))
+  return sorted(([round(g[len(g) // 2], 1), len(g) / calls] for g in groups[:top]),
+                key=lambda c: -c[0])
 
 
 def out_dir(path: Optional[str]) -> pathlib.Path:

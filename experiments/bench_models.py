@@ -898,8 +898,10 @@ def profile_markdown(rows, meta, kinds: int = 14, ops: int = 25) -> str:
                  f"idle {prof['idle_ms']:.2f} ms between its first and last kernel ({gaps}).\n")
     out.append("| op kind | ms/step |\n|---|---:|")
     out += [f"| {k} | {v:.2f} |" for k, v in list(prof["by_kind"].items())[:kinds]]
-    out.append("\n| kernel | ms/step | calls/step | HLO ops |\n|---|---:|---:|---|")
-    out += [f"| {_cell(t['kernel'][:70])} | {t['ms']:.2f} | {t['count']:g} | "
+    out.append("\n| kernel | ms/step | calls/step | us per call (calls/step) | HLO ops |\n"
+               "|---|---:|---:|---|---|")
+    classes = lambda t: ", ".join(f"{us:g} ({n:g})" for us, n in t.get("durations", [])[:4]) or "-"
+    out += [f"| {_cell(t['kernel'][:70])} | {t['ms']:.2f} | {t['count']:g} | {classes(t)} | "
             f"{_cell(', '.join(t['ops'])[:60])} |" for t in prof["top"][:ops]]
     out.append("")
   return "\n".join(out) + "\n"

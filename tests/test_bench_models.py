@@ -432,6 +432,22 @@ def test_busy_and_gaps_unions_streams_and_buckets_idle_time():
   assert ">=100us: 1 gaps, 0.30 ms" in md
 
 
+def test_duration_classes_split_one_kernel_by_shape():
+  """One kernel launched on three shapes (64 x 23 us, 64 x 55 us, 160 x ~200 us in two steps):
+  one class per shape, with its launches per step; the profile table shows them."""
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+  us = [23.0, 23.4] * 64 + [55.0] * 128 + [198.0, 201.0, 205.0, 210.0] * 80
+  assert _timing.duration_classes(us, calls=2) == [[205.0, 160.0], [55.0, 64.0], [23.4, 64.0]]
+  assert _timing.duration_classes(us, calls=2, top=1) == [[205.0, 160.0]]
+  prof = {"calls": 1, "device_ms": 1.0, "by_kind": {}, "launches": 2.0, "busy_ms": 1.0,
+          "idle_ms": 0.0, "gaps": {}, "top": [{"kernel": "k", "ops": ["op"], "ms": 1.0, "count": 2,
+                                                "durations": [[600.0, 1.0], [400.0, 1.0]]}]}
+  md = bench_models.profile_markdown([{"model": "m", "impl": "forge", "batch": 1, "tokens": 8,
+                                       "step_ms": 1.0, "profile": prof}],
+                                     {"command": "c", "date": "d", "device": "H200", "jax": "0"})
+  assert "| k | 1.00 | 2 | 600 (1), 400 (1) | op |" in md
+
+
 def test_rounding_and_state_implementations():
   precision = lambda base: bench_models._forge_optimizer(base).precision
   assert precision("forge").weight_rounding == "nearest" and precision("forge").state_dtype is None
