@@ -403,7 +403,7 @@ def test_profile_markdown_lists_each_profiled_row():
           {"model": "m", "impl": "optax", "batch": 1, "tokens": 8, "profile": {"error": "no CUPTI"}},
           {"model": "m", "impl": "forge_xla", "batch": 1, "tokens": 8}]
   md = bench_models.profile_markdown(rows, {"command": "c", "date": "d", "device": "H200", "jax": "0"})
-  assert "| copy | 4.00 |" in md and "| copy_kernel | 4.00 | 32 | copy.3 |" in md
+  assert "| copy | 4.00 |" in md and "| copy_kernel | 4.00 | 32 | - | copy.3 |" in md
   assert "no profile (no CUPTI)" in md and "forge_xla" not in md
   from experiments import _timing  # pylint: disable=g-import-not-at-top
   assert [_timing._kernel_kind(k) for k in (
