@@ -18,6 +18,7 @@ def test_int8_states_add_equations_and_every_count_is_reported(tmp_path):
                             "--impls", "forge_unrolled,forge_int8_unrolled", "--out", str(tmp_path)]) == 0
   bf16, int8 = json.loads((tmp_path / "compile_cost.json").read_text())["rows"]
   assert (bf16["impl"], int8["impl"]) == ("forge_unrolled", "forge_int8_unrolled")
+  assert bf16["attention"] == int8["attention"] == "xla"  # the default; --attention auto on a GPU
   # int8 states: decode, block maxima and re-encoding per layer on the XLA route.
   assert int8["jaxpr_eqns"] > bf16["jaxpr_eqns"] and int8["stablehlo_ops"] > bf16["stablehlo_ops"]
   for row in (bf16, int8):
