@@ -166,9 +166,10 @@ def test_refuses_a_layer_that_is_no_integer_scalar(layer):
 
 def test_bench_smoke_times_checks_and_reports_every_program(tmp_path):
   """Every program in both directions; ``stacked`` once per ``--config`` tiling (here two, one
-  with both warpgroups on a 64x128 tile), each row checked and named by its tile."""
+  with both warpgroups on a 64x128 tile), each row checked and named by its tile. One layer: the
+  kernel's choice of layer is checked in test_matches_the_layer_it_is_given and below."""
   from experiments import bench_stacked_matmul as bench  # pylint: disable=g-import-not-at-top
-  assert bench.main(["--smoke", "--config", "64,64,64,2", "64,64,64,2,n,64",
+  assert bench.main(["--smoke", "--layers", "1", "--config", "64,64,64,2", "64,64,64,2,n,64",
                      "--out", str(tmp_path)]) == 0
   result = json.loads((tmp_path / "bench_stacked_matmul.json").read_text())
   rows = result["rows"]
@@ -177,7 +178,7 @@ def test_bench_smoke_times_checks_and_reports_every_program(tmp_path):
   for row in rows:
     assert row["status"] == "ok" and row["ms"] > 0 and row["sum_ok"], row
     if row["impl"] == "stacked":
-      assert row["layer_ok"] and set(row["layer_rel_err"]) == {"0", "1"}, row
+      assert row["layer_ok"] and set(row["layer_rel_err"]) == {"0"}, row
   stacked = [r for r in rows if r["impl"] == "stacked"]
   assert sorted((r["direction"], r["tile"]) for r in stacked) == sorted(
       (d, t) for d in bench.DIRECTIONS for t in ("64x64x64/2", "64x64x64/2/n/e64"))
