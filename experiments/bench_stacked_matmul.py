@@ -62,7 +62,7 @@ def _layer_dot(x, w_l, transposed: bool):
 
 
 def config_label(cfg: StackedMatmulConfig) -> str:
-  """``TMxTNxTK/STAGES``, then ``/m`` or ``/n`` for a split tile and ``/eN`` for chunked stores."""
+  """``TMxTNxTK/STAGES``, then ``/m`` for a shared tile and ``/eN`` for chunked stores."""
   label = f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}/{cfg.max_concurrent_steps}"
   return label + (f"/{cfg.wg_split}" if cfg.wg_split else "") + (f"/e{cfg.epi_n}" if cfg.epi_n else "")
 
@@ -166,7 +166,7 @@ def markdown(info: dict, rows: list[dict]) -> str:
          f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}; "
          f"interpret={info['interpret']}. ms per dispatch of {info['layers']} layers' GEMMs "
          "(each output summed, the same in every program); median of repeats. `tile`: "
-         "TMxTNxTK/stages, `/m` or `/n` where both warpgroups share a tile twice as tall or wide, "
+         "TMxTNxTK/stages, `/m` where both warpgroups share a tile twice as tall, "
          "`/eN` for results stored N columns at a time.", "",
          "| T x K x N | direction | xla_scan ms | xla_unrolled ms | stacked ms | stacked tile "
          "| stacked / xla_scan | stacked / unrolled | stacked TFLOP/s | layer err | checks |",
@@ -206,8 +206,8 @@ def _parse_kn(text: str) -> tuple[int, int]:
 
 
 def _parse_config(text: str) -> StackedMatmulConfig:
-  """``TM,TN,TK,STAGES[,SPLIT[,EPI_N]]``; SPLIT ``m``, ``n`` or ``-`` (each warpgroup its own
-  tiles)."""
+  """``TM,TN,TK,STAGES[,SPLIT[,EPI_N]]``; SPLIT ``m`` (both warpgroups on one tile) or ``-``
+  (each warpgroup its own tiles)."""
   parts = text.split(",")
   if not 4 <= len(parts) <= 6:
     raise argparse.ArgumentTypeError(f"{text!r}: expected TM,TN,TK,STAGES[,SPLIT[,EPI_N]]")
@@ -228,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--config", type=_parse_config, nargs="+", default=None,
                       metavar="TM,TN,TK,STAGES[,SPLIT[,EPI_N]]",
                       help="stacked_matmul tilings, each timed (default: default_config per "
-                           "product); SPLIT m/n: both warpgroups on one tile, EPI_N: store width")
+                           "product); SPLIT m: both warpgroups on one tile, EPI_N: store width")
   parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
   parser.add_argument("--iters", type=int, default=None, help="calls per repeat (default: ~20 ms)")
   parser.add_argument("--repeats", type=int, default=5)

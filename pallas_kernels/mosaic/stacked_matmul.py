@@ -8,9 +8,9 @@ so no slice of the stack is ever materialized.
 Schedule (the FORGE kernel's, with a plain epilogue): a persistent grid, one block per SM; two
 compute warpgroups take turns on whole ``tile_m x tile_n`` output tiles, fed by a memory
 warpgroup through one ring of ``x``/``w`` stages; the fp32 accumulator is cast and leaves
-through shared memory with one TMA store per tile (or per ``epi_n`` columns). With ``wg_split``
-the two warpgroups instead share each block tile, twice as tall (``"m"``) or wide (``"n"``) as
-one warpgroup's, and each stage of the ring feeds both (jax's Hopper matmul's schedule). With ``transpose_w`` the ``w`` block goes to
+through shared memory with one TMA store per tile (or per ``epi_n`` columns). With ``wg_split="m"``
+the two warpgroups instead share each block tile, twice as tall as one warpgroup's, and each
+stage of the ring feeds both (jax's Hopper matmul's schedule). With ``transpose_w`` the ``w`` block goes to
 ``wgmma`` as a transposed view of shared memory; under the interpreter, which cannot read one
 (jax 0.10.2), it goes through registers into a scratch buffer instead.
 
@@ -55,9 +55,9 @@ class StackedMatmulConfig:
     max_concurrent_steps: stages of the ``x``/``w`` ring (at least 2).
     grid_tile_width: the persistent loop walks bands of this many tiles along N.
     num_sms: persistent grid size; ``None``: the device's SM count (132 off a GPU).
-    wg_split: ``None``: each compute warpgroup takes whole tiles of its own, in turns;
-      ``"m"`` / ``"n"``: both take one block tile of ``2 * tile_m`` rows / ``2 * tile_n``
-      columns, a ``tile_m x tile_n`` half each, and share its ring stages.
+    wg_split: ``None``: each compute warpgroup takes whole tiles of its own, in turns; ``"m"``:
+      both take one block tile of ``2 * tile_m`` rows, a ``tile_m x tile_n`` half each, and share
+      its ring stages (the split along N measured slower on every shape: docs/mosaic_kernel.md).
     epi_n: columns per TMA store of a tile's result (two store buffers per warpgroup, a
       divisor of ``tile_n`` and a multiple of 64); ``None``: the whole tile at once.
   """
@@ -77,17 +77,12 @@ class StackedMatmulConfig:
     return self.tile_m * (_WGS if self.wg_split == "m" else 1)
 
   @property
-  def block_n(self) -> int:
-    """Output columns of a block's tile (both warpgroups' with ``wg_split="n"``)."""
-    return self.tile_n * (_WGS if self.wg_split == "n" else 1)
-
-  @property
   def out_buffers(self) -> int:
     """Store buffers per compute warpgroup."""
     return 1 if self.epi_n in (None, self.tile_n) else 2
 
   def smem_bytes(self, itemsize: int = 2) -> int:
-    stage = (self.block_m * self.tile_k + self.tile_k * self.block_n) * itemsize
+    stage = (self.block_m * self.tile_k + self.tile_k * self.tile_n) * itemsize
     out = _WGS * self.out_buffers * self.tile_m * (self.epi_n or self.tile_n) * itemsize
     return self.max_concurrent_steps * stage + out
 
@@ -116,10 +111,10 @@ def default_config(m: int, n: int) -> StackedMatmulConfig:
   """
   cfg = StackedMatmulConfig()
   sms = mcfg.grid_size(cfg)
-  if m % 64 == 0 and 2 * (m // cfg.block_m) * (n // cfg.block_n) <= sms:
+  if m % 64 == 0 and 2 * (m // cfg.tile_m) * (n // cfg.tile_n) <= sms:
     return dataclasses.replace(cfg, tile_m=64)
-  if m % SHARED_TILE.block_m == 0 and n % SHARED_TILE.block_n == 0:
-    if sms < 2 * (m // SHARED_TILE.block_m) * (n // SHARED_TILE.block_n) <= 2 * sms:
+  if m % SHARED_TILE.block_m == 0 and n % SHARED_TILE.tile_n == 0:
+    if sms < 2 * (m // SHARED_TILE.block_m) * (n // SHARED_TILE.tile_n) <= 2 * sms:
       return SHARED_TILE
   return cfg
 
@@ -138,10 +133,10 @@ class _Plan:
 def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
   cfg, dtype = plan.cfg, x_gmem.dtype
   tm, tn, tk, stages = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.max_concurrent_steps
-  bm, bn, shared = cfg.block_m, cfg.block_n, cfg.wg_split is not None
+  bm, shared = cfg.block_m, cfg.wg_split is not None
   epi_n, out_buffers = cfg.epi_n or tn, cfg.out_buffers
-  m_iters, n_iters, k_iters = plan.m // bm, plan.n // bn, plan.k // tk
-  w_block = (bn, tk) if plan.transpose_w else (tk, bn)
+  m_iters, n_iters, k_iters = plan.m // bm, plan.n // tn, plan.k // tk
+  w_block = (tn, tk) if plan.transpose_w else (tk, tn)
 
   @functools.partial(
       pl.run_scoped,
@@ -184,9 +179,9 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
           plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(m_idx * bm, bm), pl.ds(k * tk, tk)],
                                   x_stages.at[slot], ready)
           if plan.transpose_w:  # rows of W[l] are output columns
-            window = pl.ds(w_row0 + n_idx * bn, bn), pl.ds(k * tk, tk)
+            window = pl.ds(w_row0 + n_idx * tn, tn), pl.ds(k * tk, tk)
           else:
-            window = pl.ds(w_row0 + k * tk, tk), pl.ds(n_idx * bn, bn)
+            window = pl.ds(w_row0 + k * tk, tk), pl.ds(n_idx * tn, tn)
           plgpu.copy_gmem_to_smem(w_gmem.at[window], w_stages.at[slot], ready)
 
       total = num_local * k_iters
@@ -198,17 +193,7 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
     @pl.when(wg_idx < _WGS)
     def _compute_warpgroup():
       plgpu.set_max_registers(common.compute_registers(_WGS), action="increase")
-      # This warpgroup's rows / columns within a block tile.
-      row_off = wg_idx * tm if cfg.wg_split == "m" else 0
-      col_off = wg_idx * tn if cfg.wg_split == "n" else 0
-
-      def operands(slot):
-        x_ref, w_ref = x_stages.at[slot], w_stages.at[slot]
-        if cfg.wg_split == "m":
-          x_ref = x_ref.at[pl.ds(row_off, tm)]
-        elif cfg.wg_split == "n":
-          w_ref = w_ref.at[pl.ds(col_off, tn)] if plan.transpose_w else w_ref.at[:, pl.ds(col_off, tn)]
-        return x_ref, w_ref
+      row_off = wg_idx * tm if shared else 0  # this warpgroup's rows within its block tile
 
       @pl.loop(0, num_local if shared else lax.div(num_local - wg_idx + (_WGS - 1), _WGS))
       def _tile(j):
@@ -222,7 +207,9 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
             step = i * k_iters + k
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(stage_ready.at[slot if shared else wg_idx * stages + slot])
-            x_ref, w_ref = operands(slot)
+            x_ref, w_ref = x_stages.at[slot], w_stages.at[slot]
+            if shared:
+              x_ref = x_ref.at[pl.ds(row_off, tm)]
             if plan.transpose_w and plan.interpreting:
               plgpu.wgmma_wait(0)  # the previous step's wgmma has read the scratch block
               wt_smem.at[wg_idx][...] = w_ref[...].T
@@ -246,7 +233,7 @@ def _kernel(x_gmem, w_gmem, layer_gmem, out_gmem, *, plan: _Plan):
             buf[...] = out[:, c * epi_n:(c + 1) * epi_n]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
-                buf, out_gmem.at[rows, pl.ds(n_idx * bn + col_off + c * epi_n, epi_n)])
+                buf, out_gmem.at[rows, pl.ds(n_idx * tn + c * epi_n, epi_n)])
 
     plgpu.wait_smem_to_gmem(0)  # every result is in device memory before the kernel exits
 
@@ -271,12 +258,12 @@ def problem(x, w_stack, transpose_w: bool, cfg: StackedMatmulConfig) -> Optional
     return f"tile_m={c.tile_m}, tile_n={c.tile_n}, tile_k={c.tile_k} must be multiples of 64 (tile_n <= 256)"
   if c.max_concurrent_steps < 2:
     return f"max_concurrent_steps={c.max_concurrent_steps} must be at least 2"
-  if c.wg_split not in (None, "m", "n"):
-    return f"wg_split={c.wg_split!r} must be None, 'm' or 'n'"
+  if c.wg_split not in (None, "m"):
+    return f"wg_split={c.wg_split!r} must be None or 'm'"
   if c.epi_n is not None and (c.epi_n % 64 or c.epi_n <= 0 or c.tile_n % c.epi_n):
     return f"epi_n={c.epi_n} must be a multiple of 64 that divides tile_n={c.tile_n}"
-  if m % c.block_m or n % c.block_n or k % c.tile_k:
-    split = f" (wg_split={c.wg_split!r}: a block's tile is {c.block_m}x{c.block_n})" if c.wg_split else ""
+  if m % c.block_m or n % c.tile_n or k % c.tile_k:
+    split = f" (wg_split={c.wg_split!r}: a block's tile is {c.block_m}x{c.tile_n})" if c.wg_split else ""
     return (f"M={m}, N={n}, K={k} must be multiples of tile_m={c.tile_m}, tile_n={c.tile_n}, "
             f"tile_k={c.tile_k}{split}")
   if (smem := c.smem_bytes(jnp.dtype(x.dtype).itemsize)) > mcfg.SMEM_BUDGET_BYTES:
