@@ -15,10 +15,15 @@ metadata: XLA emits a kernel once per distinct fusion). Writes ``compile_cost.js
 ``compile_cost.md`` to ``--out``.
 
 On a GPU, the compile seconds of a scanned against an unrolled Llama-3.1-8B step, with the attention
-``bench_models`` uses there (each impl traced and compiled in turn, in one process):
+``bench_models`` uses there, each step traced and compiled in a new process, twice:
 
     PYTHONPATH=$PWD python -m experiments.compile_cost --model llama-3.1-8b --layers 32 \\
-        --tokens 1024 --impls forge,forge_unrolled --attention auto --compile --out $OUT
+        --tokens 1024 --impls forge,forge_unrolled --attention auto --compile --fresh --repeats 2 \\
+        --out $OUT
+
+Compiled rows also count the optimized module's custom calls by target (on a GPU the Mosaic
+kernels), and those inside fused computations: a kernel fused with a dynamic slice or update
+is launched once more.
 """
 
 from __future__ import annotations
@@ -26,8 +31,13 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
+import os
 import re
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional, Sequence
 
@@ -61,6 +71,20 @@ def fusion_stats(hlo_text: str) -> dict:
     body = re.sub(r"metadata=\{[^}]*\}", "", body)
     bodies[re.sub(r"%[\w.\-]+", "%v", body)] += 1
   return {"fusions": sum(bodies.values()), "distinct_fusions": len(bodies)}
+
+
+def custom_call_stats(hlo_text: str) -> dict:
+  """Custom calls of an optimized HLO module by target, and how many sit inside fused
+  computations (e.g. XLA's dynamic-slice fusion of a kernel with the slice it reads or the
+  update it writes, which launches that kernel once more)."""
+  total, fused = collections.Counter(), 0
+  for block in re.split(r"\n(?=\S)", hlo_text):
+    head = block.partition("\n")[0].lstrip("%")
+    targets = re.findall(r'custom_call_target="([^"]+)"', block)
+    total.update(targets)
+    if not head.startswith("ENTRY") and "fusion" in head.split(" ", 1)[0]:
+      fused += len(targets)
+  return {"custom_calls": dict(total.most_common()), "custom_calls_fused": fused}
 
 
 def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
@@ -99,23 +123,68 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
     tick = time.perf_counter()
     compiled = lowered.compile()
     row["compile_s"] = time.perf_counter() - tick
-    row.update(fusion_stats(compiled.as_text()))
+    text = compiled.as_text()
+    row.update(fusion_stats(text))
+    row.update(custom_call_stats(text))
   return row
+
+
+def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
+                  attention: str) -> dict:
+  """:func:`measure` in a new Python process: nothing traced, lowered or compiled before it
+  (jax's in-process caches, Mosaic GPU's compiled kernels) shortens its times."""
+  with tempfile.TemporaryDirectory() as folder:
+    cmd = [sys.executable, "-m", "experiments.compile_cost", "--model", model, "--impls", impl,
+           "--layers", str(layers), "--tokens", str(tokens), "--attention", attention, "--out", folder]
+    proc = subprocess.run(cmd + (["--compile"] if compile_step else []), capture_output=True,
+                          text=True, check=False, env=dict(os.environ))
+    if proc.returncode != 0:
+      raise RuntimeError(f"{' '.join(cmd)} ended with {proc.returncode}: {proc.stderr[-2000:]}")
+    with open(os.path.join(folder, "compile_cost.json")) as f:
+      return json.load(f)["rows"][0]
+
+
+def total_s(row: dict) -> float:
+  """Seconds from the abstract state to a compiled step (or a lowered one without --compile)."""
+  return row["trace_s"] + row["lower_s"] + row.get("compile_s", 0.0)
 
 
 def markdown(info: dict, rows: list[dict]) -> str:
   out = ["# What the unrolled step hands the compiler", "",
          f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}. Seconds on a "
          "shared host are indicative; the counts are exact.", "",
-         "| impl | layers | jaxpr eqns | StableHLO ops | fusions (distinct) | trace s | lower s | compile s |",
-         "|---|---|---|---|---|---|---|---|"]
+         "| impl | layers | jaxpr eqns | StableHLO ops | fusions (distinct) | custom calls (in fusions) "
+         "| trace s | lower s | compile s | total s |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     fus = f"{r['fusions']} ({r['distinct_fusions']})" if "fusions" in r else "-"
+    calls = (f"{sum(r['custom_calls'].values())} ({r['custom_calls_fused']})"
+             if "custom_calls" in r else "-")
     comp = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
     out.append(f"| {r['impl']} | {r['layers']} | {r['jaxpr_eqns']} | {r['stablehlo_ops']} | {fus} | "
-               f"{r['trace_s']:.1f} | {r['lower_s']:.1f} | {comp} |")
+               f"{calls} | {r['trace_s']:.1f} | {r['lower_s']:.1f} | {comp} | {total_s(r):.1f} |")
+  by_impl = collections.defaultdict(list)
+  for r in rows:
+    by_impl[r["impl"]].append(total_s(r))
+  if any(len(v) > 1 for v in by_impl.values()):
+    out += ["", "Total seconds, median of " + ("each impl's repeats, each in a new process:"
+                                               if info.get("fresh") else "each impl's repeats:"), ""]
+    out += [f"- {impl}: {statistics.median(v):.1f} ({', '.join(f'{x:.1f}' for x in v)})"
+            for impl, v in by_impl.items()]
   out += ["", "Most frequent primitives:", ""]
-  out += [f"- {r['impl']}: " + ", ".join(f"{p} {n}" for p, n in r["top_primitives"]) for r in rows]
+  seen = set()
+  for r in rows:
+    if r["impl"] not in seen:
+      seen.add(r["impl"])
+      out.append(f"- {r['impl']}: " + ", ".join(f"{p} {n}" for p, n in r["top_primitives"]))
+  calls = [r for r in rows if r.get("custom_calls")]
+  if calls:
+    out += ["", "Custom calls by target:", ""]
+    seen = set()
+    for r in calls:
+      if r["impl"] not in seen:
+        seen.add(r["impl"])
+        out.append(f"- {r['impl']}: " + ", ".join(f"{t} {n}" for t, n in r["custom_calls"].items()))
   return "\n".join(out) + "\n"
 
 
@@ -129,16 +198,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--compile", action="store_true", help="also compile (and count fusions)")
   parser.add_argument("--attention", default="xla", choices=("xla", "auto", "cudnn"),
                       help="the models' attention (auto: cuDNN on a GPU, as bench_models runs them)")
+  parser.add_argument("--repeats", type=int, default=1, help="measurements per impl (default 1)")
+  parser.add_argument("--fresh", action="store_true",
+                      help="each measurement in a new Python process (compile seconds one at a time, "
+                           "no cache shared between impls)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
+  if args.repeats < 1:
+    parser.error(f"--repeats {args.repeats}: at least 1")
   folder = _timing.out_dir(args.out)
-  info = _timing.run_info("experiments.compile_cost", argv)
+  info = dict(_timing.run_info("experiments.compile_cost", argv), fresh=args.fresh)
   rows = []
-  for impl in args.impls.split(","):
-    rows.append(measure(args.model, impl, args.layers, args.tokens, args.compile, args.attention))
-    _timing.log(f"  {impl}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                          for k, v in rows[-1].items() if k != "top_primitives"))
-    _timing.write_json(folder / "compile_cost.json", {"info": info, "rows": rows})
+  for repeat in range(args.repeats):
+    for impl in args.impls.split(","):
+      how = measure_fresh if args.fresh else measure
+      rows.append(dict(how(args.model, impl, args.layers, args.tokens, args.compile, args.attention),
+                       repeat=repeat))
+      _timing.log(f"  {impl}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in rows[-1].items() if k != "top_primitives"))
+      _timing.write_json(folder / "compile_cost.json", {"info": info, "rows": rows})
   _timing.write_table(folder / "compile_cost.md", markdown(info, rows), folder / "compile_cost.json")
   return 0
 

@@ -49,3 +49,24 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 }
 """
   assert compile_cost.fusion_stats(hlo) == {"fusions": 3, "distinct_fusions": 2}
+
+
+def test_custom_call_stats_counts_targets_and_the_fused_ones():
+  hlo = """%dynamic-slice-fusion.1 (p: bf16[8,4], i: s32[]) -> bf16[4,4] {
+  %c = bf16[4,4]{1,0} custom-call(%p, %i), custom_call_target="mosaic_gpu_v2"
+  ROOT %d = bf16[4,4]{1,0} dynamic-update-slice(%c, %c, %i, %i)
+}
+
+%body (s: (bf16[8,4], s32[])) -> (bf16[8,4], s32[]) {
+  %g = bf16[4,4]{1,0} custom-call(%x, %i), custom_call_target="mosaic_gpu_v2"
+  %h = bf16[4,4]{1,0} custom-call(%x, %i), custom_call_target="mosaic_gpu_v2"
+  ROOT %t = tuple(%g, %h)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %f = f32[4]{0} custom-call(%a), custom_call_target="__cudnn$fmha"
+}
+"""
+  assert compile_cost.custom_call_stats(hlo) == {
+      "custom_calls": {"mosaic_gpu_v2": 3, "__cudnn$fmha": 1}, "custom_calls_fused": 1}
