@@ -77,14 +77,15 @@ def custom_call_stats(hlo_text: str) -> dict:
   """Custom calls of an optimized HLO module by target, and how many sit inside fused
   computations (e.g. XLA's dynamic-slice fusion of a kernel with the slice it reads or the
   update it writes, which launches that kernel once more)."""
-  total, fused = collections.Counter(), 0
+  total, fused = collections.Counter(), collections.Counter()
   for block in re.split(r"\n(?=\S)", hlo_text):
     head = block.partition("\n")[0].lstrip("%")
     targets = re.findall(r'custom_call_target="([^"]+)"', block)
     total.update(targets)
     if not head.startswith("ENTRY") and "fusion" in head.split(" ", 1)[0]:
-      fused += len(targets)
-  return {"custom_calls": dict(total.most_common()), "custom_calls_fused": fused}
+      fused.update(f"{t} in {head.split(' ', 1)[0]}" for t in targets)
+  return {"custom_calls": dict(total.most_common()),
+          "custom_calls_fused": sum(fused.values()), "fused_custom_calls": dict(fused)}
 
 
 def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
@@ -185,6 +186,8 @@ def markdown(info: dict, rows: list[dict]) -> str:
       if r["impl"] not in seen:
         seen.add(r["impl"])
         out.append(f"- {r['impl']}: " + ", ".join(f"{t} {n}" for t, n in r["custom_calls"].items()))
+        if r.get("fused_custom_calls"):
+          out.append("  - inside fusions: " + ", ".join(f"{t} ({n})" for t, n in r["fused_custom_calls"].items()))
   return "\n".join(out) + "\n"
 
 
