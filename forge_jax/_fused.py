@@ -143,9 +143,9 @@ STACKED_DOT_NAME = "forge_jax.stacked_dot"
 
 # The most rows (tokens) a stacked product takes the Mosaic GEMM for. Measured on the H200,
 # Llama-3.1-8B scanned without remat: at 1x1024 tokens 124.7 ms a step with it against 130.1 with
-# XLA's slice + dot; per layer at T=4096 it runs 0.94-1.06x unrolled XLA's GEMMs; but at 8x1024
-# (8192 rows) the step took 823.0 ms with it against 679.6 without (same run), although at 8192
-# rows each of its products runs at 1.01-1.04x unrolled XLA's (cause not found).
+# XLA's slice + dot; per layer at T=4096 it runs 0.94-1.06x unrolled XLA's GEMMs. At 8x1024
+# (8192 rows) the step takes 690.2 ms with it against 681.4 without (2026-12-04, same run;
+# experiments/results/h200/scanned): no gain there.
 STACKED_GEMM_MAX_ROWS = 4096
 
 
