@@ -19,11 +19,13 @@ On a GPU, the compile seconds of a scanned against an unrolled Llama-3.1-8B step
 
     PYTHONPATH=$PWD python -m experiments.compile_cost --model llama-3.1-8b --layers 32 \\
         --tokens 1024 --impls forge,forge_unrolled --attention auto --compile --fresh --repeats 2 \\
-        --out $OUT
+        --xla-timers --out $OUT
 
+(``--xla-timers``: XLA's compile split into its HLO passes and its backend, from XLA's own timers.)
 Compiled rows also count the optimized module's custom calls by target (on a GPU the Mosaic
-kernels), and those inside fused computations: a kernel fused with a dynamic slice or update
-is launched once more.
+kernels), and list those inside fused computations by computation: XLA's dynamic-slice fusion
+hands a kernel a slice of a stacked buffer in place, and a kernel found both inside such a
+fusion and outside it runs twice.
 """
 
 from __future__ import annotations
@@ -130,19 +132,39 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
   return row
 
 
+# XLA's GPU compiler times its two phases with scoped timers, logged at VLOG level 1 of
+# gpu_compiler.cc: "GpuCompiler::RunHloPasses for jit__train_step time: 4.05 s (4054298 us) ...".
+XLA_TIMER_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "gpu_compiler=1"}
+_XLA_PHASES = {"RunHloPasses": "xla_hlo_passes_s", "RunBackend": "xla_backend_s"}
+
+
+def xla_phase_seconds(log: str, module: str = "jit__train_step") -> dict:
+  """XLA's GPU compile phases for ``module`` from its timer lines in ``log`` (seconds, summed
+  over repeated lines): HLO passes, and the backend (XLA's own kernels to PTX and cubin, the
+  custom calls' compiles such as Mosaic GPU's ptxas runs, thunk emission)."""
+  out = {}
+  for phase, key in _XLA_PHASES.items():
+    for us in re.findall(rf"GpuCompiler::{phase} for {re.escape(module)} time: .*?\((\d+) us\)", log):
+      out[key] = out.get(key, 0.0) + int(us) / 1e6
+  return out
+
+
 def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
-                  attention: str) -> dict:
+                  attention: str, xla_timers: bool = False) -> dict:
   """:func:`measure` in a new Python process: nothing traced, lowered or compiled before it
-  (jax's in-process caches, Mosaic GPU's compiled kernels) shortens its times."""
+  (jax's in-process caches, Mosaic GPU's compiled kernels) shortens its times. ``xla_timers``:
+  also XLA's compile phases (:func:`xla_phase_seconds`; GPU only), from its log."""
   with tempfile.TemporaryDirectory() as folder:
     cmd = [sys.executable, "-m", "experiments.compile_cost", "--model", model, "--impls", impl,
            "--layers", str(layers), "--tokens", str(tokens), "--attention", attention, "--out", folder]
+    env = dict(os.environ, **(XLA_TIMER_ENV if xla_timers else {}))
     proc = subprocess.run(cmd + (["--compile"] if compile_step else []), capture_output=True,
-                          text=True, check=False, env=dict(os.environ))
+                          text=True, check=False, env=env)
     if proc.returncode != 0:
       raise RuntimeError(f"{' '.join(cmd)} ended with {proc.returncode}: {proc.stderr[-2000:]}")
     with open(os.path.join(folder, "compile_cost.json")) as f:
-      return json.load(f)["rows"][0]
+      row = json.load(f)["rows"][0]
+  return dict(row, **(xla_phase_seconds(proc.stderr) if xla_timers else {}))
 
 
 def total_s(row: dict) -> float:
@@ -155,13 +177,15 @@ def markdown(info: dict, rows: list[dict]) -> str:
          f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}. Seconds on a "
          "shared host are indicative; the counts are exact.", "",
          "| impl | layers | jaxpr eqns | StableHLO ops | fusions (distinct) | custom calls (in fusions) "
-         "| trace s | lower s | compile s | total s |",
+         "| trace s | lower s | compile s (XLA: HLO passes + backend) | total s |",
          "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     fus = f"{r['fusions']} ({r['distinct_fusions']})" if "fusions" in r else "-"
     calls = (f"{sum(r['custom_calls'].values())} ({r['custom_calls_fused']})"
              if "custom_calls" in r else "-")
     comp = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
+    if "xla_hlo_passes_s" in r or "xla_backend_s" in r:
+      comp += f" ({r.get('xla_hlo_passes_s', 0):.1f} + {r.get('xla_backend_s', 0):.1f})"
     out.append(f"| {r['impl']} | {r['layers']} | {r['jaxpr_eqns']} | {r['stablehlo_ops']} | {fus} | "
                f"{calls} | {r['trace_s']:.1f} | {r['lower_s']:.1f} | {comp} | {total_s(r):.1f} |")
   by_impl = collections.defaultdict(list)
@@ -205,18 +229,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--fresh", action="store_true",
                       help="each measurement in a new Python process (compile seconds one at a time, "
                            "no cache shared between impls)")
+  parser.add_argument("--xla-timers", action="store_true",
+                      help="with --fresh --compile on a GPU: also XLA's compile phases (HLO passes, "
+                           "backend) from its own timers")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   if args.repeats < 1:
     parser.error(f"--repeats {args.repeats}: at least 1")
+  if args.xla_timers and not (args.fresh and args.compile):
+    parser.error("--xla-timers reads a new process's log: give --fresh --compile with it")
   folder = _timing.out_dir(args.out)
   info = dict(_timing.run_info("experiments.compile_cost", argv), fresh=args.fresh)
   rows = []
   for repeat in range(args.repeats):
     for impl in args.impls.split(","):
-      how = measure_fresh if args.fresh else measure
-      rows.append(dict(how(args.model, impl, args.layers, args.tokens, args.compile, args.attention),
-                       repeat=repeat))
+      if args.fresh:
+        row = measure_fresh(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
+                            args.xla_timers)
+      else:
+        row = measure(args.model, impl, args.layers, args.tokens, args.compile, args.attention)
+      rows.append(dict(row, repeat=repeat))
       _timing.log(f"  {impl}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in rows[-1].items() if k != "top_primitives"))
       _timing.write_json(folder / "compile_cost.json", {"info": info, "rows": rows})

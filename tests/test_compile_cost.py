@@ -71,3 +71,19 @@ ENTRY %main (a: f32[4]) -> f32[4] {
   assert compile_cost.custom_call_stats(hlo) == {
       "custom_calls": {"mosaic_gpu_v2": 3, "__cudnn$fmha": 1}, "custom_calls_fused": 1,
       "fused_custom_calls": {"mosaic_gpu_v2 in dynamic-slice-fusion.1": 1}}
+
+
+def test_xla_phase_seconds_reads_the_gpu_compilers_timers():
+  log = """I1204 18:32:18 1 se_gpu_pjrt_compiler.cc:390] Performing a JIT compilation.
+I1204 18:32:22 1 gpu_compiler.cc:2345] GpuCompiler::RunHloPasses for jit__train_step time: 4.05 s (4054298 us) (cumulative: 4.05 s, max: 4.05 s, #called: 1)
+I1204 18:32:34 1 gpu_compiler.cc:3017] GpuCompiler::RunBackend for jit__train_step time: 11.9 s (11921796 us) (cumulative: 11.9 s, max: 11.9 s, #called: 1)
+I1204 18:32:34 1 gpu_compiler.cc:2345] GpuCompiler::RunHloPasses for jit__lambda time: 21.5 ms (21512 us) (cumulative: 4.08 s)
+"""
+  assert compile_cost.xla_phase_seconds(log) == {"xla_hlo_passes_s": 4.054298, "xla_backend_s": 11.921796}
+  assert compile_cost.xla_phase_seconds("no timers here") == {}
+
+
+def test_xla_timers_need_a_fresh_compiled_measurement(capsys):
+  with pytest.raises(SystemExit):
+    compile_cost.main(["--xla-timers", "--compile"])
+  assert "--fresh --compile" in capsys.readouterr().err
