@@ -1,4 +1,4 @@
-"""What an unrolled training step hands the compiler: op counts per implementation, no device run.
+"""What a training step (scanned or unrolled) hands the compiler, and how long it takes to compile.
 
 From the repository root (CPU is enough: nothing runs, the step is traced, lowered and, with
 ``--compile``, compiled for the local backend):
@@ -173,7 +173,7 @@ def total_s(row: dict) -> float:
 
 
 def markdown(info: dict, rows: list[dict]) -> str:
-  out = ["# What the unrolled step hands the compiler", "",
+  out = ["# What the training step hands the compiler", "",
          f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}. Seconds on a "
          "shared host are indicative; the counts are exact.", "",
          "| impl | layers | jaxpr eqns | StableHLO ops | fusions (distinct) | custom calls (in fusions) "
