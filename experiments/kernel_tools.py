@@ -1,4 +1,4 @@
-"""The Mosaic GPU kernel engineer's tools: in-kernel profile, Nsight Compute counters, ptxas report.
+"""The Mosaic GPU kernel engineer's tools: in-kernel profile, Nsight Compute counters, ptxas report, SASS.
 
 One call of ``pallas_kernels.mosaic.fused_dw_update_mosaic`` (bf16 x/dy, a T x K x N problem,
 an optimizer, weight and state storage, the default tiling or ``--config-json`` fields; the rule
@@ -13,6 +13,10 @@ guarded against non-finite gradient elements as forge_jax's layers run it, or ba
     PYTHONPATH=$PWD python -m experiments.kernel_tools ncu --out $OUT/ncu --states bfloat16
     # ptxas -v on the kernel (MOSAIC_GPU_DUMP_PTXAS=1): registers per thread and spill bytes.
     PYTHONPATH=$PWD python -m experiments.kernel_tools ptxas --out $OUT/ptxas --states int8
+    # The kernel's SASS (MOSAIC_GPU_DUMP_SASS=1, nvdisasm): instructions by opcode and class, for
+    # the whole kernel and for its largest loop (the epilogue's loop over sub-tiles); kernel.sass
+    # stays in --out. Compare two runs (e.g. --states bfloat16 and int8, or --no-guard) opcode by opcode.
+    PYTHONPATH=$PWD python -m experiments.kernel_tools sass --out $OUT/sass --states bfloat16
     # The Mosaic GPU module (no GPU needed: lowered for sm_90), without locations, to diff
     # against another checkout's (this file, that checkout's kernel):
     PYTHONPATH=$PWD python -m experiments.kernel_tools mlir --out /tmp/mlir --states bfloat16
@@ -174,6 +178,80 @@ def parse_ptxas(text: str) -> dict[str, Any]:
           "spill_store_bytes": top(1), "spill_load_bytes": top(2), "functions": len(regs)}
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)([^;]*);")
+_SASS_LABEL = re.compile(r"^\s*(\.L_[\w]+):")
+_SASS_TARGET = re.compile(r"`\((\.L_[\w]+)\)")
+# Opcode classes of sm_90 SASS (the rest: "other").
+SASS_CLASSES = {
+    "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK", "FSWZADD"),
+    "special": ("MUFU",),
+    "int": ("IMAD", "IADD3", "IADD", "LOP3", "SHF", "SHL", "SHR", "LEA", "IMNMX", "ISETP", "SEL",
+            "PRMT", "IABS", "POPC", "FLO", "BMSK", "SGXT", "LOP", "IMUL", "VIADD", "VIMNMX", "PLOP3",
+            "P2R", "R2P"),
+    "convert": ("F2F", "F2I", "I2F", "F2FP", "I2IP", "FRND", "I2I"),
+    "shared": ("LDS", "STS", "LDSM", "STSM", "ATOMS"),
+    "global": ("LDG", "STG", "LD", "ST", "ATOMG", "RED", "LDL", "STL"),
+    "tensor": ("HGMMA", "WARPGROUP", "UTMALDG", "UTMASTG", "UBLKCP", "UTMACMDFLUSH", "UTMAPF"),
+    "sync": ("BAR", "SYNCS", "WARPSYNC", "BSSY", "BSYNC", "MEMBAR", "FENCE", "DEPBAR", "ELECT",
+             "NANOSLEEP", "ERRBAR", "CCTL", "YIELD"),
+    "move": ("MOV", "S2R", "S2UR", "CS2R", "SHFL", "VOTE", "LDC", "ULDC", "R2UR", "UMOV", "MOVM"),
+    "branch": ("BRA", "BRX", "EXIT", "RET", "CALL", "JMP", "BPT", "WARPGROUPSET"),
+}
+_SASS_CLASS_OF = {op: cls for cls, ops in SASS_CLASSES.items() for op in ops}
+
+
+def sass_class(opcode: str) -> str:
+  """The class (SASS_CLASSES) of an opcode without its modifiers; uniform-datapath forms
+  (UIADD3, ULOP3, ...) count with their vector counterpart."""
+  if opcode in _SASS_CLASS_OF:
+    return _SASS_CLASS_OF[opcode]
+  if opcode.startswith("U") and opcode[1:] in _SASS_CLASS_OF:
+    return _SASS_CLASS_OF[opcode[1:]]
+  return "other"
+
+
+def parse_sass(text: str) -> dict[str, Any]:
+  """Instructions of nvdisasm output (``-c``, one function or several): counts by opcode and by
+  class for all of it and for its largest loop (the span from a label to the last backward branch
+  to it: in the fused kernel, the epilogue's loop over sub-tiles), and the sizes of every loop."""
+  instructions, labels, branches = [], {}, []
+  pending = []
+  for line in text.splitlines():
+    if (m := _SASS_LABEL.match(line)):
+      pending.append(m.group(1))
+      continue
+    if not (m := _SASS_LINE.search(line)):
+      continue
+    index = len(instructions)
+    for label in pending:
+      labels[label] = index
+    pending = []
+    opcode = m.group(2)
+    instructions.append(opcode)
+    if opcode == "BRA" and (t := _SASS_TARGET.search(m.group(4))):
+      branches.append((index, t.group(1)))
+
+  def counts(ops: Sequence[str]) -> dict[str, Any]:
+    by_op = collections.Counter(ops)
+    by_class = collections.Counter()
+    for op, n in by_op.items():
+      by_class[sass_class(op)] += n
+    return {"instructions": len(ops), "by_class": dict(by_class.most_common()),
+            "by_opcode": dict(by_op.most_common(30))}
+
+  loops = {}  # first instruction -> last instruction of the loop (the latest backward branch)
+  for index, label in branches:
+    start = labels.get(label)
+    if start is not None and start <= index:
+      loops[start] = max(loops.get(start, index), index)
+  spans = sorted(((end - start + 1, start, end) for start, end in loops.items()), reverse=True)
+  out = {"all": counts(instructions), "loops": [n for n, _, _ in spans]}
+  if spans:
+    _, start, end = spans[0]
+    out["largest_loop"] = counts(instructions[start:end + 1])
+  return out
+
+
 def ncu_command(ncu: str, report: pathlib.Path, run_args: Sequence[str]) -> list[str]:
   """Nsight Compute on ``kernel_tools run`` between cuProfilerStart/Stop, clocks left alone."""
   return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--target-processes",
@@ -258,6 +336,21 @@ def tool_ptxas(args, out: pathlib.Path) -> dict[str, Any]:
   return parse_ptxas(proc.stdout + proc.stderr)
 
 
+def tool_sass(args, out: pathlib.Path) -> dict[str, Any]:
+  env = dict(os.environ, MOSAIC_GPU_DUMP_SASS="1")
+  env.pop("MOSAIC_GPU_DUMP_TO", None)  # to stdout, where it is read
+  proc = subprocess.run([sys.executable, "-m", "experiments.kernel_tools", "run", *_run_args(args)],
+                        env=env, capture_output=True, text=True, check=False)
+  if proc.returncode != 0:
+    raise RuntimeError(f"the kernel call ended with {proc.returncode}: {proc.stderr[-1500:]}")
+  sass = "\n".join(l for l in proc.stdout.splitlines() if _SASS_LINE.search(l) or _SASS_LABEL.match(l))
+  if not sass:
+    raise RuntimeError("no SASS in the call's output (MOSAIC_GPU_DUMP_SASS needs nvdisasm in the "
+                       f"CUDA toolkit Mosaic GPU uses): {proc.stdout[-500:]}{proc.stderr[-500:]}")
+  (out / "kernel.sass").write_text(sass + "\n")
+  return {"sass": str(out / "kernel.sass"), **parse_sass(sass)}
+
+
 def tool_mlir(args, out: pathlib.Path) -> dict[str, Any]:
   """Lowers the call for sm_90 (on any host) and keeps the Mosaic GPU module Mosaic serializes,
   printed without locations (jax-internal hook: ``mosaic.gpu.core._run_serde_pass``)."""
@@ -278,7 +371,8 @@ def tool_mlir(args, out: pathlib.Path) -> dict[str, Any]:
           "lines": modules[-1].count("\n")}
 
 
-TOOLS = {"profile": tool_profile, "ncu": tool_ncu, "ptxas": tool_ptxas, "mlir": tool_mlir}
+TOOLS = {"profile": tool_profile, "ncu": tool_ncu, "ptxas": tool_ptxas, "sass": tool_sass,
+         "mlir": tool_mlir}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -56,7 +56,7 @@ def test_arguments_are_checked(tmp_path):
   with pytest.raises(SystemExit):
     kernel_tools.main(["profile", "--shape", "1024x4096", "--out", str(tmp_path)])
   with pytest.raises(SystemExit):
-    kernel_tools.main(["sass", "--out", str(tmp_path)])
+    kernel_tools.main(["ptx", "--out", str(tmp_path)])
   args = ["--shape", "64x64x128", "--states", "int8", "--config-json", json.dumps({"tile_m": 64})]
   ns = type("A", (), dict(shape="64x64x128", states="int8", optimizer="lion",
                           config_json=json.dumps({"tile_m": 64}), no_guard=False))
@@ -134,3 +134,33 @@ def test_mlir_tool_lowers_the_call_it_would_profile(tmp_path):
   assert result["config"]["epi_n"] == 64 and result["config"]["no_auto_barriers"]
   module = (tmp_path / "kernel.mlir").read_text()
   assert "wgmma" in module and "loc(" not in module
+
+
+def test_sass_counts_opcodes_classes_and_the_largest_loop():
+  text = """        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+.L_x_0:
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0030*/              @!P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0040*/                   LDS.64 R4, [R2+UR5] ;
+        /*0050*/                   FFMA R6, R4, R5, R6 ;
+        /*0060*/                   FFMA.FTZ R7, R4, R5, R7 ;
+        /*0070*/                   MUFU.RSQ R8, R6 ;
+        /*0080*/                   IADD3 R2, R2, 0x4, RZ ;
+        /*0090*/                   UIADD3 UR5, UR5, 0x100, URZ ;
+        /*00a0*/                   STS [R2], R7 ;
+        /*00b0*/               @P1 BRA `(.L_x_1) ;
+        /*00c0*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*00d0*/                   EXIT ;
+"""
+  got = kernel_tools.parse_sass(text)
+  assert got["all"]["instructions"] == 14 and got["loops"] == [8, 2]
+  loop = got["largest_loop"]
+  assert loop["instructions"] == 8
+  assert loop["by_class"] == {"fp32": 2, "int": 2, "shared": 2, "special": 1, "branch": 1}
+  assert loop["by_opcode"]["FFMA"] == 2  # modifiers (.FTZ) dropped
+  assert got["all"]["by_class"]["tensor"] == 1 and got["all"]["by_class"]["move"] == 2
+  assert kernel_tools.parse_sass("no code") == {
+      "all": {"instructions": 0, "by_class": {}, "by_opcode": {}}, "loops": []}
