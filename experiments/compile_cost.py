@@ -21,7 +21,9 @@ On a GPU, the compile seconds of a scanned against an unrolled Llama-3.1-8B step
         --tokens 1024 --impls forge,forge_unrolled --attention auto --compile --fresh --repeats 2 \\
         --xla-timers --out $OUT
 
-(``--xla-timers``: XLA's compile split into its HLO passes and its backend, from XLA's own timers.)
+(``--xla-timers``: XLA's compile split into its HLO passes and its backend, from XLA's own timers;
+``--trace-compile``: the compile under ``jax.profiler.trace``, its host events by name and each
+Mosaic GPU kernel's compile time, which says which kernels a step's compile waits on.)
 Compiled rows also count the optimized module's custom calls by target (on a GPU the Mosaic
 kernels), and list those inside fused computations by computation: XLA's dynamic-slice fusion
 hands a kernel a slice of a stacked buffer in place, and a kernel found both inside such a
@@ -35,6 +37,7 @@ import collections
 import functools
 import json
 import os
+import pathlib
 import re
 import statistics
 import subprocess
@@ -90,8 +93,52 @@ def custom_call_stats(hlo_text: str) -> dict:
           "custom_calls_fused": sum(fused.values()), "fused_custom_calls": dict(fused)}
 
 
+# Host events of a compile under jax.profiler.trace: XLA's phases (GpuCompiler::RunHloPasses,
+# GpuCompiler::RunBackend, ...) and, on a GPU, one "Compile" per Mosaic GPU kernel that the
+# backend compiles (Mosaic GPU's TraceMe; "Compilation cache miss" wraps it). Python frames
+# ("$file.py:line name") are left out.
+MOSAIC_COMPILE_EVENT = "Compile"
+
+
+def traced_compile(lowered, top: int = 25):
+  """``(compiled, seconds, events)``: ``lowered.compile()`` under ``jax.profiler.trace``, and its
+  host events by name (``{"name", "count", "ms"}``, the ``top`` longest in total) plus
+  ``mosaic_compile_ms``, the duration of each Mosaic GPU kernel compile, longest first."""
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      tick = time.perf_counter()
+      compiled = lowered.compile()
+      seconds = time.perf_counter() - tick
+    paths = sorted(pathlib.Path(tmp).rglob("*.xplane.pb"))
+    data = ProfileData.from_file(str(paths[-1])) if paths else None
+  return (compiled, seconds, host_event_totals(data, top) if data is not None else
+          {"compile_events": [], "mosaic_compile_ms": []})
+
+
+def host_event_totals(data, top: int = 25) -> dict:
+  """Host events of a ``ProfileData`` by name (see :func:`traced_compile`)."""
+  totals = {}
+  mosaic = []
+  for plane in data.planes:
+    if not plane.name.startswith("/host"):
+      continue
+    for line in plane.lines:
+      for event in line.events:
+        if event.name.startswith("$"):
+          continue
+        entry = totals.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.duration_ns / 1e6
+        if event.name == MOSAIC_COMPILE_EVENT:
+          mosaic.append(round(event.duration_ns / 1e6, 1))
+  rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+  return {"compile_events": [{"name": n[:120], "count": c, "ms": round(ms, 1)} for n, (c, ms) in rows],
+          "mosaic_compile_ms": sorted(mosaic, reverse=True)}
+
+
 def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
-            attention: str = "xla") -> dict:
+            attention: str = "xla", trace_compile: bool = False) -> dict:
   import forge_jax  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
   from forge_jax import _train  # pylint: disable=g-import-not-at-top
@@ -123,9 +170,13 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
   text = lowered.as_text()
   row["stablehlo_ops"] = len(re.findall(r"= \"?[a-z_]+\.[a-z_]+", text))
   if compile_step:
-    tick = time.perf_counter()
-    compiled = lowered.compile()
-    row["compile_s"] = time.perf_counter() - tick
+    if trace_compile:
+      compiled, row["compile_s"], events = traced_compile(lowered)
+      row.update(events)
+    else:
+      tick = time.perf_counter()
+      compiled = lowered.compile()
+      row["compile_s"] = time.perf_counter() - tick
     text = compiled.as_text()
     row.update(fusion_stats(text))
     row.update(custom_call_stats(text))
@@ -150,7 +201,7 @@ def xla_phase_seconds(log: str, module: str = "jit__train_step") -> dict:
 
 
 def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
-                  attention: str, xla_timers: bool = False) -> dict:
+                  attention: str, xla_timers: bool = False, trace_compile: bool = False) -> dict:
   """:func:`measure` in a new Python process: nothing traced, lowered or compiled before it
   (jax's in-process caches, Mosaic GPU's compiled kernels) shortens its times. ``xla_timers``:
   also XLA's compile phases (:func:`xla_phase_seconds`; GPU only), from its log."""
@@ -158,8 +209,8 @@ def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step:
     cmd = [sys.executable, "-m", "experiments.compile_cost", "--model", model, "--impls", impl,
            "--layers", str(layers), "--tokens", str(tokens), "--attention", attention, "--out", folder]
     env = dict(os.environ, **(XLA_TIMER_ENV if xla_timers else {}))
-    proc = subprocess.run(cmd + (["--compile"] if compile_step else []), capture_output=True,
-                          text=True, check=False, env=env)
+    cmd += (["--compile"] if compile_step else []) + (["--trace-compile"] if trace_compile else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
       raise RuntimeError(f"{' '.join(cmd)} ended with {proc.returncode}: {proc.stderr[-2000:]}")
     with open(os.path.join(folder, "compile_cost.json")) as f:
@@ -202,6 +253,19 @@ def markdown(info: dict, rows: list[dict]) -> str:
     if r["impl"] not in seen:
       seen.add(r["impl"])
       out.append(f"- {r['impl']}: " + ", ".join(f"{p} {n}" for p, n in r["top_primitives"]))
+  traced = [r for r in rows if r.get("compile_events")]
+  if traced:
+    out += ["", "Compile events on the host (first repeat; ms summed by name, longest first), and "
+            "each Mosaic GPU kernel's compile (ms):", ""]
+    seen = set()
+    for r in traced:
+      if r["impl"] not in seen:
+        seen.add(r["impl"])
+        out.append(f"- {r['impl']}: " + ", ".join(f"{e['name']} {e['ms']:.0f} ({e['count']})"
+                                                    for e in r["compile_events"][:12]))
+        kernels = r.get("mosaic_compile_ms", [])
+        out.append(f"  - Mosaic GPU kernels: {len(kernels)}, {sum(kernels) / 1e3:.1f} s: "
+                   + ", ".join(f"{ms:.0f}" for ms in kernels))
   calls = [r for r in rows if r.get("custom_calls")]
   if calls:
     out += ["", "Custom calls by target:", ""]
@@ -232,10 +296,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--xla-timers", action="store_true",
                       help="with --fresh --compile on a GPU: also XLA's compile phases (HLO passes, "
                            "backend) from its own timers")
+  parser.add_argument("--trace-compile", action="store_true",
+                      help="with --compile: the compile under jax.profiler.trace; records its host "
+                           "events by name and each Mosaic GPU kernel's compile time")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   if args.repeats < 1:
     parser.error(f"--repeats {args.repeats}: at least 1")
+  if args.trace_compile and not args.compile:
+    parser.error("--trace-compile traces the compile: give --compile with it")
   if args.xla_timers and not (args.fresh and args.compile):
     parser.error("--xla-timers reads a new process's log: give --fresh --compile with it")
   folder = _timing.out_dir(args.out)
@@ -245,9 +314,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for impl in args.impls.split(","):
       if args.fresh:
         row = measure_fresh(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
-                            args.xla_timers)
+                            args.xla_timers, args.trace_compile)
       else:
-        row = measure(args.model, impl, args.layers, args.tokens, args.compile, args.attention)
+        row = measure(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
+                      args.trace_compile)
       rows.append(dict(row, repeat=repeat))
       _timing.log(f"  {impl}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in rows[-1].items() if k != "top_primitives"))

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")
 def test_int8_states_add_equations_and_every_count_is_reported(tmp_path):
   # One layer: the int8 states' extra equations are per layer, one shows them.
   assert compile_cost.main(["--model", "tiny-qwen3", "--layers", "1", "--tokens", "16", "--compile",
-                            "--impls", "forge_unrolled,forge_int8_unrolled", "--out", str(tmp_path)]) == 0
+                            "--impls", "forge_unrolled,forge_int8_unrolled", "--trace-compile",
+                            "--out", str(tmp_path)]) == 0
   bf16, int8 = json.loads((tmp_path / "compile_cost.json").read_text())["rows"]
   assert (bf16["impl"], int8["impl"]) == ("forge_unrolled", "forge_int8_unrolled")
   assert bf16["attention"] == int8["attention"] == "xla"  # the default; --attention auto on a GPU
@@ -25,6 +26,9 @@ def test_int8_states_add_equations_and_every_count_is_reported(tmp_path):
     assert 0 < row["distinct_fusions"] <= row["fusions"]
     assert row["compile_s"] > 0 and row["trace_s"] > 0
   assert "| forge_int8_unrolled | 1 |" in (tmp_path / "compile_cost.md").read_text()
+  # --trace-compile: the compile's host events (XLA's CPU compiler here) and no Mosaic GPU kernel.
+  names = {e["name"] for e in bf16["compile_events"]}
+  assert any("Compile" in n for n in names) and bf16["mosaic_compile_ms"] == []
 
 
 def test_fusion_stats_ignores_names_and_metadata():
@@ -87,3 +91,30 @@ def test_xla_timers_need_a_fresh_compiled_measurement(capsys):
   with pytest.raises(SystemExit):
     compile_cost.main(["--xla-timers", "--compile"])
   assert "--fresh --compile" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    compile_cost.main(["--trace-compile"])
+  assert "give --compile" in capsys.readouterr().err
+
+
+def test_host_event_totals_count_mosaic_kernel_compiles():
+  class Event:
+    def __init__(self, name, ms):
+      self.name, self.duration_ns = name, int(ms * 1e6)
+
+  class Line:
+    def __init__(self, events):
+      self.events = events
+
+  class Plane:
+    def __init__(self, name, lines):
+      self.name, self.lines = name, lines
+
+  class Data:
+    planes = [Plane("/host:CPU", [Line([Event("GpuCompiler::RunBackend", 900.0), Event("Compile", 300.0),
+                                        Event("Compile", 120.5), Event("$stages.py:586 compile", 1000.0)])]),
+              Plane("/device:GPU:0", [Line([Event("Compile", 5.0)])])]
+
+  got = compile_cost.host_event_totals(Data())
+  assert got["mosaic_compile_ms"] == [300.0, 120.5]
+  assert got["compile_events"] == [{"name": "GpuCompiler::RunBackend", "count": 1, "ms": 900.0},
+                                   {"name": "Compile", "count": 2, "ms": 420.5}]
