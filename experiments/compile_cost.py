@@ -79,9 +79,9 @@ def fusion_stats(hlo_text: str) -> dict:
 
 
 def custom_call_stats(hlo_text: str) -> dict:
-  """Custom calls of an optimized HLO module by target, and how many sit inside fused
-  computations (e.g. XLA's dynamic-slice fusion of a kernel with the slice it reads or the
-  update it writes, which launches that kernel once more)."""
+  """Custom calls of an optimized HLO module by target, and those inside fused computations
+  (``"target in computation"``: e.g. XLA's dynamic-slice fusion of a kernel with the slice it
+  reads or the update it writes)."""
   total, fused = collections.Counter(), collections.Counter()
   for block in re.split(r"\n(?=\S)", hlo_text):
     head = block.partition("\n")[0].lstrip("%")
@@ -89,8 +89,7 @@ def custom_call_stats(hlo_text: str) -> dict:
     total.update(targets)
     if not head.startswith("ENTRY") and "fusion" in head.split(" ", 1)[0]:
       fused.update(f"{t} in {head.split(' ', 1)[0]}" for t in targets)
-  return {"custom_calls": dict(total.most_common()),
-          "custom_calls_fused": sum(fused.values()), "fused_custom_calls": dict(fused)}
+  return {"custom_calls": dict(total.most_common()), "fused_custom_calls": dict(fused)}
 
 
 # Host events of a compile under jax.profiler.trace: XLA's phases (GpuCompiler::RunHloPasses,
@@ -232,7 +231,7 @@ def markdown(info: dict, rows: list[dict]) -> str:
          "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     fus = f"{r['fusions']} ({r['distinct_fusions']})" if "fusions" in r else "-"
-    calls = (f"{sum(r['custom_calls'].values())} ({r['custom_calls_fused']})"
+    calls = (f"{sum(r['custom_calls'].values())} ({sum(r['fused_custom_calls'].values())})"
              if "custom_calls" in r else "-")
     comp = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
     if "xla_hlo_passes_s" in r or "xla_backend_s" in r:
@@ -247,35 +246,28 @@ def markdown(info: dict, rows: list[dict]) -> str:
                                                if info.get("fresh") else "each impl's repeats:"), ""]
     out += [f"- {impl}: {statistics.median(v):.1f} ({', '.join(f'{x:.1f}' for x in v)})"
             for impl, v in by_impl.items()]
-  out += ["", "Most frequent primitives:", ""]
-  seen = set()
+  # The lists below show each impl's first repeat (the counts do not change between repeats).
+  firsts: dict = {}
   for r in rows:
-    if r["impl"] not in seen:
-      seen.add(r["impl"])
-      out.append(f"- {r['impl']}: " + ", ".join(f"{p} {n}" for p, n in r["top_primitives"]))
-  traced = [r for r in rows if r.get("compile_events")]
-  if traced:
+    firsts.setdefault(r["impl"], r)
+  first = list(firsts.values())
+  out += ["", "Most frequent primitives:", ""]
+  out += [f"- {r['impl']}: " + ", ".join(f"{p} {n}" for p, n in r["top_primitives"]) for r in first]
+  if any(r.get("compile_events") for r in first):
     out += ["", "Compile events on the host (first repeat; ms summed by name, longest first), and "
             "each Mosaic GPU kernel's compile (ms):", ""]
-    seen = set()
-    for r in traced:
-      if r["impl"] not in seen:
-        seen.add(r["impl"])
-        out.append(f"- {r['impl']}: " + ", ".join(f"{e['name']} {e['ms']:.0f} ({e['count']})"
-                                                    for e in r["compile_events"][:12]))
-        kernels = r.get("mosaic_compile_ms", [])
-        out.append(f"  - Mosaic GPU kernels: {len(kernels)}, {sum(kernels) / 1e3:.1f} s: "
-                   + ", ".join(f"{ms:.0f}" for ms in kernels))
-  calls = [r for r in rows if r.get("custom_calls")]
-  if calls:
+    for r in (r for r in first if r.get("compile_events")):
+      out.append(f"- {r['impl']}: " + ", ".join(f"{e['name']} {e['ms']:.0f} ({e['count']})"
+                                                  for e in r["compile_events"][:12]))
+      kernels = r.get("mosaic_compile_ms", [])
+      out.append(f"  - Mosaic GPU kernels: {len(kernels)}, {sum(kernels) / 1e3:.1f} s: "
+                 + ", ".join(f"{ms:.0f}" for ms in kernels))
+  if any(r.get("custom_calls") for r in first):
     out += ["", "Custom calls by target:", ""]
-    seen = set()
-    for r in calls:
-      if r["impl"] not in seen:
-        seen.add(r["impl"])
-        out.append(f"- {r['impl']}: " + ", ".join(f"{t} {n}" for t, n in r["custom_calls"].items()))
-        if r.get("fused_custom_calls"):
-          out.append("  - inside fusions: " + ", ".join(f"{t} ({n})" for t, n in r["fused_custom_calls"].items()))
+    for r in (r for r in first if r.get("custom_calls")):
+      out.append(f"- {r['impl']}: " + ", ".join(f"{t} {n}" for t, n in r["custom_calls"].items()))
+      if r.get("fused_custom_calls"):
+        out.append("  - inside fusions: " + ", ".join(f"{t} ({n})" for t, n in r["fused_custom_calls"].items()))
   return "\n".join(out) + "\n"
 
 

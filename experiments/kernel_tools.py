@@ -325,24 +325,26 @@ def tool_ncu(args, out: pathlib.Path) -> dict[str, Any]:
   return {"report": f"{report}.ncu-rep", "kernels": summarize_ncu_raw(raw)}
 
 
-def tool_ptxas(args, out: pathlib.Path) -> dict[str, Any]:
-  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
-  env.pop("MOSAIC_GPU_DUMP_TO", None)  # with it set, Mosaic GPU writes files and skips ptxas -v
+def _run_dumping(args, dump_var: str) -> subprocess.CompletedProcess:
+  """``kernel_tools run`` in a new process with Mosaic GPU's ``dump_var`` set, its dump on stdout
+  (MOSAIC_GPU_DUMP_TO unset: with it, Mosaic GPU writes files instead and skips ``ptxas -v``)."""
+  env = dict(os.environ, **{dump_var: "1"})
+  env.pop("MOSAIC_GPU_DUMP_TO", None)
   proc = subprocess.run([sys.executable, "-m", "experiments.kernel_tools", "run", *_run_args(args)],
                         env=env, capture_output=True, text=True, check=False)
-  (out / "ptxas.log").write_text(proc.stdout + proc.stderr)
   if proc.returncode != 0:
     raise RuntimeError(f"the kernel call ended with {proc.returncode}: {proc.stderr[-1500:]}")
+  return proc
+
+
+def tool_ptxas(args, out: pathlib.Path) -> dict[str, Any]:
+  proc = _run_dumping(args, "MOSAIC_GPU_DUMP_PTXAS")
+  (out / "ptxas.log").write_text(proc.stdout + proc.stderr)
   return parse_ptxas(proc.stdout + proc.stderr)
 
 
 def tool_sass(args, out: pathlib.Path) -> dict[str, Any]:
-  env = dict(os.environ, MOSAIC_GPU_DUMP_SASS="1")
-  env.pop("MOSAIC_GPU_DUMP_TO", None)  # to stdout, where it is read
-  proc = subprocess.run([sys.executable, "-m", "experiments.kernel_tools", "run", *_run_args(args)],
-                        env=env, capture_output=True, text=True, check=False)
-  if proc.returncode != 0:
-    raise RuntimeError(f"the kernel call ended with {proc.returncode}: {proc.stderr[-1500:]}")
+  proc = _run_dumping(args, "MOSAIC_GPU_DUMP_SASS")
   sass = "\n".join(l for l in proc.stdout.splitlines() if _SASS_LINE.search(l) or _SASS_LABEL.match(l))
   if not sass:
     raise RuntimeError("no SASS in the call's output (MOSAIC_GPU_DUMP_SASS needs nvdisasm in the "

@@ -73,7 +73,7 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 }
 """
   assert compile_cost.custom_call_stats(hlo) == {
-      "custom_calls": {"mosaic_gpu_v2": 3, "__cudnn$fmha": 1}, "custom_calls_fused": 1,
+      "custom_calls": {"mosaic_gpu_v2": 3, "__cudnn$fmha": 1},
       "fused_custom_calls": {"mosaic_gpu_v2 in dynamic-slice-fusion.1": 1}}
 
 
