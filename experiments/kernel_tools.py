@@ -13,9 +13,10 @@ guarded against non-finite gradient elements as forge_jax's layers run it, or ba
     PYTHONPATH=$PWD python -m experiments.kernel_tools ncu --out $OUT/ncu --states bfloat16
     # ptxas -v on the kernel (MOSAIC_GPU_DUMP_PTXAS=1): registers per thread and spill bytes.
     PYTHONPATH=$PWD python -m experiments.kernel_tools ptxas --out $OUT/ptxas --states int8
-    # The kernel's SASS (MOSAIC_GPU_DUMP_SASS=1, nvdisasm): instructions by opcode and class, for
-    # the whole kernel and for its largest loop (the epilogue's loop over sub-tiles); kernel.sass
-    # stays in --out. Compare two runs (e.g. --states bfloat16 and int8, or --no-guard) opcode by opcode.
+    # The kernel's SASS (its PTX, then ptxas and nvdisasm): instructions by opcode and class, for
+    # the whole kernel and its loops (the largest without wgmma: the epilogue's); kernel.sass
+    # and kernel.ptx stay in --out. Compare two runs (e.g. --states bfloat16 and int8, or
+    # --no-guard) opcode by opcode.
     PYTHONPATH=$PWD python -m experiments.kernel_tools sass --out $OUT/sass --states bfloat16
     # The Mosaic GPU module (no GPU needed: lowered for sm_90), without locations, to diff
     # against another checkout's (this file, that checkout's kernel):
@@ -45,7 +46,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 OPTIMIZERS = ("adamw", "lion", "sgd_momentum")
-STATES = ("float32", "bfloat16", "int8")
+STATES = ("float32", "bfloat16", "int8", "bf16_sr_int8")
 PROFILE_SPACE = 512  # profiler ranges per warpgroup (a block's producer waits ~120 times at T=1024)
 _USED = re.compile(r"Used (\d+) registers")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -62,13 +63,15 @@ NCU_METRICS = {
 
 def problem(shape: str, states: str, optimizer: str, seed: int = 0):
   """``(x, dy, w, slots, scalars, rule)`` on the default device: random bf16 x/dy,
-  a weight (and states) of ``states`` storage (int8: float32 weight, int8 states)."""
+  a weight (and states) of ``states`` storage (int8: float32 weight, int8 states; bf16_sr_int8:
+  bfloat16 weight rounded stochastically, int8 states)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import forge_jax  # pylint: disable=g-import-not-at-top
 
   t, k, n = (int(v) for v in shape.lower().split("x"))
-  precision = forge_jax.Precision(state_dtype="int8", min_quantized_size=0) if states == "int8" else None
+  precision = (forge_jax.Precision(state_dtype="int8", min_quantized_size=0)
+               if states in ("int8", "bf16_sr_int8") else None)
   ctor = {"adamw": lambda: forge_jax.adamw(1e-3, weight_decay=0.1, precision=precision),
           "lion": lambda: forge_jax.lion(1e-4, weight_decay=0.1, precision=precision),
           "sgd_momentum": lambda: forge_jax.sgd(1e-2, momentum=0.9, precision=precision)}[optimizer]
@@ -76,7 +79,7 @@ def problem(shape: str, states: str, optimizer: str, seed: int = 0):
   kx, kd, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
   x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, (t, n), jnp.float32).astype(jnp.bfloat16)
-  w_dtype = jnp.bfloat16 if states == "bfloat16" else jnp.float32
+  w_dtype = jnp.bfloat16 if states in ("bfloat16", "bf16_sr_int8") else jnp.float32
   w = (0.02 * jax.random.normal(kw, (k, n), jnp.float32)).astype(w_dtype)
   state = opt.init(w)
   slots = tuple(state[1:])
@@ -88,6 +91,7 @@ def kernel_call(args, profile: Optional[tuple[int, str]] = None):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import pallas_kernels  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import numerics  # pylint: disable=g-import-not-at-top
   try:
     from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
   except ImportError:  # a checkout from before pallas_kernels/mosaic/ (same entry points)
@@ -103,10 +107,13 @@ def kernel_call(args, profile: Optional[tuple[int, str]] = None):
   # As forge_jax runs it: elements with a non-finite gradient skipped, unless --no-guard.
   update_fn = rule.update if args.no_guard else pallas_kernels.skip_non_finite(rule.update)
 
+  codec = numerics.StochasticRound() if args.states == "bf16_sr_int8" else None
+
   def step(w, slots, x, dy, scalars):
     # The seed and step feed stochastic rounding (forge_jax's default int8 maps use it).
     return mosaic.fused_dw_update_mosaic(x, dy, w, slots, scalars, update_fn, config=cfg,
-                                         interpret=args.interpret, seed=jnp.uint32(1),
+                                         interpret=args.interpret, weight_codec=codec,
+                                         seed=jnp.uint32(1),
                                          step=jnp.int32(3),
                                          **({} if profile is None else {"profile": profile}))[:2]
 
@@ -212,8 +219,10 @@ def sass_class(opcode: str) -> str:
 
 def parse_sass(text: str) -> dict[str, Any]:
   """Instructions of nvdisasm output (``-c``, one function or several): counts by opcode and by
-  class for all of it and for its largest loop (the span from a label to the last backward branch
-  to it: in the fused kernel, the epilogue's loop over sub-tiles), and the sizes of every loop."""
+  class for all of it, for its largest loop (the span from a label to the last backward branch to
+  it: in the fused kernel, the persistent loop over tiles) and for its largest loop without a
+  ``wgmma`` (``HGMMA``: in the fused kernel, the epilogue's loop over sub-tiles), and the sizes of
+  every loop."""
   instructions, labels, branches = [], {}, []
   pending = []
   for line in text.splitlines():
@@ -249,6 +258,10 @@ def parse_sass(text: str) -> dict[str, Any]:
   if spans:
     _, start, end = spans[0]
     out["largest_loop"] = counts(instructions[start:end + 1])
+  no_mma = [(start, end) for _, start, end in spans if "HGMMA" not in instructions[start:end + 1]]
+  if no_mma:
+    start, end = no_mma[0]
+    out["largest_loop_without_mma"] = counts(instructions[start:end + 1])
   return out
 
 
@@ -344,13 +357,37 @@ def tool_ptxas(args, out: pathlib.Path) -> dict[str, Any]:
 
 
 def tool_sass(args, out: pathlib.Path) -> dict[str, Any]:
-  proc = _run_dumping(args, "MOSAIC_GPU_DUMP_SASS")
-  sass = "\n".join(l for l in proc.stdout.splitlines() if _SASS_LINE.search(l) or _SASS_LABEL.match(l))
+  """The kernel's PTX (MOSAIC_GPU_DUMP_PTX into a folder), assembled by ``ptxas`` as Mosaic GPU
+  assembles it and disassembled by ``nvdisasm`` (both from PATH: Mosaic GPU's own SASS dump looks
+  for nvdisasm only in its own CUDA folder); ``kernel.ptx`` and ``kernel.sass`` stay in ``out``."""
+  dump = out / "ptx_dump"
+  shutil.rmtree(dump, ignore_errors=True)
+  dump.mkdir(parents=True)
+  env = dict(os.environ, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump))
+  proc = subprocess.run([sys.executable, "-m", "experiments.kernel_tools", "run", *_run_args(args)],
+                        env=env, capture_output=True, text=True, check=False)
+  if proc.returncode != 0:
+    raise RuntimeError(f"the kernel call ended with {proc.returncode}: {proc.stderr[-1500:]}")
+  ptx = sorted(dump.rglob("*.ptx"), key=lambda f: f.stat().st_size)
+  if not ptx:
+    raise RuntimeError(f"no PTX under {dump} (MOSAIC_GPU_DUMP_PTX); found: "
+                       f"{[f.name for f in dump.rglob('*')][:20]}")
+  shutil.copy(ptx[-1], out / "kernel.ptx")  # the largest module: the fused kernel
+  shutil.rmtree(dump)
+  for tool in ("ptxas", "nvdisasm"):
+    if shutil.which(tool) is None:
+      raise RuntimeError(f"{tool} is not on PATH (CUDA toolkit's bin folder)")
+  arch = re.search(r"^\.target\s+(sm_\w+)", (out / "kernel.ptx").read_text(), re.M)
+  subprocess.run(["ptxas", "--opt-level", "3", "--gpu-name", arch.group(1) if arch else "sm_90a",
+                  "--output-file", str(out / "kernel.cubin"), str(out / "kernel.ptx")], check=True)
+  dis = subprocess.run(["nvdisasm", "-ndf", "-c", str(out / "kernel.cubin")], capture_output=True,
+                       text=True, check=True)
+  (out / "kernel.cubin").unlink()
+  sass = "\n".join(l for l in dis.stdout.splitlines() if _SASS_LINE.search(l) or _SASS_LABEL.match(l))
   if not sass:
-    raise RuntimeError("no SASS in the call's output (MOSAIC_GPU_DUMP_SASS needs nvdisasm in the "
-                       f"CUDA toolkit Mosaic GPU uses): {proc.stdout[-500:]}{proc.stderr[-500:]}")
+    raise RuntimeError(f"no SASS in nvdisasm's output: {dis.stdout[-500:]}{dis.stderr[-500:]}")
   (out / "kernel.sass").write_text(sass + "\n")
-  return {"sass": str(out / "kernel.sass"), **parse_sass(sass)}
+  return {"sass": str(out / "kernel.sass"), "ptx": str(out / "kernel.ptx"), **parse_sass(sass)}
 
 
 def tool_mlir(args, out: pathlib.Path) -> dict[str, Any]:
@@ -384,7 +421,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
   parser.add_argument("--shape", default="1024x4096x4096", help="T x K x N")
   parser.add_argument("--states", default="float32", choices=STATES,
-                      help="weight and state storage (int8: float32 weight, int8 states)")
+                      help="weight and state storage (int8: float32 weight, int8 states; "
+                           "bf16_sr_int8: bfloat16 weight rounded stochastically, int8 states)")
   parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
   parser.add_argument("--no-guard", action="store_true",
                       help="the rule alone, without the per-element non-finite guard that "

@@ -162,5 +162,10 @@ def test_sass_counts_opcodes_classes_and_the_largest_loop():
   assert loop["by_class"] == {"fp32": 2, "int": 2, "shared": 2, "special": 1, "branch": 1}
   assert loop["by_opcode"]["FFMA"] == 2  # modifiers (.FTZ) dropped
   assert got["all"]["by_class"]["tensor"] == 1 and got["all"]["by_class"]["move"] == 2
+  assert got["largest_loop_without_mma"] == loop
+  # An outer loop around both: the largest loop, with the wgmma; the epilogue's stays found.
+  outer = kernel_tools.parse_sass(".L_x_9:\n" + text + "        /*00e0*/ @P2 BRA `(.L_x_9) ;\n")
+  assert outer["loops"][0] == 15 and outer["largest_loop"]["by_class"]["tensor"] == 1
+  assert outer["largest_loop_without_mma"] == loop
   assert kernel_tools.parse_sass("no code") == {
       "all": {"instructions": 0, "by_class": {}, "by_opcode": {}}, "loops": []}

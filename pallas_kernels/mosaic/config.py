@@ -49,6 +49,10 @@ class MosaicTileConfig:
       before the TMA store (int8 row scales: docs/mosaic_kernel.md, "int8 state blocks").
     grid_tile_width: the persistent loop walks bands of this many tiles along ``N``.
     num_sms: persistent grid size; ``None`` means the device's SM count.
+    fast_math: the rule's ``sqrt`` and tile / tile divisions as PTX's ``sqrt.approx.ftz`` and
+      ``div.approx.ftz`` (no denormal range handling: a denormal operand or result counts as
+      zero); ``False`` keeps Mosaic GPU's ``sqrt.approx`` / ``div.full`` (docs/mosaic_kernel.md,
+      "The rule, from its jaxpr"). The interpreter always runs the rule as written.
   """
 
   tile_m: int = 128
@@ -63,6 +67,7 @@ class MosaicTileConfig:
   no_auto_barriers: bool = True
   grid_tile_width: int = 8
   num_sms: Optional[int] = None
+  fast_math: bool = True
 
 
 _Cfg = MosaicTileConfig

@@ -468,7 +468,8 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cf
                with_norm=compute_grad_sq_norm, interpreting=params is not None,
                stochastic=isinstance(codec, numerics.StochasticRound), gated=apply is not None,
                codecs=tuple(s.codec if mcfg.quantized(s) else None for s in slots))
-  rule = rule_eval.trace_rule(unwrap(update_fn)[0], (cfg.epi_m, cfg.epi_n), len(slots), scalars)
+  rule = rule_eval.trace_rule(unwrap(update_fn)[0], (cfg.epi_m, cfg.epi_n), len(slots), scalars,
+                              fast_math=params is None and cfg.fast_math)
   flat = lambda a: a.reshape(num_layers * k, n)  # one [L*K, N] array; the layer is a row offset
   # One row of per-W-row partial sums per column tile; NaN makes a missed entry loud.
   norm_init = jnp.full((n // cfg.tile_n, k), jnp.nan, jnp.float32) if compute_grad_sq_norm else None
