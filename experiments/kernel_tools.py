@@ -9,7 +9,8 @@ guarded against non-finite gradient elements as forge_jax's layers run it, or ba
     # fdw_epi_wait, ...) per warpgroup, from its Chrome traces (kept gzipped in --out).
     PYTHONPATH=$PWD python -m experiments.kernel_tools profile --out $OUT/profile --shape 1024x4096x4096
     # Nsight Compute on that one call (between cuProfilerStart/Stop): duration, DRAM bytes, tensor
-    # pipe and SM throughput; the .ncu-rep stays in --out.
+    # pipe and SM throughput, and the warp-state samples per SASS instruction summed by stall
+    # reason for the epilogue's loop and the main loop; the .ncu-rep stays in --out.
     PYTHONPATH=$PWD python -m experiments.kernel_tools ncu --out $OUT/ncu --states bfloat16
     # ptxas -v on the kernel (MOSAIC_GPU_DUMP_PTXAS=1): registers per thread and spill bytes.
     PYTHONPATH=$PWD python -m experiments.kernel_tools ptxas --out $OUT/ptxas --states int8
@@ -328,14 +329,88 @@ def tool_profile(args, out: pathlib.Path) -> dict[str, Any]:
 
 
 def tool_ncu(args, out: pathlib.Path) -> dict[str, Any]:
+  """Nsight Compute's full set on the call: the raw page's figures per kernel, and the fused
+  kernel's source page (SASS with warp-state samples per instruction, kept gzipped as
+  ``kernel_source.csv.gz``) summarized by :func:`summarize_ncu_source`."""
   ncu = shutil.which("ncu") or max(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), default=None)
   if ncu is None:
     raise RuntimeError("ncu (Nsight Compute) is neither on PATH nor under /opt/nvidia/nsight-compute")
   report = out / "kernel"
   subprocess.run(ncu_command(ncu, report, _run_args(args)), check=True)
-  raw = subprocess.run([ncu, "--import", f"{report}.ncu-rep", "--page", "raw", "--csv"],
-                       check=True, capture_output=True, text=True).stdout
-  return {"report": f"{report}.ncu-rep", "kernels": summarize_ncu_raw(raw)}
+  read = lambda *page: subprocess.run([ncu, "--import", f"{report}.ncu-rep", *page, "--csv"],
+                                      check=True, capture_output=True, text=True).stdout
+  result = {"report": f"{report}.ncu-rep", "kernels": summarize_ncu_raw(read("--page", "raw"))}
+  block = ncu_source_block(read("--page", "source", "--print-source", "sass"), FUSED_KERNEL)
+  if block:
+    (out / "kernel_source.csv.gz").write_bytes(gzip.compress(block.encode()))
+    result["source"] = summarize_ncu_source(block)
+  return result
+
+
+FUSED_KERNEL = "fused_dw_update_mosaic"  # the name Mosaic GPU gives the fused kernel's function
+_HEX_TARGET = re.compile(r"\bBRA\s+(0x[0-9a-fA-F]+)")
+
+
+def ncu_source_block(text: str, kernel: str) -> str:
+  """The CSV block of ``ncu --page source --csv`` that belongs to the last kernel whose name
+  contains ``kernel`` (the page holds one block per kernel, each after a "Kernel Name" line), or
+  "" if none."""
+  blocks, current = [], None
+  for line in text.splitlines():
+    if line.startswith('"Kernel Name",'):
+      current = [line.split(",")[1].strip('"'), []]
+      blocks.append(current)
+    elif current is not None:
+      current[1].append(line)
+  found = [lines for name, lines in blocks if kernel in name]
+  return "\n".join(found[-1]) + "\n" if found else ""
+
+
+def summarize_ncu_source(block: str, top: int = 20) -> dict[str, Any]:
+  """Warp-state samples of one kernel's source page (SASS): totals by stall reason for the whole
+  kernel, for its largest loop without ``HGMMA`` (in the fused kernel, the epilogue's loop over
+  sub-tiles) and for its smallest loop with one (the main loop), and the ``top`` instructions by
+  samples with their index, text and main reasons. Loops are spans from a branch's target
+  address back to the branch; the out-of-line spin-waits of barrier waits sit outside them."""
+  rows = list(csv.reader(io.StringIO(block)))
+  if len(rows) < 2:
+    return {}
+  header, rows = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
+  col = {name: i for i, name in enumerate(header)}
+  reasons = [name for name in header if name.startswith("stall_") and "(Not Issued)" not in name]
+  number = lambda v: float(v.replace(",", "")) if v not in ("", "-") else 0.0
+  addresses = [int(r[col["Address"]], 16) for r in rows]
+  texts = [r[col["Source"]].strip() for r in rows]
+  stalls = [{name[len("stall_"):]: number(r[col[name]]) for name in reasons} for r in rows]
+  index_of = {a: i for i, a in enumerate(addresses)}
+  loops = {}
+  for i, t in enumerate(texts):
+    if (m := _HEX_TARGET.search(t)) and (start := index_of.get(int(m.group(1), 16))) is not None \
+        and start <= i:
+      loops[start] = max(loops.get(start, i), i)
+  spans = sorted(((end - start + 1, start, end) for start, end in loops.items()), reverse=True)
+  has_mma = lambda start, end: any("HGMMA" in t for t in texts[start:end + 1])
+
+  def region(start: int, end: int) -> dict[str, Any]:
+    total = collections.Counter()
+    for s in stalls[start:end + 1]:
+      total.update(s)
+    n = sum(total.values())
+    return {"instructions": end - start + 1, "first": start, "samples": int(n),
+            "reasons_pct": {k: round(100 * v / n, 1) for k, v in total.most_common() if v} if n else {}}
+
+  out = {"instructions": len(rows), "all": region(0, len(rows) - 1)}
+  no_mma = [(s, e) for _, s, e in spans if not has_mma(s, e)]
+  with_mma = [(s, e) for _, s, e in reversed(spans) if has_mma(s, e)]
+  if no_mma:
+    out["largest_loop_without_mma"] = region(*no_mma[0])
+  if with_mma:
+    out["smallest_loop_with_mma"] = region(*with_mma[0])
+  order = sorted(range(len(rows)), key=lambda i: -sum(stalls[i].values()))[:top]
+  out["top"] = [{"index": i, "sass": texts[i], "samples": int(sum(stalls[i].values())),
+                 "reasons": {k: int(v) for k, v in sorted(stalls[i].items(), key=lambda kv: -kv[1])[:3] if v}}
+                for i in order if sum(stalls[i].values())]
+  return out
 
 
 def _run_dumping(args, dump_var: str) -> subprocess.CompletedProcess:

@@ -52,6 +52,34 @@ def test_ncu_runs_one_profiled_call_and_summarizes_the_raw_page(tmp_path):
   assert kernel_tools.summarize_ncu_raw("") == []
 
 
+def test_ncu_source_page_is_summarized_by_loop_and_stall_reason():
+  """The fused kernel's block of ``ncu --page source --csv``: samples by stall reason for the
+  whole kernel, the largest loop without HGMMA (the epilogue's) and the smallest with one (the
+  main loop), and the most sampled instructions."""
+  head = ('"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb","stall_wait",'
+          '"stall_wait (Not Issued)"')
+  rows = [("0x100", "MOV R1, R2", 1, 0), ("0x110", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4]", 2, 2),
+          ("0x120", "@!P0 BRA 0x110", 0, 0), ("0x130", "FFMA R6, R4, R5, R6", 0, 6),
+          ("0x140", "MUFU.RSQ R8, R6", 3, 1), ("0x150", "@P1 BRA 0x130", 0, 0),
+          ("0x160", "@P2 BRA 0x100", 0, 0), ("0x170", "EXIT", 0, 0)]
+  block = "\n".join([head] + [f'"{a}","      {t}","{l + w}","{l}","{w}","9"' for a, t, l, w in rows])
+  page = ('"Kernel Name","loop_multiply_fusion",\n' + head + '\n"0x0","NOP","5","5","0","0"\n'
+          '"Kernel Name","fused_dw_update_mosaic_mosaic_gpu_kernel",\n' + block + "\n")
+  assert kernel_tools.ncu_source_block(page, kernel_tools.FUSED_KERNEL) == block + "\n"
+  assert kernel_tools.ncu_source_block(page, "absent") == ""
+  got = kernel_tools.summarize_ncu_source(kernel_tools.ncu_source_block(page, kernel_tools.FUSED_KERNEL),
+                                          top=2)
+  assert got["instructions"] == 8
+  assert got["all"]["samples"] == 15 and got["all"]["reasons_pct"] == {"wait": 60.0, "long_sb": 40.0}
+  epi = got["largest_loop_without_mma"]
+  assert (epi["first"], epi["instructions"], epi["samples"]) == (3, 3, 10)
+  assert epi["reasons_pct"] == {"wait": 70.0, "long_sb": 30.0}
+  main = got["smallest_loop_with_mma"]
+  assert (main["first"], main["instructions"], main["samples"]) == (1, 2, 4)
+  assert [t["index"] for t in got["top"]] == [3, 1] and got["top"][0]["reasons"] == {"wait": 6}
+  assert kernel_tools.summarize_ncu_source("") == {}
+
+
 def test_arguments_are_checked(tmp_path):
   with pytest.raises(SystemExit):
     kernel_tools.main(["profile", "--shape", "1024x4096", "--out", str(tmp_path)])
