@@ -265,28 +265,25 @@ def test_sqrt_is_rewritten_where_mosaic_lacks_it():
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-7)
 
 
-def test_fast_math_rewrites_sqrt_and_tile_division_only():
+def test_fast_math_rewrites_sqrt_and_tile_division_only(monkeypatch):
   """On the GPU the rule's sqrt and tile / tile divisions become PTX's ftz approximations; the
   division by a scalar (already a product), integer math and non-tile shapes keep theirs."""
   rule = _rules()["adamw"]
   scalars = rule.scalars(jnp.int32(3))
   traced = rule_eval.trace_rule(rule.update, (64, 16), 2, scalars, fast_math=True)
   picked = []
-  real = rule_eval.ptx_pointwise
-  try:
-    rule_eval.ptx_pointwise = lambda instr, *xs: picked.append((instr, xs[0].shape)) or xs[0]
-    tile = _sds((64, 16), F32)
-    jax.make_jaxpr(lambda g, w, m, v, *s: traced(g, w, (m, v), s))(
-        tile, tile, tile, tile, *jax.tree.leaves(scalars))
-  finally:
-    rule_eval.ptx_pointwise = real
+  monkeypatch.setattr(rule_eval, "ptx_pointwise",
+                      lambda instr, *xs: picked.append((instr, xs[0].shape)) or xs[0])
+  tile = _sds((64, 16), F32)
+  jax.make_jaxpr(lambda g, w, m, v, *s: traced(g, w, (m, v), s))(
+      tile, tile, tile, tile, *jax.tree.leaves(scalars))
   assert sorted(picked) == [("div.approx.ftz.f32", (64, 16)), ("sqrt.approx.ftz.f32", (64, 16))]
   eqn = jax.make_jaxpr(lambda a, b: a / b)(jnp.ones((64,)), jnp.ones((64,))).eqns[0]
   assert rule_eval.fast_math_rewrite(eqn, [jnp.ones((64,))] * 2) is None  # a row, not a tile
 
 
 @pytest.mark.parametrize("fast_math", [True, False])
-def test_fast_math_reaches_the_cuda_module(fast_math):
+def test_fast_math_reaches_the_cuda_module(fast_math, monkeypatch):
   """The default config lowers the epilogue's sqrt and division to the ftz forms (inline PTX in
   the Mosaic GPU module); ``fast_math=False`` keeps Mosaic GPU's own lowering."""
   from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
@@ -298,12 +295,9 @@ def test_fast_math_reaches_the_cuda_module(fast_math):
   config = dataclasses.replace(mosaic.default_config(x, dy, w, slots, num_sms=132),
                                fast_math=fast_math)
   modules, real = [], mgpu_core._run_serde_pass  # pylint: disable=protected-access
-  mgpu_core._run_serde_pass = lambda module, **kw: (  # pylint: disable=protected-access
-      modules.append(module.operation.get_asm(enable_debug_info=False)) or real(module, **kw))
-  try:
-    _lower(config, rule, x, dy, w, slots)
-  finally:
-    mgpu_core._run_serde_pass = real  # pylint: disable=protected-access
+  monkeypatch.setattr(mgpu_core, "_run_serde_pass", lambda module, **kw: (
+      modules.append(module.operation.get_asm(enable_debug_info=False)) or real(module, **kw)))
+  _lower(config, rule, x, dy, w, slots)
   text = "\n".join(modules)
   assert text, "no Mosaic GPU module captured"
   for instr in ("sqrt.approx.ftz.f32", "div.approx.ftz.f32"):
