@@ -116,13 +116,16 @@ def traced_compile(lowered, top: int = 25):
 
 
 def host_event_totals(data, top: int = 25) -> dict:
-  """Host events of a ``ProfileData`` by name (see :func:`traced_compile`)."""
+  """Host events of a ``ProfileData`` by name (see :func:`traced_compile`), and how the Mosaic GPU
+  kernel compiles lie in time: ``mosaic_compile_span_ms`` from the first one's start to the last
+  one's end and ``mosaic_compile_threads``, the host threads they ran on (one thread and a span
+  near their sum: they ran one after another)."""
   totals = {}
-  mosaic = []
+  mosaic, starts, ends, threads = [], [], [], set()
   for plane in data.planes:
     if not plane.name.startswith("/host"):
       continue
-    for line in plane.lines:
+    for line_index, line in enumerate(plane.lines):
       for event in line.events:
         if event.name.startswith("$"):
           continue
@@ -131,9 +134,18 @@ def host_event_totals(data, top: int = 25) -> dict:
         entry[1] += event.duration_ns / 1e6
         if event.name == MOSAIC_COMPILE_EVENT:
           mosaic.append(round(event.duration_ns / 1e6, 1))
+          start = getattr(event, "start_ns", None)
+          if start is not None:
+            starts.append(start)
+            ends.append(start + event.duration_ns)
+          threads.add((plane.name, getattr(line, "name", None) or line_index))
   rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
-  return {"compile_events": [{"name": n[:120], "count": c, "ms": round(ms, 1)} for n, (c, ms) in rows],
-          "mosaic_compile_ms": sorted(mosaic, reverse=True)}
+  out = {"compile_events": [{"name": n[:120], "count": c, "ms": round(ms, 1)} for n, (c, ms) in rows],
+         "mosaic_compile_ms": sorted(mosaic, reverse=True)}
+  if starts:
+    out["mosaic_compile_span_ms"] = round((max(ends) - min(starts)) / 1e6, 1)
+    out["mosaic_compile_threads"] = len(threads)
+  return out
 
 
 def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
@@ -260,7 +272,9 @@ def markdown(info: dict, rows: list[dict]) -> str:
       out.append(f"- {r['impl']}: " + ", ".join(f"{e['name']} {e['ms']:.0f} ({e['count']})"
                                                   for e in r["compile_events"][:12]))
       kernels = r.get("mosaic_compile_ms", [])
-      out.append(f"  - Mosaic GPU kernels: {len(kernels)}, {sum(kernels) / 1e3:.1f} s: "
+      span = (f" (from the first's start to the last's end {r['mosaic_compile_span_ms'] / 1e3:.1f} s, "
+              f"on {r['mosaic_compile_threads']} host thread(s))" if "mosaic_compile_span_ms" in r else "")
+      out.append(f"  - Mosaic GPU kernels: {len(kernels)}, {sum(kernels) / 1e3:.1f} s{span}: "
                  + ", ".join(f"{ms:.0f}" for ms in kernels))
   if any(r.get("custom_calls") for r in first):
     out += ["", "Custom calls by target:", ""]

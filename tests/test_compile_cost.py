@@ -98,23 +98,27 @@ def test_xla_timers_need_a_fresh_compiled_measurement(capsys):
 
 def test_host_event_totals_count_mosaic_kernel_compiles():
   class Event:
-    def __init__(self, name, ms):
-      self.name, self.duration_ns = name, int(ms * 1e6)
+    def __init__(self, name, ms, start_ms=0.0):
+      self.name, self.duration_ns, self.start_ns = name, int(ms * 1e6), int(start_ms * 1e6)
 
   class Line:
-    def __init__(self, events):
-      self.events = events
+    def __init__(self, events, name="python"):
+      self.events, self.name = events, name
 
   class Plane:
     def __init__(self, name, lines):
       self.name, self.lines = name, lines
 
   class Data:
-    planes = [Plane("/host:CPU", [Line([Event("GpuCompiler::RunBackend", 900.0), Event("Compile", 300.0),
-                                        Event("Compile", 120.5), Event("$stages.py:586 compile", 1000.0)])]),
+    planes = [Plane("/host:CPU", [Line([Event("GpuCompiler::RunBackend", 900.0), Event("Compile", 300.0, 10.0),
+                                        Event("Compile", 120.5, 400.0), Event("$stages.py:586 compile", 1000.0)])]),
               Plane("/device:GPU:0", [Line([Event("Compile", 5.0)])])]
 
   got = compile_cost.host_event_totals(Data())
   assert got["mosaic_compile_ms"] == [300.0, 120.5]
+  # One after another on one thread: from 10 ms to 520.5 ms.
+  assert got["mosaic_compile_span_ms"] == 510.5 and got["mosaic_compile_threads"] == 1
+  Data.planes[0].lines.append(Line([Event("Compile", 50.0, 20.0)], name="worker"))
+  assert compile_cost.host_event_totals(Data())["mosaic_compile_threads"] == 2
   assert got["compile_events"] == [{"name": "GpuCompiler::RunBackend", "count": 1, "ms": 900.0},
                                    {"name": "Compile", "count": 2, "ms": 420.5}]
