@@ -280,6 +280,10 @@ def test_fast_math_rewrites_sqrt_and_tile_division_only(monkeypatch):
   assert sorted(picked) == [("div.approx.ftz.f32", (64, 16)), ("sqrt.approx.ftz.f32", (64, 16))]
   eqn = jax.make_jaxpr(lambda a, b: a / b)(jnp.ones((64,)), jnp.ones((64,))).eqns[0]
   assert rule_eval.fast_math_rewrite(eqn, [jnp.ones((64,))] * 2) is None  # a row, not a tile
+  assert rule_eval._has_inline_ptx()  # pylint: disable=protected-access  # this jax has it
+  monkeypatch.setattr(rule_eval, "_has_inline_ptx", lambda: False)  # a jax without it: exact forms
+  tile_eqn = jax.make_jaxpr(lambda a, b: a / b)(jnp.ones((64, 16)), jnp.ones((64, 16))).eqns[0]
+  assert rule_eval.fast_math_rewrite(tile_eqn, [jnp.ones((64, 16))] * 2) is None
 
 
 @pytest.mark.parametrize("fast_math", [True, False])

@@ -81,6 +81,16 @@ def ptx_pointwise(instr: str, *xs: Array) -> Array:
   return _instr(*xs)
 
 
+def _has_inline_ptx() -> bool:
+  """Whether this jax has what :func:`ptx_pointwise` uses (else the exact forms stay)."""
+  try:
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+    from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  return hasattr(plgpu, "inline_mgpu") and hasattr(mgpu.FragmentedArray, "_lift_fast_instr")
+
+
 def _tile_f32(invals, outvar) -> bool:
   """Whether an equation's operands and result are float32 tiles of one 2-d shape."""
   shape = tuple(outvar.aval.shape)
@@ -95,7 +105,7 @@ def fast_math_rewrite(eqn, invals):
   normal floats, zeros, infinities or NaN and the divisor's magnitude is below 2**126; a
   denormal operand or result counts as zero (docs/mosaic_kernel.md, "The rule, from its jaxpr")."""
   prim = eqn.primitive
-  if not _tile_f32(invals, eqn.outvars[0]):
+  if not _tile_f32(invals, eqn.outvars[0]) or not _has_inline_ptx():
     return None
   if prim is jex_core.primitives.sqrt_p:
     return [ptx_pointwise("sqrt.approx.ftz.f32", *invals)]
