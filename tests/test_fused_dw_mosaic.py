@@ -492,9 +492,11 @@ def test_supports_rejects_dtypes_and_configs():
   assert not ok and "bfloat16" in reason
   ok, reason = mosaic.supports(x, dy, _sds((1024, 1024), jnp.int8), [])
   assert not ok and "w dtype" in reason
-  big = mosaic.MosaicTileConfig(tile_n=256, epi_n=64)
+  big = mosaic.MosaicTileConfig(tile_m=64, tile_n=256, epi_n=64, max_concurrent_steps=6)
   ok, reason = mosaic.supports(x, dy, w, [w, w], big)
   assert not ok and "shared memory" in reason
+  ok, reason = mosaic.supports(x, dy, w, [w], mosaic.MosaicTileConfig(tile_n=256, epi_n=64))
+  assert not ok and "128x256 float32 accumulator takes 256 of the 232 registers" in reason
   for change, fragment in [(dict(tile_m=96), "tile_m=96"), (dict(max_concurrent_steps=1), ">= 2"),
                            (dict(epi_n=24), "epi_n=24"), (dict(epi_l2_lookahead=-1), ">= 0")]:
     ok, reason = mosaic.supports(x, dy, w, [w], mosaic.MosaicTileConfig(**change))

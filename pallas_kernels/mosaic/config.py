@@ -143,6 +143,12 @@ def grid_size(cfg: MosaicTileConfig) -> int:
   return count if device.platform == "gpu" and count else DEFAULT_NUM_SMS
 
 
+def _compute_registers(num_compute_wgs: int) -> int:
+  from pallas_kernels.mosaic import common  # pylint: disable=g-import-not-at-top
+
+  return common.compute_registers(num_compute_wgs)
+
+
 def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
   """Why ``cfg`` is not a valid tiling, or None."""
   checks = (
@@ -158,6 +164,10 @@ def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
        f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 2 (one stage per warpgroup)"),
       (cfg.epi_l2_lookahead >= 0, f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"),
       (cfg.grid_tile_width >= 1, f"grid_tile_width={cfg.grid_tile_width} must be >= 1"),
+      (cfg.tile_m * cfg.tile_n // 128 + 40 <= _compute_registers(NUM_COMPUTE_WGS),
+       f"a {cfg.tile_m}x{cfg.tile_n} float32 accumulator takes {cfg.tile_m * cfg.tile_n // 128} of "
+       f"the {_compute_registers(NUM_COMPUTE_WGS)} registers a compute thread has, leaving under 40 "
+       "for the epilogue: use a smaller tile"),
   )
   return next((why for ok, why in checks if not ok), None)
 
