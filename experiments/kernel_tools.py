@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import csv
 import dataclasses
 import glob
@@ -249,21 +250,25 @@ def parse_sass(text: str) -> dict[str, Any]:
     return {"instructions": len(ops), "by_class": dict(by_class.most_common()),
             "by_opcode": dict(by_op.most_common(30))}
 
-  loops = {}  # first instruction -> last instruction of the loop (the latest backward branch)
-  for index, label in branches:
-    start = labels.get(label)
+  spans = loop_spans((index, labels.get(label)) for index, label in branches)
+  out = {"all": counts(instructions), "loops": [end - start + 1 for start, end in spans]}
+  if spans:
+    out["largest_loop"] = counts(instructions[spans[0][0]:spans[0][1] + 1])
+  no_mma = [(start, end) for start, end in spans if "HGMMA" not in instructions[start:end + 1]]
+  if no_mma:
+    out["largest_loop_without_mma"] = counts(instructions[no_mma[0][0]:no_mma[0][1] + 1])
+  return out
+
+
+def loop_spans(back_edges) -> list[tuple[int, int]]:
+  """Loops of a listing from its branches ``(branch index, target index or None)``: each target
+  at or before its branch starts a loop that ends at the latest branch back to it. ``(first,
+  last)`` instruction indices, largest first."""
+  loops: dict[int, int] = {}
+  for index, start in back_edges:
     if start is not None and start <= index:
       loops[start] = max(loops.get(start, index), index)
-  spans = sorted(((end - start + 1, start, end) for start, end in loops.items()), reverse=True)
-  out = {"all": counts(instructions), "loops": [n for n, _, _ in spans]}
-  if spans:
-    _, start, end = spans[0]
-    out["largest_loop"] = counts(instructions[start:end + 1])
-  no_mma = [(start, end) for _, start, end in spans if "HGMMA" not in instructions[start:end + 1]]
-  if no_mma:
-    start, end = no_mma[0]
-    out["largest_loop_without_mma"] = counts(instructions[start:end + 1])
-  return out
+  return sorted(loops.items(), key=lambda span: (span[1] - span[0], span[0]), reverse=True)
 
 
 def ncu_command(ncu: str, report: pathlib.Path, run_args: Sequence[str]) -> list[str]:
@@ -383,12 +388,8 @@ def summarize_ncu_source(block: str, top: int = 20) -> dict[str, Any]:
   texts = [r[col["Source"]].strip() for r in rows]
   stalls = [{name[len("stall_"):]: number(r[col[name]]) for name in reasons} for r in rows]
   index_of = {a: i for i, a in enumerate(addresses)}
-  loops = {}
-  for i, t in enumerate(texts):
-    if (m := _HEX_TARGET.search(t)) and (start := index_of.get(int(m.group(1), 16))) is not None \
-        and start <= i:
-      loops[start] = max(loops.get(start, i), i)
-  spans = sorted(((end - start + 1, start, end) for start, end in loops.items()), reverse=True)
+  spans = loop_spans((i, index_of.get(int(m.group(1), 16)))
+                     for i, t in enumerate(texts) if (m := _HEX_TARGET.search(t)))
   has_mma = lambda start, end: any("HGMMA" in t for t in texts[start:end + 1])
 
   def region(start: int, end: int) -> dict[str, Any]:
@@ -400,8 +401,8 @@ def summarize_ncu_source(block: str, top: int = 20) -> dict[str, Any]:
             "reasons_pct": {k: round(100 * v / n, 1) for k, v in total.most_common() if v} if n else {}}
 
   out = {"instructions": len(rows), "all": region(0, len(rows) - 1)}
-  no_mma = [(s, e) for _, s, e in spans if not has_mma(s, e)]
-  with_mma = [(s, e) for _, s, e in reversed(spans) if has_mma(s, e)]
+  no_mma = [(s, e) for s, e in spans if not has_mma(s, e)]
+  with_mma = [(s, e) for s, e in reversed(spans) if has_mma(s, e)]
   if no_mma:
     out["largest_loop_without_mma"] = region(*no_mma[0])
   if with_mma:
@@ -413,11 +414,13 @@ def summarize_ncu_source(block: str, top: int = 20) -> dict[str, Any]:
   return out
 
 
-def _run_dumping(args, dump_var: str) -> subprocess.CompletedProcess:
-  """``kernel_tools run`` in a new process with Mosaic GPU's ``dump_var`` set, its dump on stdout
-  (MOSAIC_GPU_DUMP_TO unset: with it, Mosaic GPU writes files instead and skips ``ptxas -v``)."""
-  env = dict(os.environ, **{dump_var: "1"})
+def _run_dumping(args, **dump_env: Optional[str]) -> subprocess.CompletedProcess:
+  """``kernel_tools run`` in a new process with Mosaic GPU's dump variables ``dump_env`` (a None
+  value unsets one). Without MOSAIC_GPU_DUMP_TO the dump goes to stdout; with it, to files, and
+  Mosaic GPU skips ``ptxas -v``."""
+  env = dict(os.environ)
   env.pop("MOSAIC_GPU_DUMP_TO", None)
+  env.update({k: v for k, v in dump_env.items() if v is not None})
   proc = subprocess.run([sys.executable, "-m", "experiments.kernel_tools", "run", *_run_args(args)],
                         env=env, capture_output=True, text=True, check=False)
   if proc.returncode != 0:
@@ -426,7 +429,7 @@ def _run_dumping(args, dump_var: str) -> subprocess.CompletedProcess:
 
 
 def tool_ptxas(args, out: pathlib.Path) -> dict[str, Any]:
-  proc = _run_dumping(args, "MOSAIC_GPU_DUMP_PTXAS")
+  proc = _run_dumping(args, MOSAIC_GPU_DUMP_PTXAS="1")
   (out / "ptxas.log").write_text(proc.stdout + proc.stderr)
   return parse_ptxas(proc.stdout + proc.stderr)
 
@@ -438,11 +441,7 @@ def tool_sass(args, out: pathlib.Path) -> dict[str, Any]:
   dump = out / "ptx_dump"
   shutil.rmtree(dump, ignore_errors=True)
   dump.mkdir(parents=True)
-  env = dict(os.environ, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump))
-  proc = subprocess.run([sys.executable, "-m", "experiments.kernel_tools", "run", *_run_args(args)],
-                        env=env, capture_output=True, text=True, check=False)
-  if proc.returncode != 0:
-    raise RuntimeError(f"the kernel call ended with {proc.returncode}: {proc.stderr[-1500:]}")
+  _run_dumping(args, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump))
   ptx = sorted(dump.rglob("*.ptx"), key=lambda f: f.stat().st_size)
   if not ptx:
     raise RuntimeError(f"no PTX under {dump} (MOSAIC_GPU_DUMP_PTX); found: "
@@ -465,21 +464,29 @@ def tool_sass(args, out: pathlib.Path) -> dict[str, Any]:
   return {"sass": str(out / "kernel.sass"), "ptx": str(out / "kernel.ptx"), **parse_sass(sass)}
 
 
-def tool_mlir(args, out: pathlib.Path) -> dict[str, Any]:
-  """Lowers the call for sm_90 (on any host) and keeps the Mosaic GPU module Mosaic serializes,
-  printed without locations (jax-internal hook: ``mosaic.gpu.core._run_serde_pass``)."""
-  import jax  # pylint: disable=g-import-not-at-top
+@contextlib.contextmanager
+def mosaic_modules():
+  """Collects, into the list it yields, each Mosaic GPU module lowered inside it, as Mosaic GPU
+  serializes it, printed without locations (jax-internal hook: ``mosaic.gpu.core._run_serde_pass``)."""
   from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
 
-  step, operands, cfg = kernel_call(args)
   modules, real = [], mgpu_core._run_serde_pass  # pylint: disable=protected-access
   mgpu_core._run_serde_pass = lambda module, **kw: (  # pylint: disable=protected-access
       modules.append(module.operation.get_asm(enable_debug_info=False)) or real(module, **kw))
   try:
-    step.trace(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands)).lower(
-        lowering_platforms=("cuda",))
+    yield modules
   finally:
     mgpu_core._run_serde_pass = real  # pylint: disable=protected-access
+
+
+def tool_mlir(args, out: pathlib.Path) -> dict[str, Any]:
+  """Lowers the call for sm_90 (on any host) and keeps the Mosaic GPU module (:func:`mosaic_modules`)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  step, operands, cfg = kernel_call(args)
+  with mosaic_modules() as modules:
+    step.trace(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands)).lower(
+        lowering_platforms=("cuda",))
   (out / "kernel.mlir").write_text(modules[-1])
   return {"config": dataclasses.asdict(cfg), "module": str(out / "kernel.mlir"),
           "lines": modules[-1].count("\n")}

@@ -287,10 +287,10 @@ def test_fast_math_rewrites_sqrt_and_tile_division_only(monkeypatch):
 
 
 @pytest.mark.parametrize("fast_math", [True, False])
-def test_fast_math_reaches_the_cuda_module(fast_math, monkeypatch):
+def test_fast_math_reaches_the_cuda_module(fast_math):
   """The default config lowers the epilogue's sqrt and division to the ftz forms (inline PTX in
   the Mosaic GPU module); ``fast_math=False`` keeps Mosaic GPU's own lowering."""
-  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+  from experiments import kernel_tools  # pylint: disable=g-import-not-at-top
 
   rule = _rules()["adamw"]
   x, dy = _sds((512, 256), BF16), _sds((512, 512), BF16)
@@ -298,10 +298,8 @@ def test_fast_math_reaches_the_cuda_module(fast_math, monkeypatch):
   slots = (w, w)
   config = dataclasses.replace(mosaic.default_config(x, dy, w, slots, num_sms=132),
                                fast_math=fast_math)
-  modules, real = [], mgpu_core._run_serde_pass  # pylint: disable=protected-access
-  monkeypatch.setattr(mgpu_core, "_run_serde_pass", lambda module, **kw: (
-      modules.append(module.operation.get_asm(enable_debug_info=False)) or real(module, **kw)))
-  _lower(config, rule, x, dy, w, slots)
+  with kernel_tools.mosaic_modules() as modules:
+    _lower(config, rule, x, dy, w, slots)
   text = "\n".join(modules)
   assert text, "no Mosaic GPU module captured"
   for instr in ("sqrt.approx.ftz.f32", "div.approx.ftz.f32"):
