@@ -23,7 +23,9 @@ On a GPU, the compile seconds of a scanned against an unrolled Llama-3.1-8B step
 
 (``--xla-timers``: XLA's compile split into its HLO passes and its backend, from XLA's own timers;
 ``--trace-compile``: the compile under ``jax.profiler.trace``, its host events by name and each
-Mosaic GPU kernel's compile time, which says which kernels a step's compile waits on.)
+Mosaic GPU kernel's compile time, which says which kernels a step's compile waits on;
+``--kernel-compile parallel,serial``: each step with its Mosaic GPU kernels compiled on a thread
+pool while XLA compiles the rest, forge_jax's default, and by XLA one after another.)
 Compiled rows also count the optimized module's custom calls by target (on a GPU the Mosaic
 kernels), and list those inside fused computations by computation: XLA's dynamic-slice fusion
 hands a kernel a slice of a stacked buffer in place, and a kernel found both inside such a
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import itertools
 import json
 import os
 import pathlib
@@ -149,10 +152,17 @@ def host_event_totals(data, top: int = 25) -> dict:
 
 
 def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
-            attention: str = "xla", trace_compile: bool = False) -> dict:
+            attention: str = "xla", trace_compile: bool = False,
+            kernel_compile: str = "parallel") -> dict:
+  """One row; ``kernel_compile``: ``"parallel"`` (the default: the step's Mosaic GPU kernels
+  compiled on a thread pool while XLA compiles the rest, pallas_kernels.mosaic.parallel_compile)
+  or ``"serial"`` (XLA compiles them one after another)."""
   import forge_jax  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
   from forge_jax import _train  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.mosaic import parallel_compile  # pylint: disable=g-import-not-at-top
+
+  parallel_compile.set_enabled(kernel_compile == "parallel")
 
   base, scan = bench_models.parse_impl(impl)
   base, backend = bench_models.forge_backend(base)
@@ -165,7 +175,7 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
   data = jax.ShapeDtypeStruct((1, tokens + 1), jnp.int32)
   loss_fn = functools.partial(bench_models._loss, model_.apply, kind="lean")  # pylint: disable=protected-access
   row = {"model": model, "impl": impl, "layers": layers, "tokens": tokens, "backend": backend,
-         "attention": attention}
+         "attention": attention, "kernel_compile": kernel_compile}
   tick = time.perf_counter()
   state = jax.eval_shape(lambda: forge_jax.TrainState.create(
       model_.apply, model_.init(jax.random.PRNGKey(1), jnp.zeros((1, tokens), jnp.int32)), opt))
@@ -176,10 +186,8 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
   counts = count_eqns(traced.jaxpr.jaxpr, collections.Counter())
   row.update(jaxpr_eqns=sum(counts.values()), top_primitives=counts.most_common(10))
   tick = time.perf_counter()
-  lowered = traced.lower()
+  lowered = traced.lower()  # from here the kernel pool compiles the step's Mosaic GPU kernels
   row["lower_s"] = time.perf_counter() - tick
-  text = lowered.as_text()
-  row["stablehlo_ops"] = len(re.findall(r"= \"?[a-z_]+\.[a-z_]+", text))
   if compile_step:
     if trace_compile:
       compiled, row["compile_s"], events = traced_compile(lowered)
@@ -191,6 +199,9 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
     text = compiled.as_text()
     row.update(fusion_stats(text))
     row.update(custom_call_stats(text))
+  # Counted after the compile: printing the StableHLO takes seconds, which would otherwise give
+  # the kernel pool a head start a training run does not have.
+  row["stablehlo_ops"] = len(re.findall(r"= \"?[a-z_]+\.[a-z_]+", lowered.as_text()))
   return row
 
 
@@ -212,13 +223,15 @@ def xla_phase_seconds(log: str, module: str = "jit__train_step") -> dict:
 
 
 def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
-                  attention: str, xla_timers: bool = False, trace_compile: bool = False) -> dict:
+                  attention: str, xla_timers: bool = False, trace_compile: bool = False,
+                  kernel_compile: str = "parallel") -> dict:
   """:func:`measure` in a new Python process: nothing traced, lowered or compiled before it
   (jax's in-process caches, Mosaic GPU's compiled kernels) shortens its times. ``xla_timers``:
   also XLA's compile phases (:func:`xla_phase_seconds`; GPU only), from its log."""
   with tempfile.TemporaryDirectory() as folder:
     cmd = [sys.executable, "-m", "experiments.compile_cost", "--model", model, "--impls", impl,
-           "--layers", str(layers), "--tokens", str(tokens), "--attention", attention, "--out", folder]
+           "--layers", str(layers), "--tokens", str(tokens), "--attention", attention,
+           "--kernel-compile", kernel_compile, "--out", folder]
     env = dict(os.environ, **(XLA_TIMER_ENV if xla_timers else {}))
     cmd += (["--compile"] if compile_step else []) + (["--trace-compile"] if trace_compile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
@@ -227,6 +240,11 @@ def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step:
     with open(os.path.join(folder, "compile_cost.json")) as f:
       row = json.load(f)["rows"][0]
   return dict(row, **(xla_phase_seconds(proc.stderr) if xla_timers else {}))
+
+
+def label(row: dict) -> str:
+  """The impl, marked when its Mosaic GPU kernels compiled one after another."""
+  return row["impl"] + (" [serial kernels]" if row.get("kernel_compile") == "serial" else "")
 
 
 def total_s(row: dict) -> float:
@@ -248,11 +266,11 @@ def markdown(info: dict, rows: list[dict]) -> str:
     comp = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
     if "xla_hlo_passes_s" in r or "xla_backend_s" in r:
       comp += f" ({r.get('xla_hlo_passes_s', 0):.1f} + {r.get('xla_backend_s', 0):.1f})"
-    out.append(f"| {r['impl']} | {r['layers']} | {r['jaxpr_eqns']} | {r['stablehlo_ops']} | {fus} | "
+    out.append(f"| {label(r)} | {r['layers']} | {r['jaxpr_eqns']} | {r['stablehlo_ops']} | {fus} | "
                f"{calls} | {r['trace_s']:.1f} | {r['lower_s']:.1f} | {comp} | {total_s(r):.1f} |")
   by_impl = collections.defaultdict(list)
   for r in rows:
-    by_impl[r["impl"]].append(total_s(r))
+    by_impl[label(r)].append(total_s(r))
   if any(len(v) > 1 for v in by_impl.values()):
     out += ["", "Total seconds, median of " + ("each impl's repeats, each in a new process:"
                                                if info.get("fresh") else "each impl's repeats:"), ""]
@@ -261,15 +279,15 @@ def markdown(info: dict, rows: list[dict]) -> str:
   # The lists below show each impl's first repeat (the counts do not change between repeats).
   firsts: dict = {}
   for r in rows:
-    firsts.setdefault(r["impl"], r)
+    firsts.setdefault(label(r), r)
   first = list(firsts.values())
   out += ["", "Most frequent primitives:", ""]
-  out += [f"- {r['impl']}: " + ", ".join(f"{p} {n}" for p, n in r["top_primitives"]) for r in first]
+  out += [f"- {label(r)}: " + ", ".join(f"{p} {n}" for p, n in r["top_primitives"]) for r in first]
   if any(r.get("compile_events") for r in first):
     out += ["", "Compile events on the host (first repeat; ms summed by name, longest first), and "
             "each Mosaic GPU kernel's compile (ms):", ""]
     for r in (r for r in first if r.get("compile_events")):
-      out.append(f"- {r['impl']}: " + ", ".join(f"{e['name']} {e['ms']:.0f} ({e['count']})"
+      out.append(f"- {label(r)}: " + ", ".join(f"{e['name']} {e['ms']:.0f} ({e['count']})"
                                                   for e in r["compile_events"][:12]))
       kernels = r.get("mosaic_compile_ms", [])
       span = (f" (from the first's start to the last's end {r['mosaic_compile_span_ms'] / 1e3:.1f} s, "
@@ -279,7 +297,7 @@ def markdown(info: dict, rows: list[dict]) -> str:
   if any(r.get("custom_calls") for r in first):
     out += ["", "Custom calls by target:", ""]
     for r in (r for r in first if r.get("custom_calls")):
-      out.append(f"- {r['impl']}: " + ", ".join(f"{t} {n}" for t, n in r["custom_calls"].items()))
+      out.append(f"- {label(r)}: " + ", ".join(f"{t} {n}" for t, n in r["custom_calls"].items()))
       if r.get("fused_custom_calls"):
         out.append("  - inside fusions: " + ", ".join(f"{t} ({n})" for t, n in r["fused_custom_calls"].items()))
   return "\n".join(out) + "\n"
@@ -305,8 +323,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--trace-compile", action="store_true",
                       help="with --compile: the compile under jax.profiler.trace; records its host "
                            "events by name and each Mosaic GPU kernel's compile time")
+  parser.add_argument("--kernel-compile", default="parallel",
+                      help="parallel: the step's Mosaic GPU kernels compiled on a thread pool while "
+                           "XLA compiles the rest (forge_jax's default); serial: by XLA, one after "
+                           "another; parallel,serial: both, side by side (default parallel)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
+  modes = args.kernel_compile.split(",")
+  if not modes or any(m not in ("parallel", "serial") for m in modes):
+    parser.error(f"--kernel-compile {args.kernel_compile}: parallel, serial or both, comma-separated")
   if args.repeats < 1:
     parser.error(f"--repeats {args.repeats}: at least 1")
   if args.trace_compile and not args.compile:
@@ -317,13 +342,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   info = dict(_timing.run_info("experiments.compile_cost", argv), fresh=args.fresh)
   rows = []
   for repeat in range(args.repeats):
-    for impl in args.impls.split(","):
+    for impl, mode in itertools.product(args.impls.split(","), modes):
       if args.fresh:
         row = measure_fresh(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
-                            args.xla_timers, args.trace_compile)
+                            args.xla_timers, args.trace_compile, mode)
       else:
         row = measure(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
-                      args.trace_compile)
+                      args.trace_compile, mode)
       rows.append(dict(row, repeat=repeat))
       _timing.log(f"  {impl}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in rows[-1].items() if k != "top_primitives"))

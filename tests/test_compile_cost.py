@@ -122,3 +122,12 @@ def test_host_event_totals_count_mosaic_kernel_compiles():
   assert compile_cost.host_event_totals(Data())["mosaic_compile_threads"] == 2
   assert got["compile_events"] == [{"name": "GpuCompiler::RunBackend", "count": 1, "ms": 900.0},
                                    {"name": "Compile", "count": 2, "ms": 420.5}]
+
+
+def test_kernel_compile_modes_are_checked(capsys):
+  with pytest.raises(SystemExit):
+    compile_cost.main(["--kernel-compile", "parallel,fast"])
+  assert "--kernel-compile parallel,fast" in capsys.readouterr().err
+  row = {"impl": "forge", "kernel_compile": "serial"}
+  assert compile_cost.label(row) == "forge [serial kernels]"
+  assert compile_cost.label(dict(row, kernel_compile="parallel")) == "forge"
