@@ -141,7 +141,7 @@ def host_event_totals(data, top: int = 25) -> dict:
           if start is not None:
             starts.append(start)
             ends.append(start + event.duration_ns)
-          threads.add((plane.name, getattr(line, "name", None) or line_index))
+          threads.add((plane.name, line_index))  # a line per thread; names repeat (pool threads)
   rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
   out = {"compile_events": [{"name": n[:120], "count": c, "ms": round(ms, 1)} for n, (c, ms) in rows],
          "mosaic_compile_ms": sorted(mosaic, reverse=True)}

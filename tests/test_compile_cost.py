@@ -118,7 +118,7 @@ def test_host_event_totals_count_mosaic_kernel_compiles():
   assert got["mosaic_compile_ms"] == [300.0, 120.5]
   # One after another on one thread: from 10 ms to 520.5 ms.
   assert got["mosaic_compile_span_ms"] == 510.5 and got["mosaic_compile_threads"] == 1
-  Data.planes[0].lines.append(Line([Event("Compile", 50.0, 20.0)], name="worker"))
+  Data.planes[0].lines.append(Line([Event("Compile", 50.0, 20.0)]))  # same name, another thread
   assert compile_cost.host_event_totals(Data())["mosaic_compile_threads"] == 2
   assert got["compile_events"] == [{"name": "GpuCompiler::RunBackend", "count": 1, "ms": 900.0},
                                    {"name": "Compile", "count": 2, "ms": 420.5}]
