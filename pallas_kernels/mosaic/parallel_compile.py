@@ -77,6 +77,14 @@ def _compile_quietly(kernel_hash: bytes, module: bytes) -> None:
     logger.debug("parallel compile of a Mosaic GPU kernel failed: %s", e)
 
 
+def _host_cores() -> int:
+  """The cores this process may run on (a container's or ``taskset``'s share, not the host's)."""
+  try:
+    return max(1, len(os.sched_getaffinity(0)))
+  except AttributeError:  # no sched_getaffinity (macOS)
+    return max(1, os.cpu_count() or 1)
+
+
 def submit_new_kernels() -> int:
   """Hands every Mosaic GPU kernel lowered so far and not yet handed over to the pool, longest
   module first; returns how many. A no-op off GPU or when disabled."""
@@ -90,7 +98,7 @@ def submit_new_kernels() -> int:
       return 0
     _submitted.update(h for h, _ in new)
     if _pool is None:
-      _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+      _pool = concurrent.futures.ThreadPoolExecutor(max_workers=_host_cores(),
                                                     thread_name_prefix="mosaic_compile")
     new.sort(key=lambda hm: len(hm[1]), reverse=True)
     _futures.extend(_pool.submit(_compile_quietly, h, m) for h, m in new)
