@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 
 import jax
 from jax import lax
@@ -323,6 +324,26 @@ def test_stack_buffers_skip_the_zero_fill_only_on_one_hopper_gpu(fake_gpu, monke
   monkeypatch.setattr(jax, "device_count", lambda: 1)
   monkeypatch.setattr(_fused, "_platform", lambda: "cpu")
   assert not _fused.stack_buffer((2, 3), BF16).any() and len(made) == 1
+
+
+def test_empty_kernels_of_one_shape_are_one_kernel():
+  """Stack buffers of one shape made at several call sites lower to one Mosaic kernel (its hash
+  covers the module's source locations), called once per buffer with distinct tags, so XLA
+  keeps them apart; another shape is another kernel."""
+  from pallas_kernels.mosaic.uninitialized import uninitialized  # pylint: disable=g-import-not-at-top
+
+  def buffers():
+    a = uninitialized((128, 256), jnp.float32, 0)
+    b = uninitialized((128, 256), jnp.float32, 1)
+    c = uninitialized((64, 256), jnp.float32, 2)
+    return a, b, c
+
+  text = lower_for_cuda(buffers)
+  assert text.count("custom_call @mosaic_gpu_v2") == 2  # (128, 256) and (64, 256)
+  kernel = re.search(r"func\.func private @(\w+)\(%arg0: tensor<1xi32>.*?-> tensor<128x256xf32>", text)
+  assert kernel, text[:2000]
+  calls = re.findall(rf"call @{kernel.group(1)}\((%\w+)\)", text)
+  assert len(calls) == 2 and calls[0] != calls[1]
 
 
 class _PolicyStack(nn.Module):

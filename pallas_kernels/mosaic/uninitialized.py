@@ -3,6 +3,8 @@ before it is read."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import jax.experimental.pallas as pl
@@ -11,6 +13,16 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 def _leave(tag_ref, out_ref) -> None:
   del tag_ref, out_ref  # nothing: the output keeps what its memory held
+
+
+@functools.lru_cache(maxsize=None)
+def _empty_kernel(shape: tuple, dtype: jnp.dtype):
+  """One jitted empty kernel per shape and dtype. Traced once, its kernel carries one source
+  location wherever it is called from, so a step lowers and compiles one Mosaic kernel per
+  shape, not one per call site (Mosaic GPU's kernel hash covers the module's locations)."""
+  mesh = plgpu.Mesh(grid=(1,), grid_names=("block",))
+  return jax.jit(pl.kernel(_leave, out_type=jax.ShapeDtypeStruct(shape, dtype), mesh=mesh,
+                           name="uninitialized"))
 
 
 def uninitialized(shape, dtype, tag: int = 0) -> jax.Array:
@@ -22,7 +34,4 @@ def uninitialized(shape, dtype, tag: int = 0) -> jax.Array:
   ``tag`` sets each call apart, so that XLA does not merge two of one shape into one buffer
   (the loops that fill them would then have to copy it).
   """
-  mesh = plgpu.Mesh(grid=(1,), grid_names=("block",))
-  call = pl.kernel(_leave, out_type=jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)),
-                   mesh=mesh, name="uninitialized")
-  return call(jnp.full((1,), tag, jnp.int32))
+  return _empty_kernel(tuple(shape), jnp.dtype(dtype))(jnp.full((1,), tag, jnp.int32))
