@@ -5,7 +5,8 @@ where autodiff expects a gradient. If it runs twice in one step (a parent
 module called twice, a loss that applies the model twice, ``nn.scan`` or
 ``nn.vmap`` over a FORGE module), autodiff *adds* the two new weights; under a
 mapped axis (``pmap``, ``shard_map``) each replica applies its own partial
-update. Either way the weights come out silently wrong.
+update. Either way the weights come out silently wrong. In a branch of ``lax.cond`` it would
+update only in the steps that take that branch, where optax updates every parameter.
 
 Every FORGE backward pass binds :data:`backward_p`, an identity on its ``dy``
 that carries the module path. :func:`count_backward_passes` walks the jaxpr of
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Iterable
 
 import jax
 from jax.extend import core as jex_core
@@ -66,14 +66,6 @@ class ReuseError(ValueError):
   """A FORGE backward pass that would run more than once, or per shard, in one step."""
 
 
-def _merge_max(counts: Iterable[collections.Counter]) -> collections.Counter:
-  out = collections.Counter()
-  for c in counts:
-    for k, v in c.items():
-      out[k] = max(out[k], v)
-  return out
-
-
 def _count(jaxpr, mult: float, outer: float) -> collections.Counter:
   """Uses per path in ``jaxpr`` (a core.Jaxpr) run ``mult`` times; ``outer``: the runs
   outside the innermost loop (a stacked layer's marker is counted that many times)."""
@@ -98,8 +90,19 @@ def _count(jaxpr, mult: float, outer: float) -> collections.Counter:
         )
       continue
     if prim.name == "cond":
-      counts.update(_merge_max(_count(s, mult, outer) for s in subs))
-    elif prim.name == "scan":
+      inner = _count_all(subs, 1, 1)
+      if inner:
+        raise ReuseError(
+            f"the backward pass of the FORGE kernels {sorted(inner)} runs inside a branch of "
+            "lax.cond or lax.switch (nn.cond, nn.switch): such a layer would be updated only in "
+            "the steps that take its branch, while optax updates every parameter at every step "
+            "(with a zero gradient where a branch is not taken: weight decay, momentum). Compute "
+            "both branches and select the result with jnp.where (each FORGE layer then runs once "
+            "a step, with a zero gradient where it is not selected), or use flax.linen.Dense for "
+            "that layer."
+        )
+      continue
+    if prim.name == "scan":
       length = eqn.params["length"]
       counts.update(_count_all(subs, mult * length, mult))
     elif prim.name == "while":
@@ -160,13 +163,13 @@ def check_no_mapped_axis() -> None:
 
 
 # Where a FORGE backward pass may read a value traced outside it (train_step's non-finite
-# flag): the step's own jaxpr and the bodies of loops and conds, which close over outer
-# values. A call primitive (a jax.jit'd function inside the loss) or a jax.checkpoint, whose
+# flag): the step's own jaxpr and the bodies of loops, which close over outer values (a cond's
+# branches do not hoist such a value; FORGE backward passes in a cond are refused above). A call primitive (a jax.jit'd function inside the loss) or a jax.checkpoint, whose
 # transposes jax traces on its own and caches, cannot take such a value as a constant, with one
 # exception: the checkpoint of a ScannedStack's block directly in its backward loop (every
 # backward pass in it stacked), which the stack creates anew at each trace, so its transpose is
 # traced with the flag (tests/test_reliability.py checks the skip bit for bit).
-_CLOSURE_OK = ("scan", "while", "cond")
+_CLOSURE_OK = ("scan", "while")
 _CHECKPOINT = ("remat2", "checkpoint")
 
 

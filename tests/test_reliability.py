@@ -162,6 +162,34 @@ def test_nn_vmap_over_a_forge_module_is_refused():
            r"FORGE kernel b/l is being vmapped")
 
 
+class Branching(nn.Module):
+  """A FORGE block in one branch of a lax.cond, a plain Dense in the other."""
+
+  opt: object
+
+  @nn.compact
+  def __call__(self, x):
+    block, plain = Block(self.opt, name="b"), nn.Dense(8, name="plain")
+    if self.is_initializing():
+      return block(x) + plain(x)
+    return jax.lax.cond(jnp.sum(x) > 0, lambda h: block(h), lambda h: plain(h), x)
+
+
+@pytest.mark.parametrize("skip_nonfinite", [True, False])
+def test_a_forge_layer_in_a_cond_branch_is_refused(skip_nonfinite):
+  """It would update only in the steps that take its branch (optax: every step); refused while
+  tracing, with or without the non-finite guard (whose flag a cond's branch cannot close over)."""
+  opt = forge_jax.adamw(1e-2)
+  model = Branching(opt)
+  batch = _batch(shape_y=(6, 8))
+  state = _state(model, batch["x"], opt)
+  before = _host(state)
+  with pytest.raises(ValueError, match=r"FORGE kernels \['b/l'\] runs inside a branch of lax.cond"):
+    forge_jax.train_step(state, batch, functools.partial(_mse, model.apply),
+                         skip_nonfinite=skip_nonfinite)
+  _assert_unchanged(state, before)
+
+
 def test_remat_recomputation_counts_once():
   """jax.checkpoint recomputes the forward pass inside the backward pass; the FORGE backward
   pass still runs once, and the step equals the one without remat bit for bit."""
