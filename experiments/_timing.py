@@ -238,6 +238,18 @@ def busy_and_gaps(intervals: list[tuple[int, int]]) -> dict[str, Any]:
   return {"busy_ms": busy / 1e6, "span_ms": span / 1e6, "gaps": gaps}
 
 
+def profiled(run: Callable[[], Any]) -> tuple[Any, Any]:
+  """``(run(), data)``: ``run()`` under ``jax.profiler.trace``, and the trace read back as a
+  ``jax.profiler.ProfileData`` (None if no trace was written)."""
+  import tempfile
+  from jax.profiler import ProfileData
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      result = run()
+    paths = sorted(pathlib.Path(tmp).rglob("*.xplane.pb"))
+    return result, (ProfileData.from_file(str(paths[-1])) if paths else None)
+
+
 def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict[str, Any]:
   """Where the device time of ``calls`` calls goes: ``run()`` (which runs them and blocks) under
   ``jax.profiler.trace``, read back with ``jax.profiler.ProfileData``.
@@ -250,16 +262,10 @@ def device_profile(run: Callable[[], Any], calls: int, *, top: int = 40) -> dict
   buffers, so the profiler's ``hlo_op`` of a kernel is often its command buffer; ``ops`` lists up
   to four). Empty totals on a backend without device planes (CPU).
   """
-  import tempfile
-  from jax.profiler import ProfileData
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      run()
-    paths = sorted(pathlib.Path(tmp).rglob("*.xplane.pb"))
-    if not paths:
-      return {"calls": calls, "device_ms": float("nan"), "by_kind": {}, "top": [],
-              "error": "no trace written"}
-    data = ProfileData.from_file(str(paths[-1]))
+  _, data = profiled(run)
+  if data is None:
+    return {"calls": calls, "device_ms": float("nan"), "by_kind": {}, "top": [],
+            "error": "no trace written"}
   kernels: dict[str, list] = {}  # kernel name -> [ms, count, the HLO ops it ran for, durations]
   timeline = {"busy_ms": 0.0, "span_ms": 0.0, "gaps": {}}
   for plane in data.planes:

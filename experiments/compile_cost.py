@@ -40,7 +40,6 @@ import functools
 import itertools
 import json
 import os
-import pathlib
 import re
 import statistics
 import subprocess
@@ -106,14 +105,11 @@ def traced_compile(lowered, top: int = 25):
   """``(compiled, seconds, events)``: ``lowered.compile()`` under ``jax.profiler.trace``, and its
   host events by name (``{"name", "count", "ms"}``, the ``top`` longest in total) plus
   ``mosaic_compile_ms``, the duration of each Mosaic GPU kernel compile, longest first."""
-  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      tick = time.perf_counter()
-      compiled = lowered.compile()
-      seconds = time.perf_counter() - tick
-    paths = sorted(pathlib.Path(tmp).rglob("*.xplane.pb"))
-    data = ProfileData.from_file(str(paths[-1])) if paths else None
+  def timed():
+    tick = time.perf_counter()
+    return lowered.compile(), time.perf_counter() - tick
+
+  (compiled, seconds), data = _timing.profiled(timed)
   return (compiled, seconds, host_event_totals(data, top) if data is not None else
           {"compile_events": [], "mosaic_compile_ms": []})
 

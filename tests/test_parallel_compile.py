@@ -58,11 +58,9 @@ def test_the_pools_call_is_the_kernels_own():
 
 
 def _config_of(kernel_hash: bytes, module: bytes) -> str:
-  call = jax.ffi.ffi_call(pc.MOSAIC_TARGET, jax.ShapeDtypeStruct((1,), jnp.int8))
-  fn = lambda: call(kernel_hash=kernel_hash, module=module, use_custom_barrier=False,
-                    uses_xla_collective_metadata=False)
+  """The backend config of the custom call in the pool's computation for this kernel."""
   with skip_if_cuda_lowering_needs_a_gpu():
-    lowered = jax.jit(fn).trace().lower(lowering_platforms=("cuda",))
+    lowered = pc.kernel_computation(kernel_hash, module).trace().lower(lowering_platforms=("cuda",))
   (target, config), = _custom_call_configs(lowered)
   assert target == pc.MOSAIC_TARGET
   return config

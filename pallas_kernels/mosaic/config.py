@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import contract, numerics
+from pallas_kernels.mosaic import common
 
 # A Hopper block may use 227 KiB of shared memory; Mosaic GPU's own total (barriers included,
 # checked while lowering) exceeds smem_bytes' count by about 2.1 KiB, hence a 3 KiB margin.
@@ -21,6 +22,10 @@ from pallas_kernels import contract, numerics
 SMEM_BUDGET_BYTES = 224 * 1024
 MOSAIC_SMEM_LIMIT = 227 * 1024
 NUM_COMPUTE_WGS = 2
+# Registers a compute thread needs beside its float32 accumulator (a 128-thread warpgroup holds a
+# tile_m x tile_n accumulator in tile_m * tile_n / 128 registers a thread).
+EPILOGUE_REGISTERS = 40
+_REGISTERS = common.compute_registers(NUM_COMPUTE_WGS)
 MAX_SLOTS = 4
 DEFAULT_NUM_SMS = 132  # the grid when the device says nothing (interpreter, cross-lowering): H200
 _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -143,12 +148,6 @@ def grid_size(cfg: MosaicTileConfig) -> int:
   return count if device.platform == "gpu" and count else DEFAULT_NUM_SMS
 
 
-def _compute_registers(num_compute_wgs: int) -> int:
-  from pallas_kernels.mosaic import common  # pylint: disable=g-import-not-at-top
-
-  return common.compute_registers(num_compute_wgs)
-
-
 def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
   """Why ``cfg`` is not a valid tiling, or None."""
   checks = (
@@ -164,9 +163,9 @@ def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
        f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 2 (one stage per warpgroup)"),
       (cfg.epi_l2_lookahead >= 0, f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"),
       (cfg.grid_tile_width >= 1, f"grid_tile_width={cfg.grid_tile_width} must be >= 1"),
-      (cfg.tile_m * cfg.tile_n // 128 + 40 <= _compute_registers(NUM_COMPUTE_WGS),
+      (cfg.tile_m * cfg.tile_n // 128 + EPILOGUE_REGISTERS <= _REGISTERS,
        f"a {cfg.tile_m}x{cfg.tile_n} float32 accumulator takes {cfg.tile_m * cfg.tile_n // 128} of "
-       f"the {_compute_registers(NUM_COMPUTE_WGS)} registers a compute thread has, leaving under 40 "
+       f"the {_REGISTERS} registers a compute thread has, leaving under {EPILOGUE_REGISTERS} "
        "for the epilogue: use a smaller tile"),
   )
   return next((why for ok, why in checks if not ok), None)

@@ -63,12 +63,18 @@ def _known_kernels() -> Optional[dict]:
   return getattr(core, "KNOWN_KERNELS", None)
 
 
-def compile_kernel(kernel_hash: bytes, module: bytes) -> None:
-  """Compiles one Mosaic GPU kernel into Mosaic GPU's kernel cache: a one-op computation with
-  the kernel's custom call (compiled, never run; its result shape does not matter)."""
+def kernel_computation(kernel_hash: bytes, module: bytes):
+  """A jitted one-op computation holding one Mosaic GPU kernel's custom call, with the target,
+  module, hash and flags its own lowering gives it (compiled, never run: its result shape does
+  not matter)."""
   call = jax.ffi.ffi_call(MOSAIC_TARGET, jax.ShapeDtypeStruct((1,), jnp.int8))
-  jax.jit(lambda: call(kernel_hash=kernel_hash, module=module, use_custom_barrier=False,
-                       uses_xla_collective_metadata=False)).lower().compile()
+  return jax.jit(lambda: call(kernel_hash=kernel_hash, module=module, use_custom_barrier=False,
+                              uses_xla_collective_metadata=False))
+
+
+def compile_kernel(kernel_hash: bytes, module: bytes) -> None:
+  """Compiles one Mosaic GPU kernel into Mosaic GPU's kernel cache."""
+  kernel_computation(kernel_hash, module).lower().compile()
 
 
 def _compile_quietly(kernel_hash: bytes, module: bytes) -> None:
