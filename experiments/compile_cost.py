@@ -149,10 +149,11 @@ def host_event_totals(data, top: int = 25) -> dict:
 
 def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
             attention: str = "xla", trace_compile: bool = False,
-            kernel_compile: str = "parallel") -> dict:
+            kernel_compile: str = "parallel", guard: bool = True) -> dict:
   """One row; ``kernel_compile``: ``"parallel"`` (the default: the step's Mosaic GPU kernels
   compiled on a thread pool while XLA compiles the rest, pallas_kernels.mosaic.parallel_compile)
-  or ``"serial"`` (XLA compiles them one after another)."""
+  or ``"serial"`` (XLA compiles them one after another); ``guard``: train_step's
+  ``skip_nonfinite``."""
   import forge_jax  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
   from forge_jax import _train  # pylint: disable=g-import-not-at-top
@@ -171,13 +172,13 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
   data = jax.ShapeDtypeStruct((1, tokens + 1), jnp.int32)
   loss_fn = functools.partial(bench_models._loss, model_.apply, kind="lean")  # pylint: disable=protected-access
   row = {"model": model, "impl": impl, "layers": layers, "tokens": tokens, "backend": backend,
-         "attention": attention, "kernel_compile": kernel_compile}
+         "attention": attention, "kernel_compile": kernel_compile, "guard": guard}
   tick = time.perf_counter()
   state = jax.eval_shape(lambda: forge_jax.TrainState.create(
       model_.apply, model_.init(jax.random.PRNGKey(1), jnp.zeros((1, tokens), jnp.int32)), opt))
   row["abstract_s"] = time.perf_counter() - tick
   tick = time.perf_counter()
-  traced = _train._train_step_jit.trace(state, data, loss_fn, False)  # pylint: disable=protected-access
+  traced = _train._train_step_jit.trace(state, data, loss_fn, False, guard)  # pylint: disable=protected-access
   row["trace_s"] = time.perf_counter() - tick
   counts = count_eqns(traced.jaxpr.jaxpr, collections.Counter())
   row.update(jaxpr_eqns=sum(counts.values()), top_primitives=counts.most_common(10))
@@ -220,14 +221,15 @@ def xla_phase_seconds(log: str, module: str = "jit__train_step") -> dict:
 
 def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
                   attention: str, xla_timers: bool = False, trace_compile: bool = False,
-                  kernel_compile: str = "parallel") -> dict:
+                  kernel_compile: str = "parallel", guard: bool = True) -> dict:
   """:func:`measure` in a new Python process: nothing traced, lowered or compiled before it
   (jax's in-process caches, Mosaic GPU's compiled kernels) shortens its times. ``xla_timers``:
   also XLA's compile phases (:func:`xla_phase_seconds`; GPU only), from its log."""
   with tempfile.TemporaryDirectory() as folder:
     cmd = [sys.executable, "-m", "experiments.compile_cost", "--model", model, "--impls", impl,
            "--layers", str(layers), "--tokens", str(tokens), "--attention", attention,
-           "--kernel-compile", kernel_compile, "--out", folder]
+           "--kernel-compile", kernel_compile, "--guard", "on" if guard else "off",
+           "--out", folder]
     env = dict(os.environ, **(XLA_TIMER_ENV if xla_timers else {}))
     cmd += (["--compile"] if compile_step else []) + (["--trace-compile"] if trace_compile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
@@ -239,8 +241,10 @@ def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step:
 
 
 def label(row: dict) -> str:
-  """The impl, marked when its Mosaic GPU kernels compiled one after another."""
-  return row["impl"] + (" [serial kernels]" if row.get("kernel_compile") == "serial" else "")
+  """The impl, marked when its Mosaic GPU kernels compiled one after another or its step has no
+  non-finite guard."""
+  return (row["impl"] + (" [serial kernels]" if row.get("kernel_compile") == "serial" else "")
+          + (" [no guard]" if row.get("guard") is False else ""))
 
 
 def total_s(row: dict) -> float:
@@ -323,8 +327,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="parallel: the step's Mosaic GPU kernels compiled on a thread pool while "
                            "XLA compiles the rest (forge_jax's default); serial: by XLA, one after "
                            "another; parallel,serial: both, side by side (default parallel)")
+  parser.add_argument("--guard", default="on",
+                      help="on: train_step's non-finite guard (its default, skip_nonfinite=True); "
+                           "off: skip_nonfinite=False; on,off: both, side by side (default on)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
+  guards = args.guard.split(",")
+  if not guards or any(g not in ("on", "off") for g in guards):
+    parser.error(f"--guard {args.guard}: on, off or both, comma-separated")
   modes = args.kernel_compile.split(",")
   if not modes or any(m not in ("parallel", "serial") for m in modes):
     parser.error(f"--kernel-compile {args.kernel_compile}: parallel, serial or both, comma-separated")
@@ -338,13 +348,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   info = dict(_timing.run_info("experiments.compile_cost", argv), fresh=args.fresh)
   rows = []
   for repeat in range(args.repeats):
-    for impl, mode in itertools.product(args.impls.split(","), modes):
+    for impl, mode, guard in itertools.product(args.impls.split(","), modes, guards):
       if args.fresh:
         row = measure_fresh(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
-                            args.xla_timers, args.trace_compile, mode)
+                            args.xla_timers, args.trace_compile, mode, guard == "on")
       else:
         row = measure(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
-                      args.trace_compile, mode)
+                      args.trace_compile, mode, guard == "on")
       rows.append(dict(row, repeat=repeat))
       _timing.log(f"  {impl}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in rows[-1].items() if k != "top_primitives"))

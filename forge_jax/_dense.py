@@ -115,7 +115,8 @@ _FUSED_BACKWARD = contextvars.ContextVar("forge_fused_backward", default=False)
 # too: see _PATH_PREFIX).
 _UPDATED: contextvars.ContextVar = contextvars.ContextVar("forge_updated", default=None)
 # Within fused_backward(apply=...): a traced bool; where it is False every FORGE update is
-# skipped and the weight and state come back bit for bit (train_step's non-finite guard).
+# skipped and the weight and state come back bit for bit (train_step's non-finite guard). Or
+# _reuse.DEFERRED: each layer binds a placeholder that train_step substitutes.
 _APPLY: contextvars.ContextVar = contextvars.ContextVar("forge_apply", default=None)
 
 
@@ -180,6 +181,19 @@ def fused_backward(optimizer=None, apply=None):
     _UPDATED.reset(token_updated)
     _APPLY.reset(token_apply)
     _FUSED_BACKWARD.reset(token)
+
+
+@contextlib.contextmanager
+def apply_bound_here():
+  """Within it, FORGE layers take the flag of the enclosing ``fused_backward(apply=...)`` as
+  bound on entry: a ScannedStack's backward pass binds train_step's placeholder for it once,
+  outside its loop over the layers (evaluating the step's jaxpr replaces it there; one in the
+  loop's body would not be replaced)."""
+  token = _APPLY.set(_reuse.apply_flag(_APPLY.get()))
+  try:
+    yield
+  finally:
+    _APPLY.reset(token)
 
 
 def _same_rule(a, b) -> bool:
@@ -300,7 +314,7 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path,
   # with a defensive copy. `after=dx` makes the update depend on dX.
   new_kernel, new_opt, sq = _update(
       layout, name, x, dy, kernel, kstate.opt, optimizer, backend, after=dx, decay=decay,
-      config=config, stream=stream, apply=_APPLY.get())
+      config=config, stream=stream, apply=_reuse.apply_flag(_APPLY.get()))
   # And the other way round: whatever consumes dX (the layers below) waits for the update, so
   # that `dy` dies here. Left free, XLA may schedule the update last: at 120 x 1024 tokens of
   # Llama-3.1-8B with int8 states it kept the LM head's dY (29.4 GiB of dlogits) live across the
@@ -347,7 +361,7 @@ def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, confi
   dx = _stacked_product(dy, kernels, layer, dtype, precision, backend, layout, transpose=True)
   new_kernels, new_opt, sq = _update(
       layout, name, x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
-      decay=decay, config=config, stream=stream, apply=_APPLY.get(),
+      decay=decay, config=config, stream=stream, apply=_reuse.apply_flag(_APPLY.get()),
   )
   new_opt = new_opt._replace(count=_float0_like(new_opt.count))
   sq = jax.lax.dynamic_update_index_in_dim(

@@ -324,9 +324,10 @@ def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: A
     states = [flat_f[p] for p in managed]
     sq = [jnp.zeros((length,), jnp.float32) for _ in managed]
     grads = [jnp.zeros_like(flat_p[p]) for p in rest]
-    dx, kernels, states, sq, grads = jax.lax.fori_loop(
-        0, length, body, (dy, kernels, states, sq, grads)
-    )
+    with _dense.apply_bound_here():
+      dx, kernels, states, sq, grads = jax.lax.fori_loop(
+          0, length, body, (dy, kernels, states, sq, grads)
+      )
     ct_params = traverse_util.unflatten_dict({**dict(zip(managed, kernels)), **dict(zip(rest, grads))})
     ct_forge = traverse_util.unflatten_dict({
         p: _dense.KernelState(

@@ -292,39 +292,51 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   # A non-finite loss skips the step, as optax.apply_if_finite does. Each FORGE layer's kernel
   # takes the flag and, where it is false, stores nothing (no lax.cond: a cond per layer cost
   # an unrolled Llama-3.1-8B step 6% on the H200, XLA's GPU conditional reading its predicate
-  # on the host; results/h200/guard); the rest is selected. A FORGE backward pass that jax
-  # traces and caches on its own cannot close over the flag: inside a call (a jax.jit'd apply
-  # in the loss) or a jax.checkpoint (nn.remat; a ScannedStack's blocks excepted, see
-  # _reuse.per_layer_guard_ok), whose transposition jax caches. Then the whole backward pass
-  # goes in one cond (which keeps the forward residuals live to its end). The backward pass is
+  # on the host; results/h200/guard); the rest is selected. The flag is known only after the
+  # forward pass, so the backward pass is traced once with a placeholder for it in every
+  # FORGE layer (_reuse.apply_flag_p; a ScannedStack binds one outside its loop), checked,
+  # and evaluated with the flag in its place. Evaluating a jaxpr binds only its own
+  # equations: a placeholder inside a jax.checkpoint (nn.remat) or a call (a jax.jit'd apply
+  # in the loss) is not replaced. Then the model is linearized again and its backward pass
+  # traced with the flag itself, which a FORGE backward pass that jax traces and caches on its
+  # own (a call, a jax.checkpoint: jax caches their transposes; a ScannedStack's blocks
+  # excepted, see _reuse.per_layer_guard_ok) cannot close over; then the whole backward pass
+  # goes in one cond (which keeps the forward residuals live to its end). Everything is
   # traced and checked before anything is updated.
   loss, vjp_fn, aux = linearize()
-  bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer)
+  apply = _reuse.DEFERRED if skip_nonfinite else None
+  bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer, apply=apply)
   _check_all_updated(paths, counts)
-  ones = jnp.ones_like(loss)
-  if skip_nonfinite and not _reuse.per_layer_guard_ok(bwd):
+  finite = jnp.isfinite(loss) if skip_nonfinite else jnp.ones((), bool)
+  whole_cond = False
+  if skip_nonfinite and _reuse.apply_flags_nested(bwd):
+    whole_cond = not _reuse.per_layer_guard_ok(bwd)
+    loss, vjp_fn, aux = linearize()
     finite = jnp.isfinite(loss)
+    bwd, ct_tree, _ = _backward_jaxpr(
+        vjp_fn, loss, state.optimizer, apply=None if whole_cond else finite)
+    if not whole_cond and _reuse.apply_flags_nested(bwd):
+      raise RuntimeError(
+          "forge_jax.train_step: a FORGE backward pass traced earlier was reused from a jax "
+          "cache inside a loop body of this step, without the step's non-finite flag. Please "
+          "report it; train_step(..., skip_nonfinite=False) avoids it.")
+
+  def cotangents():
+    with _reuse.substitute_apply_flag(finite):
+      return jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(jnp.ones_like(loss)))
+
+  if whole_cond:
     def unchanged(_):
       return (_plain(state.params), _plain(state.forge_state), state.opt_state, state.step,
               jnp.full((), jnp.nan, jnp.float32), jnp.zeros((), jnp.int32))
     def backward(_):
-      cts = jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(ones))
-      out = _apply_cotangents(state, paths, cts, True)
+      out = _apply_cotangents(state, paths, cotangents(), True)
       return (_plain(out[0]), _plain(out[1]), *out[2:])
     params, forge_state, opt_state, step, grad_norm, nonfinite = jax.lax.cond(
         finite, backward, unchanged, None)
   else:
-    if skip_nonfinite:
-      # jax traces each custom VJP's backward pass once per linearization: a fresh one, traced
-      # with the flag (the first one's forward pass is dead code).
-      loss, vjp_fn, aux = linearize()
-      finite = jnp.isfinite(loss)
-      bwd, ct_tree, _ = _backward_jaxpr(vjp_fn, loss, state.optimizer, apply=finite)
-    else:
-      finite = jnp.ones((), bool)
-    cts = jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(ones))
     params, forge_state, opt_state, step, grad_norm, nonfinite = _apply_cotangents(
-        state, paths, cts, finite)
+        state, paths, cotangents(), finite)
   skipped = jnp.zeros([], jnp.int32) if state.skipped_steps is None else state.skipped_steps
   skipped = jnp.where(finite, skipped, _rules.safe_increment(skipped))
   metrics = {"loss": loss, "grad_norm": grad_norm, "clip_scale": clip_scale,

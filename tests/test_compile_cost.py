@@ -131,3 +131,18 @@ def test_kernel_compile_modes_are_checked(capsys):
   row = {"impl": "forge", "kernel_compile": "serial"}
   assert compile_cost.label(row) == "forge [serial kernels]"
   assert compile_cost.label(dict(row, kernel_compile="parallel")) == "forge"
+
+
+def test_guard_on_and_off_side_by_side(tmp_path, capsys):
+  """--guard on,off: the step with and without the non-finite guard, one row each; the guard
+  adds equations (its selects) to the jaxpr."""
+  with pytest.raises(SystemExit):
+    compile_cost.main(["--guard", "yes"])
+  assert "--guard yes" in capsys.readouterr().err
+  assert compile_cost.main(["--model", "tiny-qwen3", "--layers", "1", "--tokens", "16",
+                            "--impls", "forge_unrolled", "--guard", "on,off",
+                            "--out", str(tmp_path)]) == 0
+  on, off = json.loads((tmp_path / "compile_cost.json").read_text())["rows"]
+  assert (on["guard"], off["guard"]) == (True, False)
+  assert on["jaxpr_eqns"] > off["jaxpr_eqns"]
+  assert compile_cost.label(off) == "forge_unrolled [no guard]" and compile_cost.label(on) == "forge_unrolled"

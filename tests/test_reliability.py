@@ -400,6 +400,49 @@ def test_non_finite_loss_with_finite_gradients_skips_bit_for_bit(remat):
   _assert_unchanged(state, before.replace(skipped_steps=np.int32(2)))
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned_stack"])
+def test_guard_traces_the_model_once(stacked):
+  """With the guard on, the forward pass is traced once, as without it: the backward pass is
+  traced with a placeholder for the flag in each FORGE layer (a ScannedStack's: one, outside
+  its loop) and evaluated with the flag in its place (the skip itself:
+  test_non_finite_loss_skip_takes_no_cond, test_non_finite_loss_skips_the_step_bit_for_bit)."""
+  opt = forge_jax.adamw(1e-2)
+  model = StackNet(opt) if stacked else Poisoned(opt, False)
+  batch = _batch()
+  state = _state(model, batch["x"], opt)
+  for skip in (True, False):
+    calls = []
+    def loss(variables, b):
+      calls.append(1)
+      return _mse(model.apply, variables, b)
+    forge_jax.train_step.lower(state, batch, loss, skip_nonfinite=skip)
+    assert len(calls) == 1, (skip, len(calls))
+
+
+@pytest.mark.parametrize("guard_first", [True, False], ids=["guard_first", "plain_first"])
+def test_jitted_apply_with_and_without_the_guard(guard_first):
+  """A jax.jit'd apply in the loss: jax caches its backward pass across steps, traced with
+  whichever guard setting came first. Both settings then take finite steps alike (equal to an
+  un-jitted apply's), and the guard still skips a non-finite loss bit for bit."""
+  opt = forge_jax.adamw(1e-2, weight_decay=0.1)
+  model = Net(opt)
+  fwd = jax.jit(model.apply)
+  batches = [_batch(key=i) for i in range(3)]
+  ref = _state(model, batches[0]["x"], opt)
+  state = _state(model, batches[0]["x"], opt)
+  for i, (b, skip) in enumerate(zip(batches, (guard_first, not guard_first, True))):
+    ref, _ = forge_jax.train_step(ref, b, functools.partial(_mse, model.apply))
+    state, _ = forge_jax.train_step(state, b, functools.partial(_mse, fwd), skip_nonfinite=skip)
+    for a, c in zip(jax.tree.leaves(_host((state.params, state.forge_state, state.opt_state))),
+                    jax.tree.leaves(_host((ref.params, ref.forge_state, ref.opt_state))), strict=True):
+      np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-7, err_msg=f"step {i}")
+  before = _host(state)
+  state, metrics = forge_jax.train_step(
+      state, _poison(batches[0], ("x", (1, 1)), jnp.nan), functools.partial(_mse, fwd))
+  assert bool(metrics["skipped"])
+  _assert_unchanged(state, before.replace(skipped_steps=np.int32(1)))
+
+
 @jax.custom_vjp
 def _nan_in_cotangent(x):
   return x
