@@ -320,6 +320,7 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path,
   # Llama-3.1-8B with int8 states it kept the LM head's dY (29.4 GiB of dlogits) live across the
   # layers' backward (results/h200/live_jumps/).
   dx, new_kernel, new_opt, sq = jax.lax.optimization_barrier((dx, new_kernel, new_opt, sq))
+  new_kernel, new_opt, sq = _reuse.mark_new_values((new_kernel, new_opt, sq), name)
   new_opt = new_opt._replace(count=_float0_like(new_opt.count))
   return dx.astype(x.dtype), new_kernel, KernelState(new_opt, sq)
 
@@ -363,6 +364,7 @@ def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, confi
       layout, name, x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
       decay=decay, config=config, stream=stream, apply=_reuse.apply_flag(_APPLY.get()),
   )
+  new_kernels, new_opt, sq = _reuse.mark_new_values((new_kernels, new_opt, sq), name)
   new_opt = new_opt._replace(count=_float0_like(new_opt.count))
   sq = jax.lax.dynamic_update_index_in_dim(
       jnp.zeros_like(kstates.grad_sq_norm), sq, layer, 0)

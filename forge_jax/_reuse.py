@@ -15,7 +15,9 @@ of every loop around them. Reading the jaxpr, not Python side effects while
 tracing, keeps the count right when jax reuses a cached trace (a ``jax.jit``'d
 apply inside the loss). ``forge_jax.ScannedStack`` runs each layer's backward
 pass once in a loop over its layers: those passes bind the marker with
-``stacked=True`` and the innermost loop around them is not counted.
+``stacked=True`` and the innermost loop around them is not counted. The same jaxpr shows a
+FORGE weight that the loss also uses outside its layer: autodiff adds that use's gradient to
+the new weight (:func:`check_new_values_unmixed`).
 
 train_step's non-finite guard gives each FORGE update a flag that is only known once the
 forward pass has run. A FORGE backward pass traced under ``fused_backward(apply=DEFERRED)``
@@ -124,7 +126,76 @@ _MAPPED = ("shard_map", "xla_pmap", "pmap")
 
 
 class ReuseError(ValueError):
-  """A FORGE backward pass that would run more than once, or per shard, in one step."""
+  """A FORGE backward pass that would run more than once, or per shard, in one step, or a
+  FORGE weight that the loss also uses outside its layer."""
+
+
+# A FORGE layer's backward pass returns its new weight and state where autodiff expects their
+# cotangents. If the loss also uses the weight elsewhere (read from the variables: a tied
+# embedding, a weight shared with another layer), autodiff adds that use's gradient to the new
+# weight. Every new value is marked with new_value_p (an identity, no HLO); the step's
+# backward pass must not add anything to a marked value.
+new_value_p = jex_core.Primitive("forge_jax_new_value")
+new_value_p.def_impl(lambda x, **_: x)
+new_value_p.def_abstract_eval(lambda x, **_: x)
+mlir.register_lowering(new_value_p, lambda ctx, x, **_: [x])
+
+
+def mark_new_values(tree, path: str):
+  """``tree``'s floating-point arrays, marked as the new values of the FORGE kernel ``path``."""
+  def mark(a):
+    if isinstance(a, jax.Array) and jax.numpy.issubdtype(a.dtype, jax.numpy.floating):
+      return new_value_p.bind(a, path=path)
+    return a
+  return jax.tree.map(mark, tree)
+
+
+# Primitives that call their sub-jaxpr once with their operands as its inputs, in order.
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
+
+
+def _mixed(jaxpr, marked_in, found) -> list:
+  """The FORGE path each output of ``jaxpr`` (a core.Jaxpr) carries a new value of (or None),
+  given its inputs'; paths of new values that an ``add_any`` sums with anything go in ``found``.
+  A value computed from a new value carries its path (conservatively: any use of one but a
+  call's pass-through is unexpected in a backward pass)."""
+  env = {v: p for v, p in zip(jaxpr.invars, marked_in) if p}
+  get = lambda v: env.get(v) if isinstance(v, jex_core.Var) else None
+  for eqn in jaxpr.eqns:
+    ins = [get(v) for v in eqn.invars]
+    subs = [getattr(s, "jaxpr", s) for s in jex_core.jaxprs_in_params(eqn.params)]
+    if eqn.primitive is new_value_p:
+      outs = [eqn.params["path"]]
+    elif eqn.primitive.name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(ins):
+      outs = _mixed(subs[0], ins, found)
+    else:
+      if eqn.primitive.name == "add_any":
+        found.update(p for p in ins if p)
+      for sub in subs:  # a loop's body, a cond's branch: new values made and summed inside
+        _mixed(sub, [None] * len(sub.invars), found)
+      carried = next((p for p in ins if p), None)
+      outs = [carried] * len(eqn.outvars)
+    env.update((v, p) for v, p in zip(eqn.outvars, outs) if p)
+  return [get(v) for v in jaxpr.outvars]
+
+
+def check_new_values_unmixed(jaxpr) -> None:
+  """Raises :class:`ReuseError` naming every FORGE kernel whose new weight or state the step's
+  backward pass ``jaxpr`` sums with a gradient of another use."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  found: set = set()
+  _mixed(jaxpr, [None] * len(jaxpr.invars), found)
+  if found:
+    raise ReuseError(
+        f"the FORGE kernels {sorted(found)} are also used outside their forge_jax.Dense: the "
+        "loss reads the weight (or its optimizer state) from the variables elsewhere, e.g. a "
+        "tied embedding or output head, or a weight shared with another layer. A FORGE layer's "
+        "backward pass returns the updated weight where the gradient goes, so autodiff would "
+        "add the other use's gradient to the new weight. FORGE cannot train a weight used "
+        "twice: use flax.linen.Dense for it (optax updates it), tie through a flax module "
+        "(nn.Embed.attend, as models' tie_word_embeddings does), or wrap the other use in "
+        "jax.lax.stop_gradient if it should not train the weight."
+    )
 
 
 def _count(jaxpr, mult: float, outer: float) -> collections.Counter:

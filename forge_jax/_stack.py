@@ -46,6 +46,7 @@ from flax import traverse_util
 
 from forge_jax import _dense
 from forge_jax import _fused
+from forge_jax import _reuse
 
 FORGE_STATE = _dense.FORGE_STATE
 
@@ -187,8 +188,10 @@ def _checkpointed(fn: Callable, remat: bool, policy: Any) -> Callable:
   return jax.checkpoint(fn, policy=_policy(remat, policy), prevent_cse=False)
 
 
-def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: Any = None):
-  """The custom-VJP function of a whole stack, for one block structure.
+def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: Any = None,
+               prefix: tuple = ()):
+  """The custom-VJP function of a whole stack, for one block structure (``prefix``: the
+  module path of its stacked variables, which names its kernels in errors).
 
   The forward scan takes each block's VJP (``jax.vjp`` of the block, under
   ``jax.checkpoint(policy=policy)`` when ``remat``) and saves its residuals
@@ -328,6 +331,9 @@ def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: A
       dx, kernels, states, sq, grads = jax.lax.fori_loop(
           0, length, body, (dy, kernels, states, sq, grads)
       )
+    for i, p in enumerate(managed):  # a stacked kernel's new values, marked once after the loop
+      kernels[i], states[i], sq[i] = _reuse.mark_new_values(
+          (kernels[i], states[i], sq[i]), "/".join((*prefix, *p[:-1])))
     ct_params = traverse_util.unflatten_dict({**dict(zip(managed, kernels)), **dict(zip(rest, grads))})
     ct_forge = traverse_util.unflatten_dict({
         p: _dense.KernelState(
@@ -424,4 +430,5 @@ class ScannedStack(nn.Module):
         ) from e
       return y
 
-    return _stack_vjp(block_apply, self.length, self.remat, self.remat_policy)(params, forge, x, tuple(args))
+    return _stack_vjp(block_apply, self.length, self.remat, self.remat_policy, prefix)(
+        params, forge, x, tuple(args))

@@ -217,6 +217,7 @@ def _backward_jaxpr(vjp_fn, loss, optimizer, apply=None):
     jaxpr, ct_shape = jax.make_jaxpr(vjp_fn, return_shape=True)(jnp.ones_like(loss))
   counts = _reuse.count_backward_passes(jaxpr)
   _reuse.check_single_use(counts)
+  _reuse.check_new_values_unmixed(jaxpr)
   return jaxpr, jax.tree.structure(ct_shape), counts
 
 

@@ -226,6 +226,78 @@ def test_scanned_stack_is_accepted_and_nested_reuse_of_it_is_not():
            r"stack/layers/block/l \(2 times\)")
 
 
+class TiedHead(nn.Module):
+  """A FORGE head whose weight the model also reads from its variables (a tied output
+  projection, a weight shared with another op). ``mode``: ``"direct"``, ``"stop_gradient"``
+  around the second use, or ``"state"`` (a penalty on the head's momentum)."""
+
+  opt: object
+  mode: str = "direct"
+
+  @nn.compact
+  def __call__(self, x):
+    head = _dense(self.opt, 8, "head")
+    y = head(x)
+    if self.mode == "state":
+      trace = head.variables[forge_jax.FORGE_STATE]["kernel"].opt.trace
+      return y + jnp.sum(trace ** 2)
+    k = head.variables["params"]["kernel"]
+    return y + x @ (jax.lax.stop_gradient(k) if self.mode == "stop_gradient" else k)
+
+
+class TiedInStack(nn.Module):
+  """A ScannedStack whose stacked kernel the model also reads."""
+
+  opt: object
+
+  @nn.compact
+  def __call__(self, x):
+    x = forge_jax.ScannedStack(functools.partial(Block, self.opt), 2, name="stack")(x)
+    k = self.variables["params"]["stack"]["layers"]["block"]["l"]["kernel"]
+    return x @ k[0]
+
+
+@pytest.mark.parametrize("mode, jit", [("direct", False), ("direct", True), ("state", False)],
+                         ids=["weight", "weight_in_jitted_apply", "optimizer_state"])
+def test_a_forge_weight_also_used_outside_its_layer_is_refused(mode, jit):
+  """Autodiff would add the other use's gradient to the new weight (after one SGD step the
+  head was 1.34 away from optax's): refused while tracing, naming the layer."""
+  opt = forge_jax.sgd(1e-1, momentum=0.9) if mode == "state" else forge_jax.sgd(1e-1)
+  model = TiedHead(opt, mode)
+  batch = _batch(shape_y=(6, 8))
+  apply = jax.jit(model.apply) if jit else model.apply
+  _refused(_state(model, batch["x"], opt), batch, functools.partial(_mse, apply),
+           r"FORGE kernels \['head'\] are also used outside their forge_jax.Dense")
+
+
+def test_a_stacked_forge_weight_also_used_outside_the_stack_is_refused():
+  opt = forge_jax.sgd(1e-1)
+  model = TiedInStack(opt)
+  batch = _batch(shape_y=(6, 8))
+  _refused(_state(model, batch["x"], opt), batch, functools.partial(_mse, model.apply),
+           r"\['stack/layers/block/l'\] are also used outside")
+
+
+def test_a_second_use_behind_stop_gradient_trains_the_weight_once():
+  """The fix the error suggests for a use that should not train the weight: the step equals
+  optax's on the same loss (whose second use gets no gradient either)."""
+  opt = forge_jax.sgd(1e-1)
+  model = TiedHead(opt, "stop_gradient")
+  batch = _batch(shape_y=(6, 8))
+  variables = model.init(jax.random.PRNGKey(0), batch["x"])
+  params = jax.tree.map(np.asarray, variables["params"])
+  state, _ = forge_jax.train_step(_state(model, batch["x"], opt), batch,
+                                  functools.partial(_mse, model.apply))
+  def loss(p):
+    k = p["head"]["kernel"]
+    y = batch["x"] @ k + p["head"]["bias"] + batch["x"] @ jax.lax.stop_gradient(k)
+    return jnp.mean((y - batch["y"]) ** 2)
+  grads = jax.grad(loss)(params)
+  for name in ("kernel", "bias"):
+    np.testing.assert_allclose(state.params["head"][name], params["head"][name] - 0.1 * grads["head"][name],
+                               rtol=1e-6, atol=1e-7)
+
+
 def test_vmap_over_train_step_is_refused():
   opt = forge_jax.sgd(1e-1)
   model = Net(opt)
