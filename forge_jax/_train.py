@@ -150,18 +150,20 @@ class NoBackwardPassWarning(UserWarning):
   """FORGE kernels whose backward pass was not seen while train_step was traced."""
 
 
-def _check_all_updated(paths, counts) -> None:
-  """A FORGE kernel is rewritten with its cotangent: one whose backward pass does not run (its
-  output does not reach the loss) comes back as zeros, weight and state."""
-  missing = sorted("/".join(p) for p in paths if "/".join(p[:-1]) not in counts)
+def _without_backward_pass(paths, counts) -> frozenset:
+  """The FORGE kernels whose backward pass does not run in the step (their output does not
+  reach the loss), which it keeps as they are; warns, naming them."""
+  missing = frozenset(p for p in paths if "/".join(p[:-1]) not in counts)
   if missing:
     warnings.warn(
-        f"no backward pass of FORGE kernels {missing} was traced in this step: their output "
-        "does not reach the loss (a layer the loss does not use, or one behind "
-        "jax.lax.stop_gradient), so train_step overwrites them and their optimizer states with "
-        "zeros. FORGE updates a kernel inside its backward pass and writes the result where the "
-        "gradient goes. Use flax.linen.Dense for layers that are frozen or unused in some steps.",
+        f"no backward pass of FORGE kernels {sorted('/'.join(p) for p in missing)} was traced "
+        "in this step: their output does not reach the loss (a layer the loss does not use, or "
+        "one behind jax.lax.stop_gradient). FORGE updates a kernel inside its backward pass, so "
+        "train_step keeps them, their optimizer states and counts as they are, where optax "
+        "would update them with a zero gradient (weight decay, momentum). Use "
+        "flax.linen.Dense for layers that are frozen or unused in some steps.",
         NoBackwardPassWarning, stacklevel=4)
+  return missing
 
 
 def _leaf_sq_norms(tree) -> list:
@@ -227,17 +229,18 @@ def _plain(tree):
   return traverse_util.unflatten_dict(_dense.flat_variables(tree)) if tree else tree
 
 
-def _apply_cotangents(state: TrainState, paths, cts, finite):
+def _apply_cotangents(state: TrainState, paths, cts, finite, kept=frozenset()):
   """The step's new (params, forge_state, opt_state, step, grad_norm, nonfinite_grads) from the
   backward pass's cotangents. FORGE kernels and states come updated (or, where ``finite`` is
-  false, kept) by their layers; the rest is updated by the optax form and kept where ``finite``
-  is false."""
+  false, kept) by their layers, those in ``kept`` (no backward pass) as they were; the rest is
+  updated by the optax form and kept where ``finite`` is false."""
   keep_if_skipped = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   ct_params, ct_forge = cts
   ct_forge = _lowp.from_float_view(ct_forge)
   # FORGE kernels: the cotangent is the new kernel (already updated in place).
   new_managed, grads_rest = _split(ct_params, paths)
-  _, params_rest = _split(state.params, paths)
+  old_managed, params_rest = _split(state.params, paths)
+  new_managed.update((p, old_managed[p]) for p in kept)
   # A callable mask sees the whole params (FORGE kernels included), as with optax; the
   # parameters optax updates here are that mask's values at their paths.
   extra = {}
@@ -253,6 +256,9 @@ def _apply_cotangents(state: TrainState, paths, cts, finite):
   new_forge, forge_sq = {}, []
   for p, ct in flat_ct.items():
     old = flat_old[p]
+    if p in kept:
+      new_forge[p] = old
+      continue
     count = jnp.where(finite, _rules.safe_increment(old.opt.count), old.opt.count)
     new_forge[p] = _dense.KernelState(ct.opt._replace(count=count), old.grad_sq_norm)
     forge_sq.append(ct.grad_sq_norm)  # one per layer of a ScannedStack
@@ -307,7 +313,7 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   loss, vjp_fn, aux = linearize()
   apply = _reuse.DEFERRED if skip_nonfinite else None
   bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer, apply=apply)
-  _check_all_updated(paths, counts)
+  kept = _without_backward_pass(paths, counts)
   finite = jnp.isfinite(loss) if skip_nonfinite else jnp.ones((), bool)
   whole_cond = False
   if skip_nonfinite and _reuse.apply_flags_nested(bwd):
@@ -331,13 +337,13 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
       return (_plain(state.params), _plain(state.forge_state), state.opt_state, state.step,
               jnp.full((), jnp.nan, jnp.float32), jnp.zeros((), jnp.int32))
     def backward(_):
-      out = _apply_cotangents(state, paths, cotangents(), True)
+      out = _apply_cotangents(state, paths, cotangents(), True, kept)
       return (_plain(out[0]), _plain(out[1]), *out[2:])
     params, forge_state, opt_state, step, grad_norm, nonfinite = jax.lax.cond(
         finite, backward, unchanged, None)
   else:
     params, forge_state, opt_state, step, grad_norm, nonfinite = _apply_cotangents(
-        state, paths, cotangents(), finite)
+        state, paths, cotangents(), finite, kept)
   skipped = jnp.zeros([], jnp.int32) if state.skipped_steps is None else state.skipped_steps
   skipped = jnp.where(finite, skipped, _rules.safe_increment(skipped))
   metrics = {"loss": loss, "grad_norm": grad_norm, "clip_scale": clip_scale,

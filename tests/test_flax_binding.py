@@ -297,15 +297,21 @@ def _mse_kw(apply_fn, kw, variables, batch):
 @pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
 @pytest.mark.parametrize("kw", [dict(use_b=False), dict(stop_b=True)], ids=["unused", "stop_gradient"])
 def test_kernel_without_backward_pass_warns(kw):
-  """A FORGE kernel is rewritten with its cotangent: without a backward pass it comes back as
-  zeros (weight and state), so train_step warns, naming the layer."""
+  """A FORGE kernel without a backward pass in a step (its output does not reach the loss)
+  keeps its weight, optimizer state and count bit for bit, and train_step warns, naming the
+  layer; the other layers train as usual."""
   opt = forge_jax.adamw(1e-2)
   model = _TwoHeads(opt)
   batch = _batches((4, 8), (4, 4))[0]
   state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), opt)
+  old = jax.tree.map(np.asarray, (state.params, state.forge_state))
   with pytest.warns(forge_jax.NoBackwardPassWarning, match=r"FORGE kernels \['b/kernel'\] was traced"):
-    zeroed, _ = forge_jax.train_step(state, batch, lambda v, b: _mse_kw(model.apply, kw, v, b))
-  assert float(jnp.abs(zeroed.params["b"]["kernel"]).sum()) == 0  # what the warning says
+    kept, _ = forge_jax.train_step(state, batch, lambda v, b: _mse_kw(model.apply, kw, v, b))
+  np.testing.assert_array_equal(kept.params["b"]["kernel"], old[0]["b"]["kernel"])
+  for a, b in zip(jax.tree.leaves(kept.forge_state["b"]), jax.tree.leaves(old[1]["b"]), strict=True):
+    np.testing.assert_array_equal(a, b)  # the moments and the count
+  assert not np.array_equal(kept.params["a"]["kernel"], old[0]["a"]["kernel"])
+  assert int(kept.forge_state["a"]["kernel"].opt.count) == 1
   state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), opt)
   new_state, _ = forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))  # both used
   assert float(jnp.abs(new_state.params["b"]["kernel"]).sum()) > 0
@@ -346,8 +352,12 @@ def test_stacked_kernel_without_backward_pass_warns():
   model = Stack()
   batch = _batches((4, 8), (4, 8))[0]
   state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), opt)
+  block = lambda s: s.params["stack"]["layers"]["block"]
+  old = jax.tree.map(np.asarray, block(state))
   with pytest.warns(forge_jax.NoBackwardPassWarning, match=r"\['stack/layers/block/dead/kernel'\] was traced"):
-    forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
+    state, _ = forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
+  np.testing.assert_array_equal(block(state)["dead"]["kernel"], old["dead"]["kernel"])
+  assert not np.array_equal(block(state)["live"]["kernel"], old["live"]["kernel"])
 
 
 @pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
