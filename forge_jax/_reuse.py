@@ -188,13 +188,15 @@ def check_new_values_unmixed(jaxpr) -> None:
   if found:
     raise ReuseError(
         f"the FORGE kernels {sorted(found)} are also used outside their forge_jax.Dense: the "
-        "loss reads the weight (or its optimizer state) from the variables elsewhere, e.g. a "
-        "tied embedding or output head, or a weight shared with another layer. A FORGE layer's "
-        "backward pass returns the updated weight where the gradient goes, so autodiff would "
-        "add the other use's gradient to the new weight. FORGE cannot train a weight used "
-        "twice: use flax.linen.Dense for it (optax updates it), tie through a flax module "
-        "(nn.Embed.attend, as models' tie_word_embeddings does), or wrap the other use in "
-        "jax.lax.stop_gradient if it should not train the weight."
+        "loss reads the weight (or its optimizer state) from the variables elsewhere (a tied "
+        "embedding or output head, a weight shared with another layer), or differentiates "
+        "through the layer inside the loss (a jax.grad in the loss: a gradient penalty, an "
+        "adversarial input). A FORGE layer's backward pass returns the updated weight where "
+        "the gradient goes, so autodiff would add the other use's gradient to the new weight. "
+        "FORGE cannot train a weight used that way: use flax.linen.Dense for it (optax updates "
+        "it), tie through a flax module (nn.Embed.attend, as models' tie_word_embeddings "
+        "does), or wrap the other use in jax.lax.stop_gradient if it should not train the "
+        "weight."
     )
 
 

@@ -270,6 +270,21 @@ def test_a_forge_weight_also_used_outside_its_layer_is_refused(mode, jit):
            r"FORGE kernels \['head'\] are also used outside their forge_jax.Dense")
 
 
+def test_a_gradient_penalty_through_forge_layers_is_refused():
+  """A jax.grad inside the loss (an input-gradient penalty) differentiates through the FORGE
+  layers' backward passes: the outer step would add d(penalty)/dW to the new weights (it ran
+  and returned such weights before this check)."""
+  opt = forge_jax.sgd(1e-1)
+  model = Net(opt)
+  batch = _batch()
+
+  def loss(variables, b):
+    f = lambda x: _mse(model.apply, variables, {**b, "x": x})
+    return f(b["x"]) + jnp.sum(jax.grad(f)(b["x"]) ** 2)
+
+  _refused(_state(model, batch["x"], opt), batch, loss, "differentiates through the layer")
+
+
 def test_a_stacked_forge_weight_also_used_outside_the_stack_is_refused():
   opt = forge_jax.sgd(1e-1)
   model = TiedInStack(opt)
