@@ -90,14 +90,10 @@ def substitute_apply_flag(value):
 def apply_flags_nested(jaxpr) -> bool:
   """Whether a placeholder of :data:`apply_flag_p` sits in a sub-jaxpr of ``jaxpr`` (a loop's
   body, a jax.checkpoint, a call), where evaluating ``jaxpr`` does not bind it."""
-  def walk(j, depth):
-    for eqn in getattr(j, "jaxpr", j).eqns:
-      if eqn.primitive is apply_flag_p and depth:
-        return True
-      if any(walk(s, depth + 1) for s in jex_core.jaxprs_in_params(eqn.params)):
-        return True
-    return False
-  return walk(jaxpr, 0)
+  memo = {}
+  return any(_binds(getattr(sub, "jaxpr", sub), apply_flag_p, memo)
+             for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns
+             for sub in jex_core.jaxprs_in_params(eqn.params))
 
 
 def _refuse_batching(args, dims, *, path, stacked):
@@ -154,11 +150,25 @@ def mark_new_values(tree, path: str):
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
 
 
-def _mixed(jaxpr, marked_in, found) -> list:
+def _binds(jaxpr, prim, memo: dict) -> bool:
+  """Whether ``jaxpr`` (a core.Jaxpr) binds ``prim`` at any depth (memoized by identity: jax
+  shares the jaxprs of its small jitted helpers between their uses)."""
+  key = (id(jaxpr), prim)
+  if key not in memo:
+    memo[key] = any(
+        eqn.primitive is prim or any(
+            _binds(getattr(s, "jaxpr", s), prim, memo) for s in jex_core.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns)
+  return memo[key]
+
+
+def _mixed(jaxpr, marked_in, found, memo) -> list:
   """The FORGE path each output of ``jaxpr`` (a core.Jaxpr) carries a new value of (or None),
   given its inputs'; paths of new values that an ``add_any`` sums with anything go in ``found``.
   A value computed from a new value carries its path (conservatively: any use of one but a
   call's pass-through is unexpected in a backward pass)."""
+  if not any(marked_in) and not _binds(jaxpr, new_value_p, memo):
+    return [None] * len(jaxpr.outvars)
   env = {v: p for v, p in zip(jaxpr.invars, marked_in) if p}
   get = lambda v: env.get(v) if isinstance(v, jex_core.Var) else None
   for eqn in jaxpr.eqns:
@@ -167,12 +177,12 @@ def _mixed(jaxpr, marked_in, found) -> list:
     if eqn.primitive is new_value_p:
       outs = [eqn.params["path"]]
     elif eqn.primitive.name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(ins):
-      outs = _mixed(subs[0], ins, found)
+      outs = _mixed(subs[0], ins, found, memo)
     else:
       if eqn.primitive.name == "add_any":
         found.update(p for p in ins if p)
       for sub in subs:  # a loop's body, a cond's branch: new values made and summed inside
-        _mixed(sub, [None] * len(sub.invars), found)
+        _mixed(sub, [None] * len(sub.invars), found, memo)
       carried = next((p for p in ins if p), None)
       outs = [carried] * len(eqn.outvars)
     env.update((v, p) for v, p in zip(eqn.outvars, outs) if p)
@@ -184,7 +194,7 @@ def check_new_values_unmixed(jaxpr) -> None:
   backward pass ``jaxpr`` sums with a gradient of another use."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   found: set = set()
-  _mixed(jaxpr, [None] * len(jaxpr.invars), found)
+  _mixed(jaxpr, [None] * len(jaxpr.invars), found, {})
   if found:
     raise ReuseError(
         f"the FORGE kernels {sorted(found)} are also used outside their forge_jax.Dense: the "
@@ -200,20 +210,22 @@ def check_new_values_unmixed(jaxpr) -> None:
     )
 
 
-def _count(jaxpr, mult: float, outer: float) -> collections.Counter:
+def _count(jaxpr, mult: float, outer: float, memo=None) -> collections.Counter:
   """Uses per path in ``jaxpr`` (a core.Jaxpr) run ``mult`` times; ``outer``: the runs
   outside the innermost loop (a stacked layer's marker is counted that many times)."""
+  memo = {} if memo is None else memo
   counts = collections.Counter()
   for eqn in jaxpr.eqns:
     prim = eqn.primitive
     if prim is backward_p:
       counts[eqn.params["path"]] += outer if eqn.params["stacked"] else mult
       continue
-    subs = list(jex_core.jaxprs_in_params(eqn.params))
+    subs = [s for s in jex_core.jaxprs_in_params(eqn.params)
+            if _binds(getattr(s, "jaxpr", s), backward_p, memo)]
     if not subs:
       continue
     if prim.name in _MAPPED:
-      inner = _count_all(subs, 1, 1)
+      inner = _count_all(subs, 1, 1, memo)
       if inner:
         raise ReuseError(
             f"the backward pass of the FORGE kernels {sorted(inner)} runs inside "
@@ -224,7 +236,7 @@ def _count(jaxpr, mult: float, outer: float) -> collections.Counter:
         )
       continue
     if prim.name == "cond":
-      inner = _count_all(subs, 1, 1)
+      inner = _count_all(subs, 1, 1, memo)
       if inner:
         raise ReuseError(
             f"the backward pass of the FORGE kernels {sorted(inner)} runs inside a branch of "
@@ -238,18 +250,18 @@ def _count(jaxpr, mult: float, outer: float) -> collections.Counter:
       continue
     if prim.name == "scan":
       length = eqn.params["length"]
-      counts.update(_count_all(subs, mult * length, mult))
+      counts.update(_count_all(subs, mult * length, mult, memo))
     elif prim.name == "while":
-      counts.update(_count_all(subs, math.inf, mult))
+      counts.update(_count_all(subs, math.inf, mult, memo))
     else:
-      counts.update(_count_all(subs, mult, outer))
+      counts.update(_count_all(subs, mult, outer, memo))
   return counts
 
 
-def _count_all(subs, mult, outer) -> collections.Counter:
+def _count_all(subs, mult, outer, memo) -> collections.Counter:
   total = collections.Counter()
   for s in subs:
-    total.update(_count(s, mult, outer))
+    total.update(_count(getattr(s, "jaxpr", s), mult, outer, memo))
   return total
 
 
@@ -323,7 +335,7 @@ def per_layer_guard_ok(jaxpr, in_stack_loop: bool = False) -> bool:
   a call or a ``jax.checkpoint`` other than a ScannedStack block's (see ``_CLOSURE_OK``)."""
   for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
     subs = list(jex_core.jaxprs_in_params(eqn.params))
-    if eqn.primitive is backward_p or not any(_count(getattr(s, "jaxpr", s), 1, 1) for s in subs):
+    if eqn.primitive is backward_p or not any(_binds(getattr(s, "jaxpr", s), backward_p, {}) for s in subs):
       continue
     name = eqn.primitive.name
     if name in _CLOSURE_OK:
