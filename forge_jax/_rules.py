@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from forge_jax import _math
 
@@ -40,10 +41,11 @@ _F32 = jnp.float32
 
 
 def safe_increment(count: Array) -> Array:
-  """``count + 1`` that saturates at the dtype's maximum (as optax's)."""
+  """``count + 1`` that saturates at the dtype's maximum (as optax's), in two lax operations
+  (``jnp.where`` traces a jitted call; a step calls this a few times per FORGE layer)."""
   count = jnp.asarray(count)
-  max_value = jnp.array(jnp.iinfo(count.dtype).max, count.dtype)
-  return jnp.where(count < max_value, count + 1, max_value)
+  max_value = np.array(np.iinfo(count.dtype).max, count.dtype)
+  return jax.lax.min(count, max_value - 1) + np.array(1, count.dtype)
 
 
 def _schedule_value(value: ScalarOrSchedule, count: Array) -> Array:

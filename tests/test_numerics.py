@@ -400,3 +400,13 @@ def test_gpu_path_with_sr_and_int8_states_lowers_to_a_triton_call(stacked):
   assert text.count("xla.gpu.triton") == 1
   # w, and codes + scales of both moments, are aliased in place.
   assert text.count("#stablehlo.output_operand_alias<") == 5
+
+
+def test_stream_seed_on_the_host_equals_the_traced_one():
+  """Every FORGE layer's seed and stream are ints, folded on the host; a traced seed folds on
+  the device: the same uint32 bits either way."""
+  for seed, stream in [(0, 0), (1, 2**32 - 1), (-5, 123456789), (2**31, 77)]:
+    host = nm.stream_seed(seed, stream)
+    traced = jax.jit(nm.stream_seed)(jnp.asarray(np.uint32(seed % 2**32)), jnp.asarray(np.uint32(stream)))
+    assert host.dtype == traced.dtype == jnp.uint32
+    assert int(host) == int(traced), (seed, stream)

@@ -346,3 +346,15 @@ def test_one_step_ulps_against_optax(case):
   xla_w = worst.pop("xla w")
   assert max(worst.values()) <= bound, (case_id, str(worst))
   assert xla_w <= max(bound, XLA_WEIGHT_ULP_BOUND), (case_id, xla_w)
+
+
+def test_counts_saturate_as_optax():
+  """The step counts increment as optax.safe_increment does, saturating at the dtype's maximum."""
+  from forge_jax import _rules  # pylint: disable=g-import-not-at-top
+  for dtype in (jnp.int32, jnp.int8):
+    top = jnp.iinfo(dtype).max
+    counts = jnp.array([0, 1, top - 1, top], dtype)
+    got = _rules.safe_increment(counts)
+    assert got.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(got, optax.safe_increment(counts))
+    np.testing.assert_array_equal(got, np.array([1, 2, top, top], dtype))
