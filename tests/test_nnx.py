@@ -256,6 +256,21 @@ def test_errors_as_in_linen():
   for k, v in before.items():  # refused while tracing: nothing changed
     np.testing.assert_array_equal(_params(model)[k], v)
 
+  # A FORGE weight also read directly (a tied head): refused, nothing changed.
+  class Tied(nnx.Module):
+    def __init__(self, *, rngs):
+      self.lin = fnnx.Linear(8, 8, optimizer=opt, rngs=rngs)
+
+    def __call__(self, x):
+      return self.lin(x) + x @ self.lin.kernel[...]
+
+  tied = Tied(rngs=nnx.Rngs(0))
+  before = _params(tied)
+  with pytest.raises(ValueError, match=r"FORGE kernels \['lin'\] are also used outside"):
+    fnnx.train_step(tied, fnnx.Optimizer(tied, opt, wrt=nnx.Param), batch, _mse)
+  for k, v in before.items():
+    np.testing.assert_array_equal(_params(tied)[k], v)
+
   # nnx.grad through a FORGE layer outside train_step would return new weights as gradients.
   with pytest.raises(ValueError, match="was traced outside"):
     nnx.grad(_mse)(model, batch)
