@@ -96,6 +96,50 @@ def apply_flags_nested(jaxpr) -> bool:
              for sub in jex_core.jaxprs_in_params(eqn.params))
 
 
+_CHECKPOINTS = ("remat2", "checkpoint")
+
+
+def _thread(jaxpr, flag, memo: dict, threaded: dict):
+  """``jaxpr`` (a core.Jaxpr) with every placeholder replaced by ``flag``, a Var the caller makes
+  its input; None where one sits in a sub-jaxpr other than a jax.checkpoint's (a loop body, a
+  call), whose parameters this does not rewrite. ``threaded``: the checkpoint bodies already
+  rewritten, by identity, so that bodies jax shares stay shared."""
+  subst: dict = {}
+  fix = lambda vs: [subst.get(v, v) if isinstance(v, jex_core.Var) else v for v in vs]
+  eqns = []
+  for eqn in jaxpr.eqns:
+    if subst:
+      eqn = eqn.replace(invars=fix(eqn.invars))
+    if eqn.primitive is apply_flag_p:
+      subst[eqn.outvars[0]] = flag
+      continue
+    subs = [getattr(s, "jaxpr", s) for s in jex_core.jaxprs_in_params(eqn.params)]
+    if any(_binds(sub, apply_flag_p, memo) for sub in subs):
+      if eqn.primitive.name not in _CHECKPOINTS:
+        return None
+      body = eqn.params["jaxpr"]
+      if id(body) not in threaded:
+        inner = jex_core.Var(flag.aval)
+        new = _thread(body, inner, memo, threaded)
+        threaded[id(body)] = None if new is None else new.replace(invars=[inner, *new.invars])
+      if threaded[id(body)] is None:
+        return None
+      eqn = eqn.replace(invars=[flag, *eqn.invars], params={**eqn.params, "jaxpr": threaded[id(body)]})
+    eqns.append(eqn)
+  return jaxpr.replace(eqns=eqns, outvars=fix(jaxpr.outvars))
+
+
+def thread_apply_flag(closed_jaxpr):
+  """``closed_jaxpr`` with the flag as a new first input in place of every placeholder, those in
+  jax.checkpoint bodies (nn.remat) included, or None where one sits elsewhere (see
+  :func:`_thread`)."""
+  flag = jex_core.Var(jax.core.ShapedArray((), np.bool_))
+  body = _thread(closed_jaxpr.jaxpr, flag, {}, {})
+  if body is None:
+    return None
+  return jex_core.ClosedJaxpr(body.replace(invars=[flag, *body.invars]), closed_jaxpr.consts)
+
+
 def _refuse_batching(args, dims, *, path, stacked):
   del args, dims, stacked
   raise ValueError(
@@ -152,7 +196,7 @@ _CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
 
 def _binds(jaxpr, prim, memo: dict) -> bool:
   """Whether ``jaxpr`` (a core.Jaxpr) binds ``prim`` at any depth (memoized by identity: jax
-  shares the jaxprs of its small jitted helpers between their uses)."""
+  shares the jaxprs of its small jitted functions between their uses)."""
   key = (id(jaxpr), prim)
   if key not in memo:
     memo[key] = any(

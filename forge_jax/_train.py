@@ -302,21 +302,26 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   # on the host; results/h200/guard); the rest is selected. The flag is known only after the
   # forward pass, so the backward pass is traced once with a placeholder for it in every
   # FORGE layer (_reuse.apply_flag_p; a ScannedStack binds one outside its loop), checked,
-  # and evaluated with the flag in its place. Evaluating a jaxpr binds only its own
-  # equations: a placeholder inside a jax.checkpoint (nn.remat) or a call (a jax.jit'd apply
-  # in the loss) is not replaced. Then the model is linearized again and its backward pass
-  # traced with the flag itself, which a FORGE backward pass that jax traces and caches on its
-  # own (a call, a jax.checkpoint: jax caches their transposes; a ScannedStack's blocks
-  # excepted, see _reuse.per_layer_guard_ok) cannot close over; then the whole backward pass
-  # goes in one cond (which keeps the forward residuals live to its end). Everything is
-  # traced and checked before anything is updated.
+  # and evaluated with the flag in its place: evaluating a jaxpr binds its own equations, and
+  # the bodies of jax.checkpoints (nn.remat) are rewritten to take the flag as an input
+  # (_reuse.thread_apply_flag). A placeholder elsewhere (inside a call: a jax.jit'd apply in
+  # the loss; a loop body) is not replaced. Then the model is linearized again and its
+  # backward pass traced with the flag itself, which a FORGE backward pass that jax traces and
+  # caches on its own (in a call, whose transpose jax caches) cannot close over; then the whole
+  # backward pass goes in one cond (which keeps the forward residuals live to its end).
+  # Everything is traced and checked before anything is updated.
   loss, vjp_fn, aux = linearize()
   apply = _reuse.DEFERRED if skip_nonfinite else None
   bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer, apply=apply)
   kept = _without_backward_pass(paths, counts)
   finite = jnp.isfinite(loss) if skip_nonfinite else jnp.ones((), bool)
   whole_cond = False
+  flag_input = ()
   if skip_nonfinite and _reuse.apply_flags_nested(bwd):
+    threaded = _reuse.thread_apply_flag(bwd)
+    if threaded is not None:
+      bwd, flag_input = threaded, (finite,)
+  if skip_nonfinite and not flag_input and _reuse.apply_flags_nested(bwd):
     whole_cond = not _reuse.per_layer_guard_ok(bwd)
     loss, vjp_fn, aux = linearize()
     finite = jnp.isfinite(loss)
@@ -330,7 +335,7 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
 
   def cotangents():
     with _reuse.substitute_apply_flag(finite):
-      return jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(jnp.ones_like(loss)))
+      return jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(*flag_input, jnp.ones_like(loss)))
 
   if whole_cond:
     def unchanged(_):

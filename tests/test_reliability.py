@@ -464,9 +464,9 @@ def _mse_plus(apply_fn, variables, batch):
 
 @pytest.mark.parametrize("remat", [False, True], ids=["scanned_stack", "nn_remat"])
 def test_non_finite_loss_with_finite_gradients_skips_bit_for_bit(remat):
-  """Every layer skips (a ScannedStack's layers through their kernels' flag, FORGE layers under
-  nn.remat through one cond around the backward pass), though no gradient element is
-  non-finite, and the ScannedStack's step has no conditional."""
+  """Every layer skips through its kernel's flag (a ScannedStack's layers, FORGE layers under
+  nn.remat, whose checkpoint bodies take the flag as an input), though no gradient element is
+  non-finite, and the step has no conditional."""
   opt = forge_jax.adamw(1e-2, weight_decay=0.1)
   model = Net(opt, remat=True) if remat else StackNet(opt)
   loss = functools.partial(_mse_plus, model.apply)
@@ -478,7 +478,7 @@ def test_non_finite_loss_with_finite_gradients_skips_bit_for_bit(remat):
   assert bool(metrics["skipped"]) and int(metrics["nonfinite_grads"]) == 0
   _assert_unchanged(state, before.replace(skipped_steps=np.int32(1)))
   text = forge_jax.train_step.lower(state, batch, loss).compile().as_text()
-  assert ("conditional(" in text) == remat
+  assert "conditional(" not in text
   # A new trace (another batch size) takes the flag afresh, not a transpose cached without it.
   other = {**_batch((4, 8), (4, 4), key=2), "offset": jnp.array(jnp.nan)}
   before = _host(state)
@@ -487,14 +487,17 @@ def test_non_finite_loss_with_finite_gradients_skips_bit_for_bit(remat):
   _assert_unchanged(state, before.replace(skipped_steps=np.int32(2)))
 
 
-@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned_stack"])
-def test_guard_traces_the_model_once(stacked):
+@pytest.mark.parametrize("kind", ["unrolled", "scanned_stack", "nn_remat"])
+def test_guard_traces_the_model_once(kind):
   """With the guard on, the forward pass is traced once, as without it: the backward pass is
   traced with a placeholder for the flag in each FORGE layer (a ScannedStack's: one, outside
-  its loop) and evaluated with the flag in its place (the skip itself:
-  test_non_finite_loss_skip_takes_no_cond, test_non_finite_loss_skips_the_step_bit_for_bit)."""
+  its loop; under nn.remat: the checkpoint bodies take the flag as an input) and evaluated with
+  the flag in its place (the skip itself: test_non_finite_loss_skip_takes_no_cond,
+  test_non_finite_loss_skips_the_step_bit_for_bit,
+  test_non_finite_loss_with_finite_gradients_skips_bit_for_bit)."""
   opt = forge_jax.adamw(1e-2)
-  model = StackNet(opt) if stacked else Poisoned(opt, False)
+  model = {"unrolled": lambda: Poisoned(opt, False), "scanned_stack": lambda: StackNet(opt),
+           "nn_remat": lambda: Net(opt, remat=True)}[kind]()
   batch = _batch()
   state = _state(model, batch["x"], opt)
   for skip in (True, False):
