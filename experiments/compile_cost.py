@@ -149,8 +149,8 @@ def host_event_totals(data, top: int = 25) -> dict:
 
 def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
             attention: str = "xla", trace_compile: bool = False,
-            kernel_compile: str = "parallel", guard: bool = True) -> dict:
-  """One row; ``kernel_compile``: ``"parallel"`` (the default: the step's Mosaic GPU kernels
+            kernel_compile: str = "parallel", guard: bool = True, remat: str = "none") -> dict:
+  """One row (``remat``: the models' activation checkpointing); ``kernel_compile``: ``"parallel"`` (the default: the step's Mosaic GPU kernels
   compiled on a thread pool while XLA compiles the rest, pallas_kernels.mosaic.parallel_compile)
   or ``"serial"`` (XLA compiles them one after another); ``guard``: train_step's
   ``skip_nonfinite``."""
@@ -163,7 +163,7 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
 
   base, scan = bench_models.parse_impl(impl)
   base, backend = bench_models.forge_backend(base)
-  cfg = models.get_config(model, linear="forge", remat="none", scan_layers=scan, forge_backend=backend,
+  cfg = models.get_config(model, linear="forge", remat=remat, scan_layers=scan, forge_backend=backend,
                           param_dtype="bfloat16", dtype="bfloat16", attention=attention, num_layers=layers)
   opt = bench_models._forge_optimizer(base)  # pylint: disable=protected-access
   if opt is None:
@@ -172,7 +172,7 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
   data = jax.ShapeDtypeStruct((1, tokens + 1), jnp.int32)
   loss_fn = functools.partial(bench_models._loss, model_.apply, kind="lean")  # pylint: disable=protected-access
   row = {"model": model, "impl": impl, "layers": layers, "tokens": tokens, "backend": backend,
-         "attention": attention, "kernel_compile": kernel_compile, "guard": guard}
+         "attention": attention, "kernel_compile": kernel_compile, "guard": guard, "remat": remat}
   tick = time.perf_counter()
   state = jax.eval_shape(lambda: forge_jax.TrainState.create(
       model_.apply, model_.init(jax.random.PRNGKey(1), jnp.zeros((1, tokens), jnp.int32)), opt))
@@ -221,14 +221,15 @@ def xla_phase_seconds(log: str, module: str = "jit__train_step") -> dict:
 
 def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
                   attention: str, xla_timers: bool = False, trace_compile: bool = False,
-                  kernel_compile: str = "parallel", guard: bool = True) -> dict:
+                  kernel_compile: str = "parallel", guard: bool = True,
+                  remat: str = "none") -> dict:
   """:func:`measure` in a new Python process: nothing traced, lowered or compiled before it
   (jax's in-process caches, Mosaic GPU's compiled kernels) shortens its times. ``xla_timers``:
   also XLA's compile phases (:func:`xla_phase_seconds`; GPU only), from its log."""
   with tempfile.TemporaryDirectory() as folder:
     cmd = [sys.executable, "-m", "experiments.compile_cost", "--model", model, "--impls", impl,
            "--layers", str(layers), "--tokens", str(tokens), "--attention", attention,
-           "--kernel-compile", kernel_compile, "--guard", "on" if guard else "off",
+           "--kernel-compile", kernel_compile, "--guard", "on" if guard else "off", "--remat", remat,
            "--out", folder]
     env = dict(os.environ, **(XLA_TIMER_ENV if xla_timers else {}))
     cmd += (["--compile"] if compile_step else []) + (["--trace-compile"] if trace_compile else [])
@@ -241,9 +242,10 @@ def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step:
 
 
 def label(row: dict) -> str:
-  """The impl, marked when its Mosaic GPU kernels compiled one after another or its step has no
-  non-finite guard."""
-  return (row["impl"] + (" [serial kernels]" if row.get("kernel_compile") == "serial" else "")
+  """The impl, marked with its activation checkpointing other than none, and when its Mosaic GPU
+  kernels compiled one after another or its step has no non-finite guard."""
+  return (row["impl"] + (f" [remat {row['remat']}]" if row.get("remat", "none") != "none" else "")
+          + (" [serial kernels]" if row.get("kernel_compile") == "serial" else "")
           + (" [no guard]" if row.get("guard") is False else ""))
 
 
@@ -327,6 +329,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="parallel: the step's Mosaic GPU kernels compiled on a thread pool while "
                            "XLA compiles the rest (forge_jax's default); serial: by XLA, one after "
                            "another; parallel,serial: both, side by side (default parallel)")
+  parser.add_argument("--remat", default="none",
+                      help="the models' activation checkpointing: none (default), full or a "
+                           "jax.checkpoint_policies name")
   parser.add_argument("--guard", default="on",
                       help="on: train_step's non-finite guard (its default, skip_nonfinite=True); "
                            "off: skip_nonfinite=False; on,off: both, side by side (default on)")
@@ -351,10 +356,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for impl, mode, guard in itertools.product(args.impls.split(","), modes, guards):
       if args.fresh:
         row = measure_fresh(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
-                            args.xla_timers, args.trace_compile, mode, guard == "on")
+                            args.xla_timers, args.trace_compile, mode, guard == "on", args.remat)
       else:
         row = measure(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
-                      args.trace_compile, mode, guard == "on")
+                      args.trace_compile, mode, guard == "on", args.remat)
       rows.append(dict(row, repeat=repeat))
       _timing.log(f"  {impl}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in rows[-1].items() if k != "top_primitives"))

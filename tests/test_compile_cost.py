@@ -146,3 +146,4 @@ def test_guard_on_and_off_side_by_side(tmp_path, capsys):
   assert (on["guard"], off["guard"]) == (True, False)
   assert on["jaxpr_eqns"] > off["jaxpr_eqns"]
   assert compile_cost.label(off) == "forge_unrolled [no guard]" and compile_cost.label(on) == "forge_unrolled"
+  assert compile_cost.label(dict(off, remat="full")) == "forge_unrolled [remat full] [no guard]"
