@@ -273,3 +273,35 @@ def test_auto_on_hopper_sends_stochastically_rounded_weights_to_the_kernel_or_xl
       want, _ = forge_jax.fused_linear_update(x, dy, w, opt.init(w), opt, backend="xla")
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_guarded_train_steps_lower_for_cuda_with_the_kernels_and_no_conditional(
+    monkeypatch, scan, remat):
+  """A bf16 model's whole train step, the non-finite guard on, lowered for CUDA on a CPU: its
+  FORGE layers run the Mosaic kernel (the flag reaches kernels in a ScannedStack's loop and in
+  nn.remat's checkpoint bodies) and the step has no conditional."""
+  import re  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  from experiments import bench_models  # pylint: disable=g-import-not-at-top
+  from forge_jax import _train  # pylint: disable=g-import-not-at-top
+  from tests._lowering import skip_if_cuda_lowering_needs_a_gpu  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_fused, "_platform", lambda: "gpu")
+  cfg = models.get_config(
+      "tiny-llama", linear="forge", remat=remat, scan_layers=scan, forge_backend="mosaic",
+      param_dtype="bfloat16", dtype="bfloat16", hidden_size=256, intermediate_size=512,
+      num_heads=2, num_kv_heads=2, head_dim=128, vocab_size=512, attention="xla")
+  opt = forge_jax.adamw(1e-3)
+  model = models.CausalLM(cfg, optimizer=opt)
+  state = jax.eval_shape(lambda: forge_jax.TrainState.create(
+      model.apply, model.init(jax.random.PRNGKey(1), jnp.zeros((1, 128), jnp.int32)), opt))
+  loss = functools.partial(bench_models._loss, model.apply)  # pylint: disable=protected-access
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", _fused.BackendFallbackWarning)
+    with skip_if_cuda_lowering_needs_a_gpu():
+      traced = _train._train_step_jit.trace(  # pylint: disable=protected-access
+          state, jax.ShapeDtypeStruct((1, 129), jnp.int32), loss, False, True)
+      text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "@mosaic_gpu" in text
+  assert not re.search(r"stablehlo\.(case|if)\b", text)
