@@ -53,7 +53,10 @@ def _schedule_value(value: ScalarOrSchedule, count: Array) -> Array:
 
 
 def _f32_tuple(cls, **fields):
-  return cls(**{k: jnp.asarray(v, _F32) for k, v in fields.items()})
+  """``cls`` of the fields as float32 scalars: numpy's for Python numbers (no device array per
+  hyperparameter and layer while tracing), jax's for traced values."""
+  as_f32 = lambda v: np.float32(v) if isinstance(v, (int, float)) else jnp.asarray(v, _F32)
+  return cls(**{k: as_f32(v) for k, v in fields.items()})
 
 
 # ----------------------------------------------------------------------------
