@@ -196,14 +196,41 @@ def apply_bound_here():
     _APPLY.reset(token)
 
 
-def _same_rule(a, b) -> bool:
-  """Equal rules, where schedules (functions, equal only to themselves) may differ."""
+# The steps at which two schedules (functions of the step count, equal only to themselves as
+# objects) are compared: 0 to 2**31 - 1, about six per decade.
+_SCHEDULE_STEPS = tuple(sorted({0, 2**31 - 1} | {int(round(10 ** (e / 6))) for e in range(0, 56)}))
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_mismatch(a, b) -> Optional[str]:
+  """Where hyperparameters ``a`` and ``b`` (numbers or schedules) differ, or None. Schedules are
+  compared by their float32 values at :data:`_SCHEDULE_STEPS`."""
+  with jax.ensure_compile_time_eval():  # concrete values, also while a step is traced
+    for step in _SCHEDULE_STEPS:
+      count = jnp.int32(step)
+      va, vb = (np.float32(v(count) if callable(v) else v) for v in (a, b))
+      if va.tobytes() != vb.tobytes():
+        return f"at step {step}: {float(va):.7g} against {float(vb):.7g}"
+  return None
+
+
+def _rule_mismatch(a, b) -> Optional[str]:
+  """How rule ``b`` differs from rule ``a``, or None where they are equal (schedules compared by
+  value, :func:`_schedule_mismatch`)."""
   if type(a) is not type(b):
-    return False
+    return f"{type(a).__name__} against {type(b).__name__}"
   if not dataclasses.is_dataclass(a):
-    return a == b
-  return all(callable(x) or x == y for x, y in
-             ((getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)))
+    return None if a == b else f"{a} against {b}"
+  for f in dataclasses.fields(a):
+    x, y = getattr(a, f.name), getattr(b, f.name)
+    if callable(x) or callable(y):
+      why = None if x is y else _schedule_mismatch(x, y)
+      if why:
+        return f"{f.name} differs {why}"
+    elif x != y:
+      why = _rule_mismatch(x, y) if dataclasses.is_dataclass(x) else f"{x!r} against {y!r}"
+      return f"{f.name}: {why}"
+  return None
 
 
 def _check_optimizer(optimizer) -> None:
@@ -211,13 +238,17 @@ def _check_optimizer(optimizer) -> None:
   if expected is None:
     return
   ours = _optimizers.as_forge_optimizer(optimizer)
-  if not _same_rule(ours.rule, expected.rule) or ours.precision != expected.precision:
+  why = _rule_mismatch(ours.rule, expected.rule)
+  if why is None and ours.precision != expected.precision:
+    why = f"precision {ours.precision} against {expected.precision}"
+  if why:
     raise ValueError(
-        f"a forge_jax.Dense was built with the optimizer {ours.rule} ({ours.precision}), but "
-        f"train_step's TrainState has {expected.rule} ({expected.precision}). The FORGE layer "
-        "runs its own optimizer inside its backward pass while the TrainState's updates every "
-        "other parameter and advances the counts: pass the same optimizer to the model and to "
-        "TrainState.create."
+        f"a forge_jax.Dense was built with another optimizer than train_step's TrainState: "
+        f"{why}. The FORGE layer runs its own optimizer inside its backward pass while the "
+        "TrainState's updates every other parameter and advances the counts: pass the same "
+        "optimizer to the model and to TrainState.create (a learning-rate sweep rebuilds "
+        f"both). The layer's: {ours.rule} ({ours.precision}); the TrainState's: "
+        f"{expected.rule} ({expected.precision})."
     )
 
 

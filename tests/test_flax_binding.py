@@ -373,6 +373,25 @@ def test_model_and_state_with_different_optimizers_is_an_error():
   model = MLP(make())
   state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), make())
   forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
+  # A number and the constant schedule of it agree too.
+  model = MLP(forge_jax.adamw(1e-2))
+  state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]),
+                                      forge_jax.adamw(optax.constant_schedule(1e-2)))
+  forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
+  # Schedules that differ (a learning-rate sweep that rebuilt the TrainState, not the model): the
+  # FORGE layers would follow the model's, the other parameters the TrainState's.
+  model = MLP(forge_jax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)))
+  state = forge_jax.TrainState.create(
+      model.apply, model.init(jax.random.PRNGKey(0), batch["x"]),
+      forge_jax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10)))
+  with pytest.raises(ValueError, match=r"learning_rate differs at step 1: 0\.005 against 0\.0005"):
+    forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
+  model = MLP(forge_jax.adamw(1e-2, weight_decay=optax.linear_schedule(0.1, 0.0, 1000)))
+  state = forge_jax.TrainState.create(
+      model.apply, model.init(jax.random.PRNGKey(0), batch["x"]),
+      forge_jax.adamw(1e-2, weight_decay=optax.linear_schedule(0.1, 0.0, 2000)))
+  with pytest.raises(ValueError, match=r"weight_decay differs at step 1: 0\.0999 against 0\.09995"):
+    forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
 
 
 def test_scanned_block_with_dropout_is_an_error():
