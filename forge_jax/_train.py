@@ -100,7 +100,10 @@ class TrainState(struct.PyTreeNode):
     Variables without a ``"forge_state"`` collection (a model without FORGE
     layers) give a state whose every parameter is trained by the optimizer's
     optax form. ``optimizer`` must be the one the model's FORGE layers were
-    built with (``train_step`` raises otherwise).
+    built with (``train_step`` raises otherwise). The state holds ``variables``'
+    arrays themselves, which the first ``train_step`` donates: build each run's
+    state from a copy (``jax.tree.map(jnp.copy, variables)``) to start several
+    runs from the same variables.
 
     Raises:
       ValueError: if the optimizer's weight-decay mask excludes a FORGE kernel.
@@ -482,7 +485,26 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
       batch is split over devices.
   """
   _check_not_data_parallel(state, batch)
-  return _train_step_jit(state, batch, loss_fn, has_aux, bool(skip_nonfinite))
+  try:
+    return _train_step_jit(state, batch, loss_fn, has_aux, bool(skip_nonfinite))
+  except (RuntimeError, ValueError) as e:  # jax: "Buffer has been deleted or donated"
+    deleted = _deleted_leaves(state)
+    if not deleted:
+      raise
+    raise ValueError(
+        f"this TrainState's arrays were donated to an earlier train_step ({deleted[0]}"
+        f"{f' and {len(deleted) - 1} more' if len(deleted) > 1 else ''} deleted): train_step "
+        "updates the state in place and returns the new one, so continue from the state it "
+        "returned. TrainState.create shares the buffers of the variables it is given, so those "
+        "are gone after the first step as well: to start another run from the same variables, "
+        "create each state from a copy (jax.tree.map(jnp.copy, variables)) or init again."
+    ) from e
+
+
+def _deleted_leaves(state) -> list:
+  """Paths of ``state``'s arrays whose buffers were donated (deleted)."""
+  return [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+          if isinstance(leaf, jax.Array) and hasattr(leaf, "is_deleted") and leaf.is_deleted()]
 
 
 def _lower(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False,

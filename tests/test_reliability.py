@@ -659,6 +659,25 @@ def test_kernels_keep_the_non_finite_semantics(backend):
 # ----------------------------------------------------------------------------------------------
 
 
+def test_a_donated_state_or_its_variables_reused_is_a_clear_error():
+  """train_step donates its state, and TrainState.create holds the variables' own arrays: a
+  second run from the same variables (a notebook cell run again) or the old state is a
+  ValueError that says so, not jax's "Buffer has been deleted or donated"."""
+  opt = forge_jax.sgd(1e-1)
+  model = Net(opt)
+  batch = _batch()
+  variables = model.init(jax.random.PRNGKey(0), batch["x"])
+  loss = functools.partial(_mse, model.apply)
+  fresh = forge_jax.TrainState.create(model.apply, jax.tree.map(jnp.copy, variables), opt)
+  state = forge_jax.TrainState.create(model.apply, variables, opt)
+  new, _ = forge_jax.train_step(state, batch, loss)
+  for reused in (state, forge_jax.TrainState.create(model.apply, variables, opt)):
+    with pytest.raises(ValueError, match="donated to an earlier train_step.*jax.tree.map"):
+      forge_jax.train_step(reused, batch, loss)
+  forge_jax.train_step(new, batch, loss)  # the returned state and a copy's go on
+  forge_jax.train_step(fresh, batch, loss)
+
+
 def test_grad_with_respect_to_inputs_alone_works_through_forge_layers():
   opt = forge_jax.adamw(1e-2)
   model = Net(opt)
