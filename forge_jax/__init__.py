@@ -66,6 +66,7 @@ from forge_jax._rules import SGDState
 from forge_jax._rules import StabilizedRule
 from forge_jax._stack import ScannedStack, save_all_but_elementwise
 from forge_jax._train import NoBackwardPassWarning
+from forge_jax._train import RetraceWarning
 from forge_jax._train import TrainState
 from forge_jax._train import carry_grad_norm
 from forge_jax._train import train_step
@@ -96,6 +97,7 @@ __all__ = [
     "ForgeOptimizer",
     "LionState",
     "NoBackwardPassWarning",
+    "RetraceWarning",
     "Precision",
     "QuantMap",
     "QuantizedArray",

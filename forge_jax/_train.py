@@ -15,6 +15,7 @@ loss skips the whole backward pass and leaves the state as it was.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -451,9 +452,12 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
       do not use the old state after the call).
     batch: any pytree, passed to ``loss_fn``.
     loss_fn: ``loss_fn(variables, batch) -> loss`` (or ``(loss, aux)`` with
-      ``has_aux=True``); call ``state.apply_fn(variables, ...)`` inside. It must
-      be hashable (a module-level function or a ``functools.partial``), as it
-      is a static argument of the jitted step.
+      ``has_aux=True``); call ``state.apply_fn(variables, ...)`` inside. It is
+      a static argument of the jitted step: a module-level function, or a
+      ``functools.partial`` of one (partials built alike, from equal or
+      identical arguments, are one step: one trace and compile). A new
+      function object at each call (a lambda inside the training loop)
+      traces and compiles the step each time (``RetraceWarning``).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     skip_nonfinite: skip the whole step when the loss is not finite, as
       ``optax.apply_if_finite`` does (the default). ``False`` takes every
@@ -485,8 +489,9 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
       batch is split over devices.
   """
   _check_not_data_parallel(state, batch)
+  _warn_new_loss_function(loss_fn)
   try:
-    return _train_step_jit(state, batch, loss_fn, has_aux, bool(skip_nonfinite))
+    return _train_step_jit(state, batch, _StaticFunction(loss_fn), has_aux, bool(skip_nonfinite))
   except (RuntimeError, ValueError) as e:  # jax: "Buffer has been deleted or donated"
     deleted = _deleted_leaves(state)
     if not deleted:
@@ -501,16 +506,101 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
     ) from e
 
 
+class _ByIdentity:
+  """A value compared by identity (an array, or anything unhashable)."""
+
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __eq__(self, other):
+    return isinstance(other, _ByIdentity) and other.value is self.value
+
+  def __hash__(self):
+    return id(self.value)
+
+
+def _static_key(value):
+  """``value`` as part of a jit cache key: a functools.partial by its function and arguments
+  (recursively), arrays and unhashable values by identity, anything else as itself."""
+  if isinstance(value, functools.partial):
+    return (functools.partial, _static_key(value.func), tuple(_static_key(a) for a in value.args),
+            tuple(sorted((k, _static_key(v)) for k, v in value.keywords.items())))
+  if isinstance(value, (jax.Array, np.ndarray)):
+    return _ByIdentity(value)
+  try:
+    hash(value)
+  except TypeError:
+    return _ByIdentity(value)
+  return value
+
+
+class _StaticFunction:
+  """A loss function as the jitted step's static argument. ``functools.partial`` objects built
+  alike (the same function, arguments equal or identical) are one key, so
+  ``train_step(state, batch, functools.partial(loss_fn, model.apply))`` in a loop traces and
+  compiles once, where a partial object on its own compares by identity."""
+
+  __slots__ = ("fn", "_key", "_hash")
+
+  def __init__(self, fn: Callable):
+    self.fn = fn
+    self._key = _static_key(fn)
+    self._hash = hash(self._key)
+
+  def __eq__(self, other):
+    return isinstance(other, _StaticFunction) and self._key == other._key
+
+  def __hash__(self):
+    return self._hash
+
+  def __call__(self, *args, **kwargs):
+    return self.fn(*args, **kwargs)
+
+
+class RetraceWarning(UserWarning):
+  """train_step is given a new ``loss_fn`` object at each call, so it traces and compiles anew."""
+
+
+_LOSS_CODES: dict = {}  # code object of a loss function -> ids of the functions seen with it
+_RETRACE_WARN_AT = 4  # distinct loss_fn objects of one code (a few variants are legitimate)
+
+
+def _warn_new_loss_function(loss_fn) -> None:
+  """Warns (once per code) when ``loss_fn`` is the fourth distinct function object with the
+  code of earlier ones (a lambda written inside a training loop): ``loss_fn`` is a static
+  argument of the jitted step, so each new object traces and compiles the step again."""
+  code = getattr(loss_fn, "__code__", None)
+  seen = _LOSS_CODES.setdefault(code, set()) if code is not None else None
+  if seen is None or seen is _WARNED:
+    return
+  seen.add(id(loss_fn))
+  if len(seen) >= _RETRACE_WARN_AT:
+    _LOSS_CODES[code] = _WARNED
+    warnings.warn(
+        f"train_step got {len(seen)} different loss_fn objects with the code of "
+        f"{getattr(loss_fn, '__qualname__', loss_fn)} ({code.co_filename}:{code.co_firstlineno}): "
+        "loss_fn is a static argument of the jitted step, so every new object traces and "
+        "compiles the step again. Define it once outside the training loop (a module-level "
+        "function, or a functools.partial of one, which compare equal when built alike).",
+        RetraceWarning, stacklevel=3)
+
+
+_WARNED: set = set()
+
+
 def _deleted_leaves(state) -> list:
   """Paths of ``state``'s arrays whose buffers were donated (deleted)."""
   return [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(state)
-          if isinstance(leaf, jax.Array) and hasattr(leaf, "is_deleted") and leaf.is_deleted()]
+          if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+          and leaf.is_deleted()]
 
 
 def _lower(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False,
            skip_nonfinite: bool = True):
   _check_not_data_parallel(state, batch)
-  return _train_step_jit.lower(state, batch, loss_fn, has_aux, bool(skip_nonfinite))
+  return _train_step_jit.lower(state, batch, _StaticFunction(loss_fn), has_aux, bool(skip_nonfinite))
 
 
 train_step.lower = _lower  # type: ignore[attr-defined]

@@ -678,6 +678,38 @@ def test_a_donated_state_or_its_variables_reused_is_a_clear_error():
   forge_jax.train_step(fresh, batch, loss)
 
 
+def _counting_mse(calls, apply_fn, variables, batch):
+  calls.append(1)
+  return _mse(apply_fn, variables, batch)
+
+
+def test_a_partial_built_in_the_loop_traces_the_step_once():
+  """train_step(state, batch, functools.partial(loss_fn, model.apply)) written inside a training
+  loop (the README's call, repeated): partials built alike are one static argument, so the step
+  is traced and compiled once (a partial object alone compares by identity: it retraced and
+  recompiled at every call); a partial of other arguments is another step."""
+  opt = forge_jax.sgd(1e-1)
+  model = Net(opt)
+  batch = _batch()
+  state = _state(model, batch["x"], opt)
+  calls = []
+  for _ in range(3):
+    state, _ = forge_jax.train_step(state, batch, functools.partial(_counting_mse, calls, model.apply))
+  assert len(calls) == 1
+  state, _ = forge_jax.train_step(state, batch, functools.partial(_counting_mse, [], model.apply))
+  assert len(calls) == 1  # the other list: another trace, into that list
+
+
+def test_a_lambda_written_in_the_loop_warns_that_the_step_recompiles():
+  opt = forge_jax.sgd(1e-1)
+  model = Net(opt)
+  batch = _batch()
+  state = _state(model, batch["x"], opt)
+  with pytest.warns(forge_jax.RetraceWarning, match="different loss_fn objects"):
+    for _ in range(4):
+      state, _ = forge_jax.train_step(state, batch, lambda v, b: _mse(model.apply, v, b))
+
+
 def test_grad_with_respect_to_inputs_alone_works_through_forge_layers():
   opt = forge_jax.adamw(1e-2)
   model = Net(opt)
