@@ -489,9 +489,10 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
       batch is split over devices.
   """
   _check_not_data_parallel(state, batch)
-  _warn_new_loss_function(loss_fn)
+  loss_fn = _StaticFunction(loss_fn)
+  _warn_new_loss_function(loss_fn, state)
   try:
-    return _train_step_jit(state, batch, _StaticFunction(loss_fn), has_aux, bool(skip_nonfinite))
+    return _train_step_jit(state, batch, loss_fn, has_aux, bool(skip_nonfinite))
   except (RuntimeError, ValueError) as e:  # jax: "Buffer has been deleted or donated"
     deleted = _deleted_leaves(state)
     if not deleted:
@@ -560,34 +561,43 @@ class _StaticFunction:
 
 
 class RetraceWarning(UserWarning):
-  """train_step is given a new ``loss_fn`` object at each call, so it traces and compiles anew."""
+  """train_step is given a different ``loss_fn`` at each call, so it traces and compiles anew."""
 
 
-_LOSS_CODES: dict = {}  # code object of a loss function -> ids of the functions seen with it
-_RETRACE_WARN_AT = 4  # distinct loss_fn objects of one code (a few variants are legitimate)
+_WARNED = object()
+# (a loss function's code, the state's structure) -> the distinct static keys seen with them
+_LOSS_CODES: dict = {}
+_RETRACE_WARN_AT = 4  # distinct loss_fn keys for one state (a few variants are legitimate)
 
 
-def _warn_new_loss_function(loss_fn) -> None:
-  """Warns (once per code) when ``loss_fn`` is the fourth distinct function object with the
-  code of earlier ones (a lambda written inside a training loop): ``loss_fn`` is a static
-  argument of the jitted step, so each new object traces and compiles the step again."""
-  code = getattr(loss_fn, "__code__", None)
-  seen = _LOSS_CODES.setdefault(code, set()) if code is not None else None
-  if seen is None or seen is _WARNED:
+def _warn_new_loss_function(loss_fn: "_StaticFunction", state) -> None:
+  """Warns (once per code and state structure) when ``loss_fn`` is the fourth distinct static
+  argument with the code of earlier ones for states of one structure (one model and
+  optimizer): a lambda written inside a training loop, or a functools.partial whose arguments
+  change from call to call (an array compares by identity). ``loss_fn`` is a static argument
+  of the jitted step, so each one traces and compiles the step again."""
+  fn = loss_fn.fn
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  code = getattr(fn, "__code__", None)
+  if code is None:
     return
-  seen.add(id(loss_fn))
+  where = (code, jax.tree.structure(state))
+  seen = _LOSS_CODES.setdefault(where, set())
+  if seen is _WARNED:
+    return
+  seen.add(loss_fn)
   if len(seen) >= _RETRACE_WARN_AT:
-    _LOSS_CODES[code] = _WARNED
+    _LOSS_CODES[where] = _WARNED
     warnings.warn(
-        f"train_step got {len(seen)} different loss_fn objects with the code of "
-        f"{getattr(loss_fn, '__qualname__', loss_fn)} ({code.co_filename}:{code.co_firstlineno}): "
-        "loss_fn is a static argument of the jitted step, so every new object traces and "
-        "compiles the step again. Define it once outside the training loop (a module-level "
-        "function, or a functools.partial of one, which compare equal when built alike).",
+        f"train_step got {len(seen)} different loss_fn arguments with the code of "
+        f"{getattr(fn, '__qualname__', fn)} ({code.co_filename}:{code.co_firstlineno}): loss_fn "
+        "is a static argument of the jitted step, so each new one traces and compiles the step "
+        "again. Define the function once outside the training loop (a module-level function, "
+        "or a functools.partial of one: partials built alike are one step), and pass values "
+        "that change from step to step (an RNG key, an array) in the batch: in a partial they "
+        "are constants of the compiled step, and arrays compare by identity.",
         RetraceWarning, stacklevel=3)
-
-
-_WARNED: set = set()
 
 
 def _deleted_leaves(state) -> list:

@@ -700,14 +700,24 @@ def test_a_partial_built_in_the_loop_traces_the_step_once():
   assert len(calls) == 1  # the other list: another trace, into that list
 
 
-def test_a_lambda_written_in_the_loop_warns_that_the_step_recompiles():
+def _keyed_mse(apply_fn, key, variables, batch):
+  del key
+  return _mse(apply_fn, variables, batch)
+
+
+def test_a_lambda_or_a_changing_partial_in_the_loop_warns_that_the_step_recompiles():
   opt = forge_jax.sgd(1e-1)
   model = Net(opt)
   batch = _batch()
   state = _state(model, batch["x"], opt)
-  with pytest.warns(forge_jax.RetraceWarning, match="different loss_fn objects"):
+  with pytest.warns(forge_jax.RetraceWarning, match="4 different loss_fn arguments"):
     for _ in range(4):
       state, _ = forge_jax.train_step(state, batch, lambda v, b: _mse(model.apply, v, b))
+  # A per-step RNG key in the partial: a constant of each compiled step.
+  with pytest.warns(forge_jax.RetraceWarning, match="an RNG key, an array"):
+    for i in range(4):
+      loss = functools.partial(_keyed_mse, model.apply, jax.random.PRNGKey(i))
+      state, _ = forge_jax.train_step(state, batch, loss)
 
 
 def test_grad_with_respect_to_inputs_alone_works_through_forge_layers():
