@@ -189,11 +189,26 @@ def apply_bound_here():
   bound on entry: a ScannedStack's backward pass binds train_step's placeholder for it once,
   outside its loop over the layers (evaluating the step's jaxpr replaces it there; one in the
   loop's body would not be replaced)."""
-  token = _APPLY.set(_reuse.apply_flag(_APPLY.get()))
+  apply = _APPLY.get()
+  token_guarded = _GUARDED.set(apply is _reuse.DEFERRED or _GUARDED.get())
+  token = _APPLY.set(_reuse.apply_flag(apply))
   try:
     yield
   finally:
     _APPLY.reset(token)
+    _GUARDED.reset(token_guarded)
+
+
+# Within apply_bound_here() under train_step's placeholder: the layers' flag is that
+# placeholder's value.
+_GUARDED: contextvars.ContextVar = contextvars.ContextVar("forge_guarded", default=False)
+
+
+def _layer_apply():
+  """The flag a FORGE layer's update takes, and whether it is train_step's placeholder (or its
+  value): a backward pass jax caches and reuses in a later step is then still guarded there."""
+  apply = _APPLY.get()
+  return _reuse.apply_flag(apply), apply is _reuse.DEFERRED or _GUARDED.get()
 
 
 # The steps at which two schedules (functions of the step count, equal only to themselves as
@@ -339,13 +354,14 @@ def _forge_matmul_bwd(optimizer, dtype, precision, backend, decay, config, path,
   _check_optimizer(optimizer)
   stream = kernel_stream(path)
   _mark_updated(stream)
-  dy = _reuse.mark_backward(dy, name)
+  apply, guarded = _layer_apply()
+  dy = _reuse.mark_backward(dy, name, guarded=guarded)
   # The update below overwrites `kernel` in place: every read of the old weight
   # (the dX product) must be ordered before it, or XLA protects the buffer
   # with a defensive copy. `after=dx` makes the update depend on dX.
   new_kernel, new_opt, sq = _update(
       layout, name, x, dy, kernel, kstate.opt, optimizer, backend, after=dx, decay=decay,
-      config=config, stream=stream, apply=_reuse.apply_flag(_APPLY.get()))
+      config=config, stream=stream, apply=apply)
   # And the other way round: whatever consumes dX (the layers below) waits for the update, so
   # that `dy` dies here. Left free, XLA may schedule the update last: at 120 x 1024 tokens of
   # Llama-3.1-8B with int8 states it kept the LM head's dY (29.4 GiB of dlogits) live across the
@@ -389,11 +405,12 @@ def _forge_matmul_stacked_bwd(optimizer, dtype, precision, backend, decay, confi
   _mark_updated(stream)
   x, kernels, kstates, layer = res
   # One backward pass per layer of the stack: the loop over the layers is not a reuse.
-  dy = _reuse.mark_backward(dy, name, stacked=True)
+  apply, guarded = _layer_apply()
+  dy = _reuse.mark_backward(dy, name, stacked=True, guarded=guarded)
   dx = _stacked_product(dy, kernels, layer, dtype, precision, backend, layout, transpose=True)
   new_kernels, new_opt, sq = _update(
       layout, name, x, dy, kernels, kstates.opt, optimizer, backend, layer=layer, after=dx,
-      decay=decay, config=config, stream=stream, apply=_reuse.apply_flag(_APPLY.get()),
+      decay=decay, config=config, stream=stream, apply=apply,
   )
   new_kernels, new_opt, sq = _reuse.mark_new_values((new_kernels, new_opt, sq), name)
   new_opt = new_opt._replace(count=_float0_like(new_opt.count))

@@ -101,8 +101,8 @@ _CHECKPOINTS = ("remat2", "checkpoint")
 
 def _thread(jaxpr, flag, memo: dict, threaded: dict):
   """``jaxpr`` (a core.Jaxpr) with every placeholder replaced by ``flag``, a Var the caller makes
-  its input; None where one sits in a sub-jaxpr other than a jax.checkpoint's (a loop body, a
-  call), whose parameters this does not rewrite. ``threaded``: the checkpoint bodies already
+  its input; None where one sits in a sub-jaxpr other than a jax.checkpoint's or a jit call's
+  (a loop body), whose parameters this does not rewrite. ``threaded``: the bodies already
   rewritten, by identity, so that bodies jax shares stay shared."""
   subst: dict = {}
   fix = lambda vs: [subst.get(v, v) if isinstance(v, jex_core.Var) else v for v in vs]
@@ -115,24 +115,49 @@ def _thread(jaxpr, flag, memo: dict, threaded: dict):
       continue
     subs = [getattr(s, "jaxpr", s) for s in jex_core.jaxprs_in_params(eqn.params)]
     if any(_binds(sub, apply_flag_p, memo) for sub in subs):
-      if eqn.primitive.name not in _CHECKPOINTS:
+      params = _with_flag_input(eqn, flag, memo, threaded)
+      if params is None:
         return None
-      body = eqn.params["jaxpr"]
-      if id(body) not in threaded:
-        inner = jex_core.Var(flag.aval)
-        new = _thread(body, inner, memo, threaded)
-        threaded[id(body)] = None if new is None else new.replace(invars=[inner, *new.invars])
-      if threaded[id(body)] is None:
-        return None
-      eqn = eqn.replace(invars=[flag, *eqn.invars], params={**eqn.params, "jaxpr": threaded[id(body)]})
+      eqn = eqn.replace(invars=[flag, *eqn.invars], params=params)
     eqns.append(eqn)
   return jaxpr.replace(eqns=eqns, outvars=fix(jaxpr.outvars))
 
 
+def _threaded_body(body, flag, memo, threaded):
+  """``body`` (a core.Jaxpr) taking the flag as its first input, or None (memoized by identity)."""
+  if id(body) not in threaded:
+    inner = jex_core.Var(flag.aval)
+    new = _thread(body, inner, memo, threaded)
+    threaded[id(body)] = None if new is None else new.replace(invars=[inner, *new.invars])
+  return threaded[id(body)]
+
+
+def _with_flag_input(eqn, flag, memo, threaded):
+  """The parameters of ``eqn`` (a jax.checkpoint or a jit call whose body binds placeholders)
+  with the flag as a new first operand, or None for any other primitive."""
+  name = eqn.primitive.name
+  if name in _CHECKPOINTS:
+    body = _threaded_body(eqn.params["jaxpr"], flag, memo, threaded)
+    return None if body is None else {**eqn.params, "jaxpr": body}
+  if name in ("jit", "pjit"):
+    # The flag's sharding and layout are left to the compiler, as a jit's unannotated input's.
+    unspecified = [s for s in (*eqn.params["in_shardings"], *eqn.params["out_shardings"])
+                   if type(s).__name__ == "UnspecifiedValue"]
+    closed = eqn.params["jaxpr"]
+    body = _threaded_body(closed.jaxpr, flag, memo, threaded)
+    if body is None or not unspecified:
+      return None
+    return {**eqn.params, "jaxpr": jex_core.ClosedJaxpr(body, closed.consts),
+            "in_shardings": (unspecified[0], *eqn.params["in_shardings"]),
+            "in_layouts": (None, *eqn.params["in_layouts"]),
+            "donated_invars": (False, *eqn.params["donated_invars"])}
+  return None
+
+
 def thread_apply_flag(closed_jaxpr):
   """``closed_jaxpr`` with the flag as a new first input in place of every placeholder, those in
-  jax.checkpoint bodies (nn.remat) included, or None where one sits elsewhere (see
-  :func:`_thread`)."""
+  jax.checkpoint bodies (nn.remat) and jit calls (a jitted apply in the loss) included, or None
+  where one sits elsewhere (see :func:`_thread`)."""
   flag = jex_core.Var(jax.core.ShapedArray((), np.bool_))
   body = _thread(closed_jaxpr.jaxpr, flag, {}, {})
   if body is None:
@@ -140,8 +165,8 @@ def thread_apply_flag(closed_jaxpr):
   return jex_core.ClosedJaxpr(body.replace(invars=[flag, *body.invars]), closed_jaxpr.consts)
 
 
-def _refuse_batching(args, dims, *, path, stacked):
-  del args, dims, stacked
+def _refuse_batching(args, dims, *, path, stacked, guarded):
+  del args, dims, stacked, guarded
   raise ValueError(
       f"the backward pass of the FORGE kernel {path} is being vmapped (jax.vmap or nn.vmap "
       "over a FORGE module, or over a train step): each mapped instance would apply its own "
@@ -153,9 +178,28 @@ def _refuse_batching(args, dims, *, path, stacked):
 batching.primitive_batchers[backward_p] = _refuse_batching
 
 
-def mark_backward(dy, path: str, stacked: bool = False):
-  """``dy``, marked as the cotangent of one backward pass of the FORGE kernel ``path``."""
-  return backward_p.bind(dy, path=path, stacked=stacked)
+def mark_backward(dy, path: str, stacked: bool = False, guarded: bool = False):
+  """``dy``, marked as the cotangent of one backward pass of the FORGE kernel ``path``;
+  ``guarded``: its update takes train_step's placeholder flag (or its value)."""
+  return backward_p.bind(dy, path=path, stacked=stacked, guarded=guarded)
+
+
+def unguarded_paths(jaxpr) -> set:
+  """The FORGE kernels whose backward pass in ``jaxpr`` does not take train_step's placeholder
+  flag: traced without it, in an earlier step whose transpose jax cached and reused here."""
+  found: set = set()
+  memo: dict = {}
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive is backward_p and not eqn.params["guarded"]:
+        found.add(eqn.params["path"])
+      for sub in jex_core.jaxprs_in_params(eqn.params):
+        sub = getattr(sub, "jaxpr", sub)
+        if _binds(sub, backward_p, memo):
+          walk(sub)
+  walk(getattr(jaxpr, "jaxpr", jaxpr))
+  return found
 
 
 # Primitives whose body runs once per device or shard, each on its part of the data. A
@@ -350,45 +394,3 @@ def check_no_mapped_axis() -> None:
         "outside pmap/shard_map with the batch replicated, or train with flax.linen.Dense + "
         "optax for data parallelism."
     )
-
-
-# Where a FORGE backward pass may read a value traced outside it (train_step's non-finite
-# flag): the step's own jaxpr and the bodies of loops, which close over outer values (a cond's
-# branches do not hoist such a value; FORGE backward passes in a cond are refused above). A call primitive (a jax.jit'd function inside the loss) or a jax.checkpoint, whose
-# transposes jax traces on its own and caches, cannot take such a value as a constant, with one
-# exception: the checkpoint of a ScannedStack's block directly in its backward loop (every
-# backward pass in it stacked), which the stack creates anew at each trace, so its transpose is
-# traced with the flag (tests/test_reliability.py checks the skip bit for bit).
-_CLOSURE_OK = ("scan", "while")
-_CHECKPOINT = ("remat2", "checkpoint")
-
-
-def _stacked_only(subs) -> bool:
-  """Whether the FORGE backward passes in ``subs`` (at any depth) are all a ScannedStack's."""
-  def walk(jaxpr):
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-      if eqn.primitive is backward_p:
-        yield eqn.params["stacked"]
-      for s in jex_core.jaxprs_in_params(eqn.params):
-        yield from walk(s)
-  return all(stacked for s in subs for stacked in walk(s))
-
-
-def per_layer_guard_ok(jaxpr, in_stack_loop: bool = False) -> bool:
-  """Whether every FORGE backward pass in ``jaxpr`` can skip its own update: none runs inside
-  a call or a ``jax.checkpoint`` other than a ScannedStack block's (see ``_CLOSURE_OK``)."""
-  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-    subs = list(jex_core.jaxprs_in_params(eqn.params))
-    if eqn.primitive is backward_p or not any(_binds(getattr(s, "jaxpr", s), backward_p, {}) for s in subs):
-      continue
-    name = eqn.primitive.name
-    if name in _CLOSURE_OK:
-      loop = name in ("scan", "while") and _stacked_only(subs)
-      if not all(per_layer_guard_ok(s, loop) for s in subs):
-        return False
-    elif name in _CHECKPOINT and in_stack_loop and _stacked_only(subs):
-      if not all(per_layer_guard_ok(s) for s in subs):
-        return False
-    else:
-      return False
-  return True

@@ -307,52 +307,42 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   # forward pass, so the backward pass is traced once with a placeholder for it in every
   # FORGE layer (_reuse.apply_flag_p; a ScannedStack binds one outside its loop), checked,
   # and evaluated with the flag in its place: evaluating a jaxpr binds its own equations, and
-  # the bodies of jax.checkpoints (nn.remat) are rewritten to take the flag as an input
-  # (_reuse.thread_apply_flag). A placeholder elsewhere (inside a call: a jax.jit'd apply in
-  # the loss; a loop body) is not replaced. Then the model is linearized again and its
-  # backward pass traced with the flag itself, which a FORGE backward pass that jax traces and
-  # caches on its own (in a call, whose transpose jax caches) cannot close over; then the whole
-  # backward pass goes in one cond (which keeps the forward residuals live to its end).
-  # Everything is traced and checked before anything is updated.
+  # the bodies of jax.checkpoints (nn.remat) and jit calls (a jitted apply in the loss) are
+  # rewritten to take the flag as an input (_reuse.thread_apply_flag). A FORGE backward pass
+  # that jax took from its cache (a jitted apply's transpose, traced by an earlier step without
+  # the guard) may have no placeholder: then, and for a placeholder that cannot be rewritten
+  # (in a loop body), the whole backward pass goes in one cond, where the flag is true (the
+  # cond keeps the forward residuals live to its end). Everything is traced and checked
+  # before anything is updated.
   loss, vjp_fn, aux = linearize()
-  apply = _reuse.DEFERRED if skip_nonfinite else None
-  bwd, ct_tree, counts = _backward_jaxpr(vjp_fn, loss, state.optimizer, apply=apply)
+  bwd, ct_tree, counts = _backward_jaxpr(
+      vjp_fn, loss, state.optimizer, apply=_reuse.DEFERRED if skip_nonfinite else None)
   kept = _without_backward_pass(paths, counts)
   finite = jnp.isfinite(loss) if skip_nonfinite else jnp.ones((), bool)
-  whole_cond = False
-  flag_input = ()
-  if skip_nonfinite and _reuse.apply_flags_nested(bwd):
-    threaded = _reuse.thread_apply_flag(bwd)
-    if threaded is not None:
-      bwd, flag_input = threaded, (finite,)
-  if skip_nonfinite and not flag_input and _reuse.apply_flags_nested(bwd):
-    whole_cond = not _reuse.per_layer_guard_ok(bwd)
-    loss, vjp_fn, aux = linearize()
-    finite = jnp.isfinite(loss)
-    bwd, ct_tree, _ = _backward_jaxpr(
-        vjp_fn, loss, state.optimizer, apply=None if whole_cond else finite)
-    if not whole_cond and _reuse.apply_flags_nested(bwd):
-      raise RuntimeError(
-          "forge_jax.train_step: a FORGE backward pass traced earlier was reused from a jax "
-          "cache inside a loop body of this step, without the step's non-finite flag. Please "
-          "report it; train_step(..., skip_nonfinite=False) avoids it.")
+  nested = _reuse.apply_flags_nested(bwd)
+  threaded = _reuse.thread_apply_flag(bwd) if nested else None
+  whole_cond = skip_nonfinite and bool(
+      _reuse.unguarded_paths(bwd) or (nested and threaded is None))
 
-  def cotangents():
-    with _reuse.substitute_apply_flag(finite):
-      return jax.tree.unflatten(ct_tree, jex_core.jaxpr_as_fun(bwd)(*flag_input, jnp.ones_like(loss)))
+  def cotangents(flag):
+    """The backward pass's cotangents, every FORGE update taking ``flag``."""
+    with _reuse.substitute_apply_flag(flag):
+      args = (flag, jnp.ones_like(loss)) if threaded is not None else (jnp.ones_like(loss),)
+      out = jex_core.jaxpr_as_fun(threaded if threaded is not None else bwd)(*args)
+    return jax.tree.unflatten(ct_tree, out)
 
   if whole_cond:
     def unchanged(_):
       return (_plain(state.params), _plain(state.forge_state), state.opt_state, state.step,
               jnp.full((), jnp.nan, jnp.float32), jnp.zeros((), jnp.int32))
     def backward(_):
-      out = _apply_cotangents(state, paths, cotangents(), True, kept)
+      out = _apply_cotangents(state, paths, cotangents(jnp.ones((), bool)), True, kept)
       return (_plain(out[0]), _plain(out[1]), *out[2:])
     params, forge_state, opt_state, step, grad_norm, nonfinite = jax.lax.cond(
         finite, backward, unchanged, None)
   else:
     params, forge_state, opt_state, step, grad_norm, nonfinite = _apply_cotangents(
-        state, paths, cotangents(), finite, kept)
+        state, paths, cotangents(finite), finite, kept)
   skipped = jnp.zeros([], jnp.int32) if state.skipped_steps is None else state.skipped_steps
   skipped = jnp.where(finite, skipped, _rules.safe_increment(skipped))
   metrics = {"loss": loss, "grad_norm": grad_norm, "clip_scale": clip_scale,

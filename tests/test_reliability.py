@@ -487,50 +487,58 @@ def test_non_finite_loss_with_finite_gradients_skips_bit_for_bit(remat):
   _assert_unchanged(state, before.replace(skipped_steps=np.int32(2)))
 
 
-@pytest.mark.parametrize("kind", ["unrolled", "scanned_stack", "nn_remat"])
+@pytest.mark.parametrize("kind", ["unrolled", "scanned_stack", "nn_remat", "jitted_apply"])
 def test_guard_traces_the_model_once(kind):
-  """With the guard on, the forward pass is traced once, as without it: the backward pass is
-  traced with a placeholder for the flag in each FORGE layer (a ScannedStack's: one, outside
-  its loop; under nn.remat: the checkpoint bodies take the flag as an input) and evaluated with
-  the flag in its place (the skip itself: test_non_finite_loss_skip_takes_no_cond,
+  """With the guard on, the forward pass is traced once, as without it, and the step has no
+  conditional: the backward pass is traced with a placeholder for the flag in each FORGE layer
+  (a ScannedStack's: one, outside its loop; under nn.remat and in a jitted apply: the
+  checkpoint and call bodies take the flag as an input) and evaluated with the flag in its
+  place (the skip itself: test_non_finite_loss_skip_takes_no_cond,
   test_non_finite_loss_skips_the_step_bit_for_bit,
-  test_non_finite_loss_with_finite_gradients_skips_bit_for_bit)."""
+  test_non_finite_loss_with_finite_gradients_skips_bit_for_bit,
+  test_jitted_apply_with_and_without_the_guard)."""
+  import re  # pylint: disable=g-import-not-at-top
   opt = forge_jax.adamw(1e-2)
   model = {"unrolled": lambda: Poisoned(opt, False), "scanned_stack": lambda: StackNet(opt),
-           "nn_remat": lambda: Net(opt, remat=True)}[kind]()
+           "nn_remat": lambda: Net(opt, remat=True), "jitted_apply": lambda: Net(opt)}[kind]()
+  apply = jax.jit(model.apply) if kind == "jitted_apply" else model.apply
   batch = _batch()
   state = _state(model, batch["x"], opt)
   for skip in (True, False):
     calls = []
     def loss(variables, b):
       calls.append(1)
-      return _mse(model.apply, variables, b)
-    forge_jax.train_step.lower(state, batch, loss, skip_nonfinite=skip)
+      return _mse(apply, variables, b)
+    text = forge_jax.train_step.lower(state, batch, loss, skip_nonfinite=skip).as_text()
     assert len(calls) == 1, (skip, len(calls))
+    assert not re.search(r"stablehlo\.(case|if)\b", text)
 
 
 @pytest.mark.parametrize("guard_first", [True, False], ids=["guard_first", "plain_first"])
 def test_jitted_apply_with_and_without_the_guard(guard_first):
   """A jax.jit'd apply in the loss: jax caches its backward pass across steps, traced with
   whichever guard setting came first. Both settings then take finite steps alike (equal to an
-  un-jitted apply's), and the guard still skips a non-finite loss bit for bit."""
+  un-jitted apply's), and the guard still skips a non-finite loss bit for bit, also one whose
+  gradients are finite (where only the flag, not the kernels' per-element guard, can skip: a
+  transpose cached without the flag goes in one cond around the backward pass)."""
   opt = forge_jax.adamw(1e-2, weight_decay=0.1)
   model = Net(opt)
   fwd = jax.jit(model.apply)
-  batches = [_batch(key=i) for i in range(3)]
+  batches = [{**_batch(key=i), "offset": jnp.zeros(())} for i in range(3)]
   ref = _state(model, batches[0]["x"], opt)
   state = _state(model, batches[0]["x"], opt)
   for i, (b, skip) in enumerate(zip(batches, (guard_first, not guard_first, True))):
-    ref, _ = forge_jax.train_step(ref, b, functools.partial(_mse, model.apply))
-    state, _ = forge_jax.train_step(state, b, functools.partial(_mse, fwd), skip_nonfinite=skip)
+    ref, _ = forge_jax.train_step(ref, b, functools.partial(_mse_plus, model.apply))
+    state, _ = forge_jax.train_step(state, b, functools.partial(_mse_plus, fwd), skip_nonfinite=skip)
     for a, c in zip(jax.tree.leaves(_host((state.params, state.forge_state, state.opt_state))),
                     jax.tree.leaves(_host((ref.params, ref.forge_state, ref.opt_state))), strict=True):
       np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-7, err_msg=f"step {i}")
-  before = _host(state)
-  state, metrics = forge_jax.train_step(
-      state, _poison(batches[0], ("x", (1, 1)), jnp.nan), functools.partial(_mse, fwd))
-  assert bool(metrics["skipped"])
-  _assert_unchanged(state, before.replace(skipped_steps=np.int32(1)))
+  for bad, skipped in (({**batches[0], "offset": jnp.array(jnp.inf)}, 1),
+                       (_poison(batches[0], ("x", (1, 1)), jnp.nan), 2)):
+    before = _host(state)
+    state, metrics = forge_jax.train_step(state, bad, functools.partial(_mse_plus, fwd))
+    assert bool(metrics["skipped"])
+    _assert_unchanged(state, before.replace(skipped_steps=np.int32(skipped)))
 
 
 @jax.custom_vjp
