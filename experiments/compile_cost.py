@@ -337,12 +337,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "off: skip_nonfinite=False; on,off: both, side by side (default on)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
-  guards = args.guard.split(",")
-  if not guards or any(g not in ("on", "off") for g in guards):
-    parser.error(f"--guard {args.guard}: on, off or both, comma-separated")
-  modes = args.kernel_compile.split(",")
-  if not modes or any(m not in ("parallel", "serial") for m in modes):
-    parser.error(f"--kernel-compile {args.kernel_compile}: parallel, serial or both, comma-separated")
+  def choices(flag: str, value: str, allowed: tuple) -> list:
+    picked = value.split(",")
+    if not picked or any(v not in allowed for v in picked):
+      parser.error(f"{flag} {value}: {', '.join(allowed)} or both, comma-separated")
+    return picked
+  guards = choices("--guard", args.guard, ("on", "off"))
+  modes = choices("--kernel-compile", args.kernel_compile, ("parallel", "serial"))
   if args.repeats < 1:
     parser.error(f"--repeats {args.repeats}: at least 1")
   if args.trace_compile and not args.compile:
