@@ -315,6 +315,11 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   # cond keeps the forward residuals live to its end). Everything is traced and checked
   # before anything is updated.
   loss, vjp_fn, aux = linearize()
+  if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+    raise ValueError(
+        f"loss_fn must return a real scalar loss (with has_aux=True: (loss, aux)), as jax.grad "
+        f"needs; it returned shape {jnp.shape(loss)}, dtype {jnp.result_type(loss)}. "
+        "Reduce a per-example loss to one value (.mean() or .sum()).")
   bwd, ct_tree, counts = _backward_jaxpr(
       vjp_fn, loss, state.optimizer, apply=_reuse.DEFERRED if skip_nonfinite else None)
   kept = _without_backward_pass(paths, counts)

@@ -728,6 +728,15 @@ def test_a_lambda_or_a_changing_partial_in_the_loop_warns_that_the_step_recompil
       state, _ = forge_jax.train_step(state, batch, loss)
 
 
+def test_a_loss_that_is_not_a_real_scalar_is_a_clear_error():
+  """A per-example loss vector (jax.grad refuses it too) was a lowering error about i1 tensors."""
+  opt = forge_jax.sgd(1e-1)
+  model = Net(opt)
+  batch = _batch()
+  per_example = lambda v, b: jnp.mean((model.apply(v, b["x"]) - b["y"]) ** 2, axis=-1)
+  _refused(_state(model, batch["x"], opt), batch, per_example, r"real scalar loss.*shape \(6,\)")
+
+
 def test_grad_with_respect_to_inputs_alone_works_through_forge_layers():
   opt = forge_jax.adamw(1e-2)
   model = Net(opt)
