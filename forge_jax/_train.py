@@ -315,6 +315,10 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   # cond keeps the forward residuals live to its end). Everything is traced and checked
   # before anything is updated.
   loss, vjp_fn, aux = linearize()
+  if not hasattr(loss, "shape"):
+    raise ValueError(
+        f"loss_fn returned a {type(loss).__name__}, not a scalar loss: with (loss, aux), pass "
+        "has_aux=True to train_step.")
   if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
     raise ValueError(
         f"loss_fn must return a real scalar loss (with has_aux=True: (loss, aux)), as jax.grad "

@@ -735,6 +735,8 @@ def test_a_loss_that_is_not_a_real_scalar_is_a_clear_error():
   batch = _batch()
   per_example = lambda v, b: jnp.mean((model.apply(v, b["x"]) - b["y"]) ** 2, axis=-1)
   _refused(_state(model, batch["x"], opt), batch, per_example, r"real scalar loss.*shape \(6,\)")
+  with_aux = lambda v, b: (_mse(model.apply, v, b), {"n": jnp.ones(())})
+  _refused(_state(model, batch["x"], opt), batch, with_aux, "returned a tuple.*has_aux=True")
 
 
 def test_grad_with_respect_to_inputs_alone_works_through_forge_layers():
