@@ -488,7 +488,7 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool =
       batch is split over devices.
   """
   _check_not_data_parallel(state, batch)
-  loss_fn = _StaticFunction(loss_fn)
+  loss_fn = StaticFunction(loss_fn)
   _warn_new_loss_function(loss_fn, state)
   try:
     return _train_step_jit(state, batch, loss_fn, has_aux, bool(skip_nonfinite))
@@ -536,7 +536,7 @@ def _static_key(value):
   return value
 
 
-class _StaticFunction:
+class StaticFunction:
   """A loss function as the jitted step's static argument. ``functools.partial`` objects built
   alike (the same function, arguments equal or identical) are one key, so
   ``train_step(state, batch, functools.partial(loss_fn, model.apply))`` in a loop traces and
@@ -550,7 +550,7 @@ class _StaticFunction:
     self._hash = hash(self._key)
 
   def __eq__(self, other):
-    return isinstance(other, _StaticFunction) and self._key == other._key
+    return isinstance(other, StaticFunction) and self._key == other._key
 
   def __hash__(self):
     return self._hash
@@ -569,15 +569,15 @@ _LOSS_CODES: dict = {}
 _RETRACE_WARN_AT = 4  # distinct loss_fn keys for one state (a few variants are legitimate)
 
 
-def _warn_new_loss_function(loss_fn: "_StaticFunction", state) -> None:
+def _warn_new_loss_function(loss_fn: "StaticFunction", state) -> None:
   """Warns (once per code and state structure) when ``loss_fn`` is the fourth distinct static
   argument with the code of earlier ones for states of one structure (one model and
   optimizer): a lambda written inside a training loop, or a functools.partial whose arguments
   change from call to call (an array compares by identity). ``loss_fn`` is a static argument
   of the jitted step, so each one traces and compiles the step again."""
   fn = loss_fn.fn
-  while isinstance(fn, functools.partial):
-    fn = fn.func
+  while isinstance(fn, functools.partial) or hasattr(fn, "__wrapped__"):
+    fn = fn.func if isinstance(fn, functools.partial) else fn.__wrapped__
   code = getattr(fn, "__code__", None)
   if code is None:
     return
@@ -609,7 +609,7 @@ def _deleted_leaves(state) -> list:
 def _lower(state: TrainState, batch: Any, loss_fn: Callable, has_aux: bool = False,
            skip_nonfinite: bool = True):
   _check_not_data_parallel(state, batch)
-  return _train_step_jit.lower(state, batch, _StaticFunction(loss_fn), has_aux, bool(skip_nonfinite))
+  return _train_step_jit.lower(state, batch, StaticFunction(loss_fn), has_aux, bool(skip_nonfinite))
 
 
 train_step.lower = _lower  # type: ignore[attr-defined]

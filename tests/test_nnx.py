@@ -334,3 +334,21 @@ def test_bench_models_api_option():
     bench_models.parse_spec("optax:api=nnx")
   with pytest.raises(ValueError, match="must be one of"):
     bench_models.parse_spec("forge:api=haiku")
+
+
+def _counting_mse(calls, model, batch):
+  calls.append(1)
+  return _mse(model, batch)
+
+
+def test_a_partial_built_in_the_loop_traces_the_nnx_step_once():
+  """As in Linen: train_step(model, optimizer, batch, functools.partial(loss, ...)) written in a
+  training loop is one compiled step (a partial alone compares by identity)."""
+  import functools  # pylint: disable=g-import-not-at-top
+  opt = forge_jax.sgd(LR)
+  model = Net(opt, False, rngs=nnx.Rngs(0))
+  optimizer = fnnx.Optimizer(model, opt, wrt=nnx.Param)
+  calls = []
+  for batch in _batches(3):
+    fnnx.train_step(model, optimizer, batch, functools.partial(_counting_mse, calls))
+  assert len(calls) == 1

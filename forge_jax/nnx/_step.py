@@ -115,10 +115,20 @@ def name_layers(model) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Loss:
-  """``loss_fn(model, batch)`` as the Linen step's ``loss(variables, batch)`` (hashable)."""
+  """``loss_fn(model, batch)`` as the Linen step's ``loss(variables, batch)`` (hashable: two are
+  equal for equal layouts and loss functions, partials built alike included)."""
 
   layout: _Layout
   loss_fn: Callable
+
+  @classmethod
+  def of(cls, layout: _Layout, loss_fn: Callable) -> "_Loss":
+    return cls(layout, _train.StaticFunction(loss_fn))
+
+  @property
+  def __wrapped__(self) -> Callable:
+    """The user's loss function (what train_step's RetraceWarning names)."""
+    return self.loss_fn.fn
 
   def __call__(self, variables, batch):
     state = _state_of(self.layout, variables["params"], variables[FORGE_STATE], variables[_REST])
@@ -221,7 +231,8 @@ def train_step(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_a
       ``vmap``/``pmap``/``shard_map``, or when the batch is split over devices.
   """
   layout, model_state, state = _train_state(model, optimizer)
-  new, metrics = _train.train_step(state, batch, _Loss(layout, loss_fn), has_aux, skip_nonfinite)
+  new, metrics = _train.train_step(state, batch, _Loss.of(layout, loss_fn), has_aux,
+                                   skip_nonfinite)
   _write_back(model, optimizer, layout, model_state, new)
   return metrics
 
@@ -308,7 +319,7 @@ def _lower(model, optimizer: Optimizer, batch: Any, loss_fn: Callable, has_aux: 
   """``train_step``'s jitted step lowered for these arguments; ``.compile()`` gives a step
   callable as ``compiled(model, optimizer, batch)``."""
   layout, _, state = _train_state(model, optimizer)
-  return _Lowered(_train.train_step.lower(state, batch, _Loss(layout, loss_fn), has_aux,
+  return _Lowered(_train.train_step.lower(state, batch, _Loss.of(layout, loss_fn), has_aux,
                                           skip_nonfinite), layout)
 
 
