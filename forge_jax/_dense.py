@@ -187,7 +187,7 @@ def fused_backward(optimizer=None, apply=None):
 def apply_bound_here():
   """Within it, FORGE layers take the flag of the enclosing ``fused_backward(apply=...)`` as
   bound on entry: a ScannedStack's backward pass binds train_step's placeholder for it once,
-  outside its loop over the layers (evaluating the step's jaxpr replaces it there; one in the
+  outside its loop over the layers (train_step replaces it there; one in the
   loop's body would not be replaced)."""
   apply = _APPLY.get()
   token_guarded = _GUARDED.set(apply is _reuse.DEFERRED or _GUARDED.get())

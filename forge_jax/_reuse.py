@@ -21,16 +21,14 @@ the new weight (:func:`check_new_values_unmixed`).
 
 train_step's non-finite guard gives each FORGE update a flag that is only known once the
 forward pass has run. A FORGE backward pass traced under ``fused_backward(apply=DEFERRED)``
-binds :data:`apply_flag_p` for it, a placeholder that train_step replaces with the flag as it
-evaluates the backward pass's jaxpr (:func:`substitute_apply_flag`), so one linearization and
-one trace of the backward pass serve both the checks and the step.
+binds :data:`apply_flag_p` for it, a placeholder that train_step replaces with the flag, a new
+input of the backward pass's jaxpr (:func:`thread_apply_flag`), so one linearization and one
+trace of the backward pass serve both the checks and the step.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import contextvars
 import math
 
 import jax
@@ -50,22 +48,12 @@ ad.deflinear2(backward_p, lambda ct, dy, **params: [ct])
 
 # fused_backward(apply=DEFERRED): FORGE layers bind apply_flag_p for their flag.
 DEFERRED = object()
-_SUBSTITUTE: contextvars.ContextVar = contextvars.ContextVar("forge_apply_flag", default=None)
 
-
-class _ApplyFlag(jex_core.Primitive):
-  """The placeholder of train_step's non-finite flag: a bool scalar. Bound where
-  :func:`substitute_apply_flag` is active (evaluating a jaxpr that holds it), it is that value."""
-
-  def bind(self, *args, **params):
-    value = _SUBSTITUTE.get()
-    return super().bind(*args, **params) if value is None else value
-
-
-apply_flag_p = _ApplyFlag("forge_jax_apply_flag")
+# The placeholder of train_step's non-finite flag, a bool scalar, replaced by the flag
+# (thread_apply_flag). Left in place (a whole backward pass inside train_step's lax.cond, which
+# runs it only for a finite loss), it is true: apply.
+apply_flag_p = jex_core.Primitive("forge_jax_apply_flag")
 apply_flag_p.def_abstract_eval(lambda: jax.core.ShapedArray((), np.bool_))
-# Not substituted (a whole backward pass inside train_step's lax.cond, which runs it only
-# for a finite loss): apply.
 apply_flag_p.def_impl(lambda: np.bool_(True))
 mlir.register_lowering(apply_flag_p, lambda ctx: [mlir.ir_constant(np.bool_(True))])
 
@@ -74,26 +62,6 @@ def apply_flag(apply):
   """The flag a FORGE update takes from ``fused_backward(apply=apply)``: ``apply`` itself, or
   for :data:`DEFERRED` a placeholder bound here."""
   return apply_flag_p.bind() if apply is DEFERRED else apply
-
-
-@contextlib.contextmanager
-def substitute_apply_flag(value):
-  """Within it, every placeholder bound (as ``jax.core.eval_jaxpr`` does, evaluating a jaxpr
-  that holds them) is ``value``."""
-  token = _SUBSTITUTE.set(value)
-  try:
-    yield
-  finally:
-    _SUBSTITUTE.reset(token)
-
-
-def apply_flags_nested(jaxpr) -> bool:
-  """Whether a placeholder of :data:`apply_flag_p` sits in a sub-jaxpr of ``jaxpr`` (a loop's
-  body, a jax.checkpoint, a call), where evaluating ``jaxpr`` does not bind it."""
-  memo = {}
-  return any(_binds(getattr(sub, "jaxpr", sub), apply_flag_p, memo)
-             for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns
-             for sub in jex_core.jaxprs_in_params(eqn.params))
 
 
 _CHECKPOINTS = ("remat2", "checkpoint")

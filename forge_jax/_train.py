@@ -306,9 +306,9 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
   # on the host; results/h200/guard); the rest is selected. The flag is known only after the
   # forward pass, so the backward pass is traced once with a placeholder for it in every
   # FORGE layer (_reuse.apply_flag_p; a ScannedStack binds one outside its loop), checked,
-  # and evaluated with the flag in its place: evaluating a jaxpr binds its own equations, and
-  # the bodies of jax.checkpoints (nn.remat) and jit calls (a jitted apply in the loss) are
-  # rewritten to take the flag as an input (_reuse.thread_apply_flag). A FORGE backward pass
+  # and rewritten to take the flag as an input in place of the placeholders, also in the
+  # bodies of jax.checkpoints (nn.remat) and jit calls (a jitted apply in the loss)
+  # (_reuse.thread_apply_flag). A FORGE backward pass
   # that jax took from its cache (a jitted apply's transpose, traced by an earlier step without
   # the guard) may have no placeholder: then, and for a placeholder that cannot be rewritten
   # (in a loop body), the whole backward pass goes in one cond, where the flag is true (the
@@ -328,16 +328,16 @@ def _train_step(state: TrainState, batch, loss_fn, has_aux: bool, skip_nonfinite
       vjp_fn, loss, state.optimizer, apply=_reuse.DEFERRED if skip_nonfinite else None)
   kept = _without_backward_pass(paths, counts)
   finite = jnp.isfinite(loss) if skip_nonfinite else jnp.ones((), bool)
-  nested = _reuse.apply_flags_nested(bwd)
-  threaded = _reuse.thread_apply_flag(bwd) if nested else None
-  whole_cond = skip_nonfinite and bool(
-      _reuse.unguarded_paths(bwd) or (nested and threaded is None))
+  threaded = _reuse.thread_apply_flag(bwd)
+  whole_cond = skip_nonfinite and (threaded is None or bool(_reuse.unguarded_paths(bwd)))
 
   def cotangents(flag):
-    """The backward pass's cotangents, every FORGE update taking ``flag``."""
-    with _reuse.substitute_apply_flag(flag):
-      args = (flag, jnp.ones_like(loss)) if threaded is not None else (jnp.ones_like(loss),)
-      out = jex_core.jaxpr_as_fun(threaded if threaded is not None else bwd)(*args)
+    """The backward pass's cotangents, every FORGE update taking ``flag`` (true where the
+    placeholders stay)."""
+    if threaded is None:
+      out = jex_core.jaxpr_as_fun(bwd)(jnp.ones_like(loss))
+    else:
+      out = jex_core.jaxpr_as_fun(threaded)(flag, jnp.ones_like(loss))
     return jax.tree.unflatten(ct_tree, out)
 
   if whole_cond:
