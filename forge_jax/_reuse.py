@@ -204,6 +204,9 @@ def mark_new_values(tree, path: str):
 
 # Primitives that call their sub-jaxpr once with their operands as its inputs, in order.
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
+# Loops whose body's outputs are the loop's, in order (a ScannedStack's new stacks leave its
+# backward loop as its carry).
+_LOOPS = ("scan", "while")
 
 
 def _binds(jaxpr, prim, memo: dict) -> bool:
@@ -237,10 +240,12 @@ def _mixed(jaxpr, marked_in, found, memo) -> list:
     else:
       if eqn.primitive.name == "add_any":
         found.update(p for p in ins if p)
-      for sub in subs:  # a loop's body, a cond's branch: new values made and summed inside
-        _mixed(sub, [None] * len(sub.invars), found, memo)
       carried = next((p for p in ins if p), None)
       outs = [carried] * len(eqn.outvars)
+      for sub in subs:  # a loop's body, a cond's branch: new values made and summed inside
+        made = _mixed(sub, [None] * len(sub.invars), found, memo)
+        if eqn.primitive.name in _LOOPS and len(made) == len(outs):  # the body's carry (and ys)
+          outs = [o or m for o, m in zip(outs, made)]
     env.update((v, p) for v, p in zip(eqn.outvars, outs) if p)
   return [get(v) for v in jaxpr.outvars]
 

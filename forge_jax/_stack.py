@@ -46,7 +46,6 @@ from flax import traverse_util
 
 from forge_jax import _dense
 from forge_jax import _fused
-from forge_jax import _reuse
 
 FORGE_STATE = _dense.FORGE_STATE
 
@@ -188,10 +187,8 @@ def _checkpointed(fn: Callable, remat: bool, policy: Any) -> Callable:
   return jax.checkpoint(fn, policy=_policy(remat, policy), prevent_cse=False)
 
 
-def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: Any = None,
-               prefix: tuple = ()):
-  """The custom-VJP function of a whole stack, for one block structure (``prefix``: the
-  module path of its stacked variables, which names its kernels in errors).
+def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: Any = None):
+  """The custom-VJP function of a whole stack, for one block structure.
 
   The forward scan takes each block's VJP (``jax.vjp`` of the block, under
   ``jax.checkpoint(policy=policy)`` when ``remat``) and saves its residuals
@@ -331,9 +328,6 @@ def _stack_vjp(block_apply: Callable, length: int, remat: bool = True, policy: A
       dx, kernels, states, sq, grads = jax.lax.fori_loop(
           0, length, body, (dy, kernels, states, sq, grads)
       )
-    for i, p in enumerate(managed):  # a stacked kernel's new values, marked once after the loop
-      kernels[i], states[i], sq[i] = _reuse.mark_new_values(
-          (kernels[i], states[i], sq[i]), "/".join((*prefix, *p[:-1])))
     ct_params = traverse_util.unflatten_dict({**dict(zip(managed, kernels)), **dict(zip(rest, grads))})
     ct_forge = traverse_util.unflatten_dict({
         p: _dense.KernelState(
@@ -430,5 +424,4 @@ class ScannedStack(nn.Module):
         ) from e
       return y
 
-    return _stack_vjp(block_apply, self.length, self.remat, self.remat_policy, prefix)(
-        params, forge, x, tuple(args))
+    return _stack_vjp(block_apply, self.length, self.remat, self.remat_policy)(params, forge, x, tuple(args))
