@@ -261,7 +261,7 @@ class TiedInStack(nn.Module):
                          ids=["weight", "weight_in_jitted_apply", "optimizer_state"])
 def test_a_forge_weight_also_used_outside_its_layer_is_refused(mode, jit):
   """Autodiff would add the other use's gradient to the new weight (after one SGD step the
-  head was 1.34 away from optax's): refused while tracing, naming the layer."""
+  head ends far from optax's): refused while tracing, naming the layer."""
   opt = forge_jax.sgd(1e-1, momentum=0.9) if mode == "state" else forge_jax.sgd(1e-1)
   model = TiedHead(opt, mode)
   batch = _batch(shape_y=(6, 8))
