@@ -175,9 +175,7 @@ def _check_mosaic(optimizer, backend, x, dy, w, state, config) -> None:
   from forge_jax import _fused, _lowp  # pylint: disable=g-import-not-at-top
 
   slots = tuple(_lowp.from_float_view(s) for s in optimizer.rule.slots_of(state))
-  rounding = {"weight_codec": _lowp.weight_codec(optimizer.precision, w.dtype)}
-  why = _fused._mosaic_problem(x, dy, w, slots, config, True, rounding,
-                               interpret=backend == "mosaic_interpret")[0]
+  why = _fused._mosaic_problem(x, dy, w, slots, config, True)[0]
   if why is not None:
     raise ValueError(f"backend={backend!r} cannot run this layer ({why}): it would time the "
                      "fallback; leave this case out or time another backend")

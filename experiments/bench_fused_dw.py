@@ -1082,15 +1082,14 @@ def _ms(row: dict) -> str:
 
 def _auto_mosaic_problem(k: int, n: int, t: int, config: str) -> Optional[str]:
   """Why the Mosaic kernel cannot take this configuration (its own checks), or None."""
-  from forge_jax import _fused, _lowp  # pylint: disable=g-import-not-at-top
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
 
   w_dtype = AUTO_CONFIGS[config][0]
   opt = _auto_optimizer(config)
   x, dy = jax.ShapeDtypeStruct((t, k), BF16), jax.ShapeDtypeStruct((t, n), BF16)
   w = jax.ShapeDtypeStruct((k, n), w_dtype)
   slots = opt.rule.slots_of(jax.eval_shape(opt.init, w))
-  rounding = {"weight_codec": _lowp.weight_codec(opt.precision, w_dtype)}
-  return _fused._mosaic_problem(x, dy, w, slots, None, True, rounding)[0]  # the grad norm too
+  return _fused._mosaic_problem(x, dy, w, slots, None, True)[0]  # the grad norm too
 
 
 def _git_commit() -> str:

@@ -123,7 +123,7 @@ def _with_norm(config: str) -> bool:
   return not config.endswith(NONORM)
 
 
-def mosaic_problem(x, dy, w0, config: str, interpret: bool,
+def mosaic_problem(x, dy, w0, config: str,
                    fields: Optional[dict] = None) -> tuple[Optional[str], Any]:
   """``(why, None)`` if the Mosaic kernel cannot run this configuration (its own checks), else
   ``(None, tiling)``: the default tiling, or ``fields`` over it (``--mosaic-variants``)."""
@@ -139,10 +139,8 @@ def mosaic_problem(x, dy, w0, config: str, interpret: bool,
     from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
     tiling = dataclasses.replace(mosaic.default_config(x, dy, w, slots,
                                                        compute_grad_sq_norm=_with_norm(config)), **fields)
-  rounding = {"weight_codec": _lowp.weight_codec(precision, w_dtype)}  # as fused_linear_update passes it
   # With the grad norm (as a model step asks for it) unless the configuration leaves it out.
-  why = _fused._mosaic_problem(x, dy, w, slots, tiling, _with_norm(config), rounding,
-                               interpret=interpret)[0]
+  why = _fused._mosaic_problem(x, dy, w, slots, tiling, _with_norm(config))[0]
   return why, tiling
 
 
@@ -248,7 +246,7 @@ def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=
     mosaic_impls = [("mosaic", None)] if "mosaic" in impls else []
     mosaic_impls += [(f"mosaic_{name}", fields) for name, fields in (variants or {}).items()]
     for impl, fields in mosaic_impls:
-      why, tiling = mosaic_problem(x, dy, w0, config, interpret, fields)
+      why, tiling = mosaic_problem(x, dy, w0, config, fields)
       if why is None:
         backend = "mosaic_interpret" if interpret else "mosaic"
         todo.append((impl, fused_runner(x, dy, w0, config, backend, tile=tiling, calls=calls)))

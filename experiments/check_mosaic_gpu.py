@@ -11,8 +11,7 @@ On one H200, from the repository root (``--quick``: a few minutes; without it, l
 
     PYTHONPATH=$PWD python -m experiments.check_mosaic_gpu --quick --out $OUT
 
-On a CPU (Mosaic GPU interpreter, tiny shapes and small tiles; stochastic rounding skipped,
-the interpreter cannot run it):
+On a CPU (Mosaic GPU interpreter, tiny shapes and small tiles):
 
     PYTHONPATH=$PWD python -m experiments.check_mosaic_gpu --smoke --quick --out /tmp/check
 
@@ -371,8 +370,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     label, name, shape, w_dt, s_dt, layers = case
     if args.cases and label not in args.cases:
       continue
-    if args.smoke and (label.startswith("sr") or s_dt == "int8_sr"):
-      continue  # the interpreter cannot run stochastic rounding (lowering tests cover it)
     try:
       row = check_case(*case, smoke=args.smoke)
     except Exception as e:  # pylint: disable=broad-except  (recorded; the exit code says it)

@@ -119,7 +119,7 @@ def _mosaic_device_problem() -> Optional[str]:
   return mosaic_config.device_problem()
 
 
-def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, write_back=None, interpret=False):
+def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm):
   """``(reason, None)`` if the Mosaic GPU kernel cannot take this call, else ``(None, config)``.
 
   Asks the kernel once (``select_config``); ``config`` is the caller's ``MosaicTileConfig`` or
@@ -129,11 +129,8 @@ def _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, write_back=No
     from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
   except Exception as e:  # pylint: disable=broad-except  (a jax without Mosaic GPU)
     return f"Mosaic GPU is not available in this jax ({type(e).__name__}: {e})", None
-  # Stochastic rounding (of the weight, of int8 slots) runs in the epilogue on the GPU
-  # (experiments/results/h200/mosaic_quick_sr_fixed/), not under jax 0.10.2's interpreter.
-  cfg, reason = mosaic.select_config(
-      x, dy, w, slots, config, compute_grad_sq_norm=compute_grad_sq_norm,
-      weight_codec=(write_back or {}).get("weight_codec"), interpret=interpret)
+  cfg, reason = mosaic.select_config(x, dy, w, slots, config,
+                                     compute_grad_sq_norm=compute_grad_sq_norm)
   return (None, cfg) if cfg is not None else (reason, None)
 
 
@@ -245,8 +242,7 @@ def _run_mosaic(backend, x, dy, w, slots, scalars, update_fn, *, layer, config,
   if auto and isinstance(config, pallas_kernels.TileConfig):
     reason, cfg = "a Triton TileConfig was given", None
   else:
-    reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm, write_back,
-                                  interpret=backend == "mosaic_interpret")
+    reason, cfg = _mosaic_problem(x, dy, w, slots, config, compute_grad_sq_norm)
   if reason is None:
     from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
 

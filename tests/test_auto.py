@@ -321,5 +321,5 @@ def test_layer_update_refuses_to_time_a_mosaic_fallback():
   """A case the Mosaic kernel cannot take would run its fallback under the kernel's name."""
   update = _timing.layer_update(bench_fused_dw._auto_optimizer("bf16_sr_int8"), "mosaic_interpret", BF16,
                                 calls=1)
-  with pytest.raises(ValueError, match="backend='mosaic_interpret' cannot run this layer .*interpreter"):
-    update.run.lower(update.carry_shapes(64, 64, 256))
+  with pytest.raises(ValueError, match="backend='mosaic_interpret' cannot run this layer .*K=40"):
+    update.run.lower(update.carry_shapes(64, 40, 256))

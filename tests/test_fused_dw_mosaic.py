@@ -201,15 +201,71 @@ def test_stacked_wide_sub_tiles_update_only_their_layer():
       np.testing.assert_array_equal(np.asarray(a[other], F32), np.asarray(s[other], F32))
 
 
-def test_stochastic_rounding_under_the_interpreter_is_a_clear_error():
-  """jax 0.10.2's Mosaic GPU interpreter hangs on the SR epilogue (iota, uint32 bitcast):
-  refused up front instead; the real path is covered by lowering for cuda (below)."""
+@pytest.mark.parametrize("state, stacked", [("float32", True), ("int8", False)])
+def test_stochastic_rounding_matches_reference(state, stacked):
+  """bf16 weights rounded stochastically in the epilogue, with float32 states (the middle layer
+  of a stack) or int8 states in forge_jax's default maps (the second moment rounds
+  stochastically too; the int8 sub-tile loop): the reference's bits, since both hash (seed,
+  step, layer, element index) alike. The sums over T may differ in order, so a weight may
+  round the other way where its float32 values differ; none did here."""
   rule = _rules()["adamw"]
-  x, dy, w, slots = _inputs(4, 64, 128, 128, rule, w_dtype=BF16)
-  with pytest.raises(NotImplementedError, match="interpreter"):
-    mosaic.fused_dw_update_mosaic(
-        x, dy, w, slots, rule.scalars(jnp.int32(3)), rule.update, config=SMALL, interpret=True,
-        weight_codec=nm.StochasticRound(), seed=jnp.uint32(1), step=jnp.int32(2))
+  x, dy, w, slots = _inputs(13, 128, 64, 256, rule, w_dtype=BF16, layers=3 if stacked else None)
+  if state == "int8":
+    slots = _int8_slots(rule, slots, stochastic=True)
+  layer = jnp.int32(1) if stacked else None
+  scalars = rule.scalars(jnp.int32(3))
+  update_fn = functools.partial(rule.update, decay=True)
+  rounding = dict(seed=jnp.uint32(1234), step=jnp.int32(7))
+  kernel = jax.jit(functools.partial(
+      mosaic.fused_dw_update_mosaic, update_fn=update_fn, config=INT8 if state == "int8" else SMALL,
+      interpret=True, weight_codec=nm.StochasticRound()))
+  new_w, new_slots, _ = kernel(x, dy, w, slots, scalars, layer=layer, **rounding)
+  ref_w, ref_slots, _ = fused_dw_update_reference(x, dy, w, slots, scalars, update_fn, layer=layer,
+                                                  weight_codec=nm.StochasticRound(), **rounding)
+  assert new_w.dtype == BF16
+  np.testing.assert_array_equal(np.asarray(new_w, F32), np.asarray(ref_w, F32))
+  nearest_w = fused_dw_update_reference(x, dy, w, slots, scalars, update_fn, layer=layer,
+                                        **rounding)[0]
+  assert np.mean(np.asarray(new_w, F32) != np.asarray(nearest_w, F32)) > 0.02  # not to nearest
+  for name, a, e in zip(rule.slot_names, new_slots, ref_slots):
+    if state == "int8":
+      _assert_int8_close(a, e, name)
+    else:
+      _assert_close(a, e, name)
+
+
+def test_stochastic_rounding_in_the_kernel_is_unbiased():
+  """The kernel's stochastic rounding of bf16 weights (the compiled kernel on a GPU, the
+  interpreter elsewhere): SGD moves every weight of a column group from 1.0 by a fixed fraction
+  ``f`` of the bf16 spacing below 1.0 (2**-8), so round to nearest would move none (f < 1/2) or
+  all (f > 1/2); rounded stochastically, each lands on 1.0 or 1 - 2**-8, a fraction ``f`` of
+  them on the latter (within 4 standard deviations over 4096 weights), and two steps' bits are
+  independent."""
+  t, k, n, groups = 64, 64, 256, 4
+  fractions = (np.arange(groups) * 2 + 1) / (2 * groups)  # 1/8, 3/8, 5/8, 7/8
+  lr = 2.0**-8
+  x = jnp.ones((t, k), BF16)
+  # dW[:, j] = sum over T of dy[:, j] = f_j (dy exact in bf16: f_j / 64 is a multiple of 2**-9).
+  dy = jnp.asarray(np.repeat(fractions / t, n // groups)[None, :].repeat(t, 0), BF16)
+  w = jnp.ones((k, n), BF16)
+  rule = forge_jax.sgd(lr).rule
+  kernel = jax.jit(functools.partial(
+      mosaic.fused_dw_update_mosaic, update_fn=rule.update, config=SMALL,
+      interpret=jax.default_backend() != "gpu", weight_codec=nm.StochasticRound()))
+  downs = []
+  for step in (1, 2):
+    new_w, _, _ = kernel(x, dy, w, (), rule.scalars(jnp.int32(0)), seed=jnp.uint32(5),
+                         step=jnp.int32(step))
+    new = np.asarray(new_w, F32)
+    assert np.isin(new, [1.0, 1.0 - 2.0**-8]).all()
+    downs.append(new < 1.0)
+    per_group = downs[-1].reshape(k, groups, n // groups).mean(axis=(0, 2))
+    sigma = np.sqrt(fractions * (1 - fractions) / (k * n // groups))
+    np.testing.assert_array_less(np.abs(per_group - fractions), 4 * sigma)
+  # Independent steps: the two steps agree where both round down about f**2 of the time.
+  both = (downs[0] & downs[1]).reshape(k, groups, n // groups).mean(axis=(0, 2))
+  sigma = np.sqrt(fractions**2 * (1 - fractions**2) / (k * n // groups))
+  np.testing.assert_array_less(np.abs(both - fractions**2), 4 * sigma)
 
 
 # ----------------------------------------------------------------------------
@@ -386,7 +442,7 @@ def test_stochastic_rounding_and_int8_states_lower_for_cuda(w_dtype, stacked, t)
   """The SR epilogue (uint32 hash on WGMMA-layout iotas) with forge_jax's default int8 maps
   (the second moment rounds stochastically; 128x64 tiles at short T, 128x128 at long T) or
   stacked bf16 states, the sub-tiles as a loop: the default tiling lowers for sm_90 (the
-  interpreter cannot run stochastic rounding)."""
+  interpreter runs these epilogues on small tiles only)."""
   rule = _all_rules()["adamw"].rule
   lead = (3,) if stacked else ()
   x, dy = _sds((t, 4096), BF16), _sds((t, 4096), BF16)
@@ -612,7 +668,8 @@ def _assert_int8_close(got, want, what):
 def test_int8_slots_match_reference(name, w_dtype, layers):
   """Codes + per-row scales through the ring (2 slots, 2 sub-tiles per tile, 2 tiles on one
   block: the ring wraps within and across tiles), decoded, updated and re-encoded in the
-  epilogue: the reference codec's codes (round-to-nearest maps; SR needs the GPU)."""
+  epilogue: the reference codec's codes (round-to-nearest maps here; the default, stochastic
+  maps in test_stochastic_rounding_matches_reference)."""
   rule = _rules()[name]
   x, dy, w, slots = _inputs(8, 64, 64, 256, rule, w_dtype=w_dtype, layers=layers)
   slots = _int8_slots(rule, slots)
@@ -661,9 +718,5 @@ def test_int8_slots_refusals():
   ok, why = mosaic.supports(x, dy, w, bad, INT8)
   assert not ok and "slots[0].scale.shape=(64, 1) must be (64, 2)" in why
   sr = _int8_slots(rule, slots, stochastic=True)
-  with pytest.raises(NotImplementedError, match="interpreter"):  # SR maps need the GPU
-    mosaic.fused_dw_update_mosaic(x, dy, w, sr, rule.scalars(jnp.int32(1)), rule.update,
-                                  config=INT8, interpret=True, seed=jnp.uint32(0), step=jnp.int32(1))
-  assert "interpreter" in mosaic.select_config(x, dy, w, sr, INT8, interpret=True)[1]
   with pytest.raises(ValueError, match="seed="):  # SR maps need the seed and step
     mosaic.fused_dw_update_mosaic(x, dy, w, sr, rule.scalars(jnp.int32(1)), rule.update, config=INT8)

@@ -365,10 +365,13 @@ def test_bench_lowp_smoke_checks_and_reports_every_configuration(tmp_path):
 def test_bench_lowp_mosaic_rows_are_the_kernel_or_say_why_not(tmp_path):
   """--impls mosaic: the Mosaic kernel (interpreter here) where it runs, checked against xla;
   elsewhere an 'unsupported' row with the kernel's reason, never the fallback timed."""
-  assert bench_lowp.main(["--smoke", "--tokens", "64", "--shapes", "64x256", "--configs", "fp32",
-                          "bf16_sr_int8", "--impls", "xla", "mosaic", "--out", str(tmp_path)]) == 0
-  rows = {(r["config"], r["impl"]): r for r in json.loads((tmp_path / "bench_lowp.json").read_text())["rows"]}
-  assert rows[("fp32", "mosaic")]["status"] == "ok" and rows[("fp32", "mosaic")]["ms"] > 0
-  unsupported = rows[("bf16_sr_int8", "mosaic")]
-  assert unsupported["status"] == "unsupported" and "interpreter" in unsupported["error"]
-  assert "ms" not in unsupported
+  assert bench_lowp.main(["--smoke", "--tokens", "64", "--shapes", "64x256", "40x256", "--configs",
+                          "fp32", "bf16_sr_int8", "--impls", "xla", "mosaic", "--out", str(tmp_path)]) == 0
+  rows = {(r["shape"], r["config"], r["impl"]): r
+          for r in json.loads((tmp_path / "bench_lowp.json").read_text())["rows"]}
+  for config in ("fp32", "bf16_sr_int8"):  # stochastic rounding and int8 states included
+    row = rows[("64x64x256", config, "mosaic")]
+    assert row["status"] == "ok" and row["ms"] > 0, row
+    unsupported = rows[("64x40x256", config, "mosaic")]
+    assert unsupported["status"] == "unsupported" and "K=40 must be a multiple of tile_m" in unsupported["error"]
+    assert "ms" not in unsupported

@@ -175,23 +175,16 @@ def test_guard_float_states(backend):
   _check_guard(backend, None, F32)
 
 
-_NEAREST = lambda q: numerics.QuantMap(q.kind, q.signed, q.mantissa_bits, "nearest")
+# The default maps: the second moment's rounds stochastically.
 _INT8 = forge_jax.Precision(state_dtype="int8", min_quantized_size=0)
-# The Mosaic GPU interpreter cannot run stochastic rounding: its int8 case rounds to nearest.
-_INT8_NEAREST = forge_jax.Precision(state_dtype="int8", min_quantized_size=0,
-                                    signed_map=_NEAREST(_INT8.signed_map),
-                                    unsigned_map=_NEAREST(_INT8.unsigned_map))
 
 
-@pytest.mark.parametrize("backend, precision", [
-    ("xla", _INT8), pytest.param("interpret", _INT8, marks=_CPU),
-    pytest.param("mosaic_interpret", _INT8_NEAREST, marks=_CPU),
-    pytest.param("pallas", _INT8, marks=_GPU), pytest.param("mosaic", _INT8, marks=_GPU)])
-def test_guard_int8_states(backend, precision):
-  _check_guard(backend, precision, F32, exact_states=False)
+@pytest.mark.parametrize("backend", ["xla"] + _INTERPRETED + _COMPILED)
+def test_guard_int8_states(backend):
+  _check_guard(backend, _INT8, F32, exact_states=False)
 
 
-@pytest.mark.parametrize("backend", ["xla", _INTERPRETED[0]] + _COMPILED)
+@pytest.mark.parametrize("backend", ["xla"] + _INTERPRETED + _COMPILED)
 def test_guard_stochastically_rounded_bf16_weights(backend):
   _check_guard(backend, forge_jax.Precision("stochastic", state_dtype="float32"), BF16)
 
@@ -203,8 +196,8 @@ _SR_BF16 = forge_jax.Precision("stochastic", state_dtype="float32")
     ("xla", None, F32, False), ("xla", _INT8, BF16, True), ("xla", _SR_BF16, BF16, False),
     pytest.param("interpret", _INT8, F32, False, marks=_CPU),
     pytest.param("interpret", _SR_BF16, BF16, True, marks=_CPU),
-    pytest.param("mosaic_interpret", _INT8_NEAREST, F32, True, marks=_CPU),
-    pytest.param("mosaic_interpret", None, BF16, False, marks=_CPU),
+    pytest.param("mosaic_interpret", _INT8, F32, True, marks=_CPU),
+    pytest.param("mosaic_interpret", _SR_BF16, BF16, False, marks=_CPU),
     pytest.param("pallas", _INT8, BF16, True, marks=_GPU),
     pytest.param("mosaic", _INT8, BF16, True, marks=_GPU),
     pytest.param("mosaic", _SR_BF16, BF16, False, marks=_GPU)])

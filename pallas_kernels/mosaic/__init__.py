@@ -7,12 +7,12 @@ optimizer rule evaluated so that Mosaic GPU can lower it; ``kernel``: the kernel
 XLA compiles the rest (on from this import, on a GPU backend).
 """
 
-from pallas_kernels.mosaic.config import (MosaicTileConfig, default_config, interpreter_problem,
-                                          select_config, supports)
+from pallas_kernels.mosaic.config import (MosaicTileConfig, default_config, select_config,
+                                          supports)
 from pallas_kernels.mosaic.kernel import fused_dw_update_mosaic
 from pallas_kernels.mosaic import parallel_compile
 
 parallel_compile.install()
 
-__all__ = ["MosaicTileConfig", "default_config", "fused_dw_update_mosaic", "interpreter_problem",
-           "select_config", "supports"]
+__all__ = ["MosaicTileConfig", "default_config", "fused_dw_update_mosaic", "select_config",
+           "supports"]

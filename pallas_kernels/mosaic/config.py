@@ -264,33 +264,16 @@ def default_config(x: Any, dy: Any, w: Any, slots: Sequence[Any], *,
   return candidates[-1]
 
 
-def interpreter_problem(weight_codec: Optional[numerics.Codec], slots: Sequence[Any]) -> Optional[str]:
-  """Why the Mosaic GPU interpreter cannot run this call, or None: stochastic rounding (of the
-  weight, or an int8 slot's map). jax 0.10.2's interpreter never returns (no error) from an
-  epilogue with the hash's iota or float32 -> uint32 bitcasts."""
-  if getattr(weight_codec, "needs_bits", False):
-    return (f"the Mosaic GPU interpreter cannot run the {type(weight_codec).__name__} write-back "
-            "of the weight (stochastic rounding hangs it)")
-  for i, s in enumerate(slots):
-    if quantized(s) and s.codec.needs_bits:
-      return (f"the Mosaic GPU interpreter cannot run the stochastically rounded int8 map of "
-              f"optimizer slot {i} (stochastic rounding hangs it)")
-  return None
-
-
 def select_config(x: Any, dy: Any, w: Any, slots: Sequence[Any],
-                  config: Optional[MosaicTileConfig] = None, *, compute_grad_sq_norm: bool = False,
-                  weight_codec: Optional[numerics.Codec] = None,
-                  interpret: bool = False) -> tuple[Optional[MosaicTileConfig], str]:
+                  config: Optional[MosaicTileConfig] = None, *,
+                  compute_grad_sq_norm: bool = False) -> tuple[Optional[MosaicTileConfig], str]:
   """Asks once whether the kernel takes a call, with the caller's tiling or ``None``
-  (:func:`default_config`), under the interpreter if ``interpret``: ``(config, "")`` to pass to
+  (:func:`default_config`): ``(config, "")`` to pass to
   :func:`~pallas_kernels.mosaic.fused_dw_update_mosaic` with ``config_checked=True``, or
   ``(None, reason)``."""
   if config is not None and not isinstance(config, MosaicTileConfig):
     raise ValueError(f"config={config!r} is not a MosaicTileConfig: pass "
                      "pallas_kernels.mosaic.MosaicTileConfig or None")
-  if interpret and (why := interpreter_problem(weight_codec, slots)):
-    return None, why
   if (problem := _operand_problem(x, dy, w, slots)) is not None:
     return None, problem
   if config is None:

@@ -431,10 +431,6 @@ def fused_dw_update_mosaic(
     raise ValueError(f"fused_dw_update_mosaic: {why}")
   if codec.needs_bits and not isinstance(codec, numerics.StochasticRound):
     raise ValueError(f"weight_codec={codec!r}: the Mosaic kernel takes Cast or StochasticRound")
-  if interpreting and (why := mcfg.interpreter_problem(codec, slots)):
-    raise NotImplementedError(
-        f"{why}; it is checked by lowering for cuda and on the GPU "
-        "(experiments.check_mosaic_gpu). Use backend='interpret' or 'xla' on a CPU.")
   if isinstance(codec, numerics.StochasticRound):  # its dtype check
     numerics.stochastic_round(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.uint32), w.dtype)
   static = dict(update_fn=update_fn, cfg=config, compute_grad_sq_norm=compute_grad_sq_norm,
