@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import os
 import pathlib
@@ -100,35 +101,46 @@ def fast_cpu_compiles():
 
 
 @contextlib.contextmanager
-def _legacy_cpu_emitter():
+def _compile_overrides(*, fresh: bool = False, **options):
+  """Every XLA compile in the block takes ``options`` (per-compile debug options, where the
+  caller has not set them), on a CPU backend whose XLA knows each; else nothing changes.
+  ``fresh``: also drop the executables compiled before the block (see below)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax._src import compiler  # pylint: disable=g-import-not-at-top
   from tests._xla_flags import knows_option  # pylint: disable=g-import-not-at-top
 
   real = getattr(compiler, "get_compile_options", None)
   if (real is None or jax.default_backend() != "cpu"
-      or not knows_option("xla_cpu_use_fusion_emitters", False)):
+      or not all(knows_option(name, value) for name, value in options.items())):
     yield
     return
 
-  signature = inspect.signature(real)
+  signature = inspect.signature(real)  # the real one's, through another override's functools.wraps
 
-  def legacy(*args, **kwargs):
+  @functools.wraps(real)
+  def with_options(*args, **kwargs):
     bound = signature.bind(*args, **kwargs)
     overrides = dict(bound.arguments.get("env_options_overrides") or {})
-    overrides.setdefault("xla_cpu_use_fusion_emitters", False)
+    for name, value in options.items():
+      overrides.setdefault(name, value)
     bound.arguments["env_options_overrides"] = overrides
     return real(*bound.args, **bound.kwargs)
 
-  compiler.get_compile_options = legacy
+  # jax's in-memory caches key a compiled program by function and arguments, not by compile
+  # options: drop the executables compiled with the options on the way out, so that a later
+  # program is compiled afresh (and, if fresh, those compiled without them on the way in).
+  if fresh:
+    jax.clear_caches()
+  compiler.get_compile_options = with_options
   try:
     yield
   finally:
     compiler.get_compile_options = real
-    # jax's in-memory caches key a compiled program by function and arguments, not by compile
-    # options: drop the legacy-emitter executables, so a later test of a default-emitter module
-    # that builds the same program compiles it afresh.
     jax.clear_caches()
+
+
+def _legacy_cpu_emitter():
+  return _compile_overrides(xla_cpu_use_fusion_emitters=False)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +168,17 @@ def legacy_cpu_emitter():
 def legacy_cpu_emitter_for_test():
   """``legacy_cpu_emitter`` for one test."""
   with _legacy_cpu_emitter():
+    yield
+
+
+@pytest.fixture
+def bf16_as_written():
+  """XLA keeps every bfloat16 (and other narrow float) value of the program rounded as written
+  (``xla_allow_excess_precision=false``) for the test's compiles on a CPU. By default XLA may
+  keep an elementwise result in float32 where it feeds a fused consumer such as its own dot,
+  while a custom call (a Pallas kernel) reads it rounded: the kernels and the "xla" route then
+  see different bf16 inputs in a model."""
+  with _compile_overrides(fresh=True, xla_allow_excess_precision=False):
     yield
 
 

@@ -298,3 +298,55 @@ def test_guarded_train_steps_lower_for_cuda_with_the_kernels_and_no_conditional(
       text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "@mosaic_gpu" in text
   assert not re.search(r"stablehlo\.(case|if)\b", text)
+
+
+@pytest.mark.usefixtures("bf16_as_written")
+def test_a_train_step_through_the_mosaic_kernel_equals_the_xla_route():
+  """A train step of a bf16 model whose FORGE layers take stochastically rounded weights and
+  int8 states in the default maps, the layers' updates in the Mosaic kernel (interpreter)
+  against the "xla" route: the same loss, gradient norm, codes and scales, and the same
+  weights but where the two float32 sums over T differ in their last bit at a rounding
+  threshold (one weight in 32768 here; with another layer's bits a third of the weights that
+  move would differ). XLA keeps bf16 values as written for this (``bf16_as_written``,
+  tests/conftest.py): by default it may keep one in float32 where it feeds its own fused
+  consumer, where the kernel reads it rounded (seen here on the forward's output and the
+  loss's cotangent)."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  precision = forge_jax.Precision("stochastic", state_dtype="int8", min_quantized_size=0, seed=7)
+  opt = forge_jax.adamw(1e-2, weight_decay=0.1, precision=precision)
+
+  class TwoLayers(nn.Module):
+    backend: str
+
+    @nn.compact
+    def __call__(self, x):
+      dense = functools.partial(forge_jax.Dense, optimizer=opt, backend=self.backend,
+                                use_bias=False, dtype=BF16, param_dtype=BF16)
+      return dense(128)(dense(256)(x))
+
+  kx, kc = jax.random.split(jax.random.PRNGKey(0))
+  x = jax.random.normal(kx, (128, 128), F32).astype(BF16)
+  target = jax.random.normal(kc, (128, 128), F32).astype(BF16)
+  loss_fn = lambda apply_fn, variables, batch: jnp.sum(  # noqa: E731
+      jnp.square(apply_fn(variables, batch[0]).astype(F32) - batch[1].astype(F32))) * 2.0**-14
+  results = {}
+  for backend in ("mosaic_interpret", "xla"):
+    model = TwoLayers(backend)
+    state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(1), x), opt)
+    with warnings.catch_warnings(record=True) as record:
+      warnings.simplefilter("always")
+      results[backend] = forge_jax.train_step(state, (x, target), functools.partial(loss_fn, model.apply))
+    assert not _fallback_warnings(record)  # the kernel ran
+  (got, got_metrics), (want, want_metrics) = results["mosaic_interpret"], results["xla"]
+  assert float(got_metrics["loss"]) == float(want_metrics["loss"])
+  np.testing.assert_allclose(float(got_metrics["grad_norm"]), float(want_metrics["grad_norm"]), rtol=1e-6)
+  for name in ("Dense_0", "Dense_1"):
+    a = np.asarray(got.params[name]["kernel"], F32)
+    b = np.asarray(want.params[name]["kernel"], F32)
+    assert np.mean(a != b) <= 1e-4, (name, np.mean(a != b))
+    for s_got, s_want in zip(got.forge_state[name]["kernel"].opt[1:],
+                             want.forge_state[name]["kernel"].opt[1:]):
+      assert isinstance(s_got, forge_jax.QuantizedArray)
+      np.testing.assert_array_equal(np.asarray(s_got.codes), np.asarray(s_want.codes), err_msg=name)
+      np.testing.assert_allclose(np.asarray(s_got.scale), np.asarray(s_want.scale), rtol=1e-6)
