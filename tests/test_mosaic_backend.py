@@ -300,6 +300,7 @@ def test_guarded_train_steps_lower_for_cuda_with_the_kernels_and_no_conditional(
   assert not re.search(r"stablehlo\.(case|if)\b", text)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter, and XLA:CPU's option")
 @pytest.mark.usefixtures("bf16_as_written")
 def test_a_train_step_through_the_mosaic_kernel_equals_the_xla_route():
   """A train step of a bf16 model whose FORGE layers take stochastically rounded weights and
