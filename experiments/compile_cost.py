@@ -30,12 +30,24 @@ Compiled rows also count the optimized module's custom calls by target (on a GPU
 kernels), and list those inside fused computations by computation: XLA's dynamic-slice fusion
 hands a kernel a slice of a stacked buffer in place, and a kernel found both inside such a
 fusion and outside it runs twice.
+
+Without a GPU, the step a GPU compiles, Mosaic kernels included, traced and lowered for CUDA on
+this host (``--lower-for cuda``: FORGE's backends resolve as on a Hopper GPU, ``"auto"`` from
+its table; nothing is compiled). Tracing and lowering are host work, so their seconds are the
+part of a GPU compile that a CPU measures (on a host as fast per core):
+
+    PYTHONPATH=$PWD python -m experiments.compile_cost --model llama-3.1-8b --layers 32 \\
+        --tokens 1024 --impls forge,forge_unrolled --lower-for cuda --fresh --repeats 3 --out $OUT
+
+(Rows lowered for CUDA count the Mosaic GPU kernels in the lowered module: the distinct ones,
+as a step lowers each once and calls it where it is used.)
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -147,13 +159,44 @@ def host_event_totals(data, top: int = 25) -> dict:
   return out
 
 
+@contextlib.contextmanager
+def _as_on_a_hopper_gpu():
+  """FORGE's backend choices as on a Hopper GPU, on this host: the platform said to be a GPU and
+  the Mosaic kernel said to run here (``"auto"`` then reads its table). For lowering only: on the
+  way out jax's caches are dropped, so that no trace made here (Mosaic kernels in a CPU process)
+  serves a later call."""
+  from forge_jax import _fused  # pylint: disable=g-import-not-at-top
+
+  saved = _fused._platform, _fused._mosaic_device_problem  # pylint: disable=protected-access
+  _fused._platform, _fused._mosaic_device_problem = (lambda: "gpu"), (lambda: None)  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    _fused._platform, _fused._mosaic_device_problem = saved  # pylint: disable=protected-access
+    jax.clear_caches()
+
+
 def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
             attention: str = "xla", trace_compile: bool = False,
-            kernel_compile: str = "parallel", guard: bool = True, remat: str = "none") -> dict:
+            kernel_compile: str = "parallel", guard: bool = True, remat: str = "none",
+            lower_for: Optional[str] = None) -> dict:
   """One row (``remat``: the models' activation checkpointing); ``kernel_compile``: ``"parallel"`` (the default: the step's Mosaic GPU kernels
   compiled on a thread pool while XLA compiles the rest, pallas_kernels.mosaic.parallel_compile)
   or ``"serial"`` (XLA compiles them one after another); ``guard``: train_step's
-  ``skip_nonfinite``."""
+  ``skip_nonfinite``; ``lower_for="cuda"``: traced and lowered as on a Hopper GPU, for CUDA
+  (no compile)."""
+  if lower_for is not None:
+    if lower_for != "cuda" or compile_step:
+      raise ValueError(f"lower_for={lower_for!r}: 'cuda' (or None), without compiling")
+    with _as_on_a_hopper_gpu():
+      return _measure(model, impl, layers, tokens, False, attention, False, kernel_compile, guard,
+                      remat, ("cuda",))
+  return _measure(model, impl, layers, tokens, compile_step, attention, trace_compile,
+                  kernel_compile, guard, remat, None)
+
+
+def _measure(model, impl, layers, tokens, compile_step, attention, trace_compile, kernel_compile,
+             guard, remat, platforms) -> dict:
   import forge_jax  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
   from forge_jax import _train  # pylint: disable=g-import-not-at-top
@@ -173,6 +216,8 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
   loss_fn = functools.partial(bench_models._loss, model_.apply, kind="lean")  # pylint: disable=protected-access
   row = {"model": model, "impl": impl, "layers": layers, "tokens": tokens, "backend": backend,
          "attention": attention, "kernel_compile": kernel_compile, "guard": guard, "remat": remat}
+  if platforms:
+    row["lowered_for"] = ",".join(platforms)
   tick = time.perf_counter()
   state = jax.eval_shape(lambda: forge_jax.TrainState.create(
       model_.apply, model_.init(jax.random.PRNGKey(1), jnp.zeros((1, tokens), jnp.int32)), opt))
@@ -183,7 +228,8 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
   counts = count_eqns(traced.jaxpr.jaxpr, collections.Counter())
   row.update(jaxpr_eqns=sum(counts.values()), top_primitives=counts.most_common(10))
   tick = time.perf_counter()
-  lowered = traced.lower()  # from here the kernel pool compiles the step's Mosaic GPU kernels
+  # From here the kernel pool compiles the step's Mosaic GPU kernels (on a GPU).
+  lowered = traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
   row["lower_s"] = time.perf_counter() - tick
   if compile_step:
     if trace_compile:
@@ -198,7 +244,10 @@ def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
     row.update(custom_call_stats(text))
   # Counted after the compile: printing the StableHLO takes seconds, which would otherwise give
   # the kernel pool a head start a training run does not have.
-  row["stablehlo_ops"] = len(re.findall(r"= \"?[a-z_]+\.[a-z_]+", lowered.as_text()))
+  text = lowered.as_text()
+  row["stablehlo_ops"] = len(re.findall(r"= \"?[a-z_]+\.[a-z_]+", text))
+  if platforms:
+    row["mosaic_kernels"] = len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text))
   return row
 
 
@@ -222,7 +271,7 @@ def xla_phase_seconds(log: str, module: str = "jit__train_step") -> dict:
 def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
                   attention: str, xla_timers: bool = False, trace_compile: bool = False,
                   kernel_compile: str = "parallel", guard: bool = True,
-                  remat: str = "none") -> dict:
+                  remat: str = "none", lower_for: Optional[str] = None) -> dict:
   """:func:`measure` in a new Python process: nothing traced, lowered or compiled before it
   (jax's in-process caches, Mosaic GPU's compiled kernels) shortens its times. ``xla_timers``:
   also XLA's compile phases (:func:`xla_phase_seconds`; GPU only), from its log."""
@@ -233,6 +282,7 @@ def measure_fresh(model: str, impl: str, layers: int, tokens: int, compile_step:
            "--out", folder]
     env = dict(os.environ, **(XLA_TIMER_ENV if xla_timers else {}))
     cmd += (["--compile"] if compile_step else []) + (["--trace-compile"] if trace_compile else [])
+    cmd += ["--lower-for", lower_for] if lower_for else []
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
       raise RuntimeError(f"{' '.join(cmd)} ended with {proc.returncode}: {proc.stderr[-2000:]}")
@@ -245,6 +295,7 @@ def label(row: dict) -> str:
   """The impl, marked with its activation checkpointing other than none, and when its Mosaic GPU
   kernels compiled one after another or its step has no non-finite guard."""
   return (row["impl"] + (f" [remat {row['remat']}]" if row.get("remat", "none") != "none" else "")
+          + (f" [lowered for {row['lowered_for']}]" if row.get("lowered_for") else "")
           + (" [serial kernels]" if row.get("kernel_compile") == "serial" else "")
           + (" [no guard]" if row.get("guard") is False else ""))
 
@@ -264,7 +315,8 @@ def markdown(info: dict, rows: list[dict]) -> str:
   for r in rows:
     fus = f"{r['fusions']} ({r['distinct_fusions']})" if "fusions" in r else "-"
     calls = (f"{sum(r['custom_calls'].values())} ({sum(r['fused_custom_calls'].values())})"
-             if "custom_calls" in r else "-")
+             if "custom_calls" in r else f"{r['mosaic_kernels']} Mosaic GPU" if "mosaic_kernels" in r
+             else "-")
     comp = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
     if "xla_hlo_passes_s" in r or "xla_backend_s" in r:
       comp += f" ({r.get('xla_hlo_passes_s', 0):.1f} + {r.get('xla_backend_s', 0):.1f})"
@@ -335,6 +387,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--guard", default="on",
                       help="on: train_step's non-finite guard (its default, skip_nonfinite=True); "
                            "off: skip_nonfinite=False; on,off: both, side by side (default on)")
+  parser.add_argument("--lower-for", default=None, choices=("cuda",),
+                      help="cuda: trace and lower the step a Hopper GPU compiles (Mosaic kernels "
+                           "included) on this host, without compiling it")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   def choices(flag: str, value: str, allowed: tuple) -> list:
@@ -348,6 +403,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.error(f"--repeats {args.repeats}: at least 1")
   if args.trace_compile and not args.compile:
     parser.error("--trace-compile traces the compile: give --compile with it")
+  if args.lower_for and args.compile:
+    parser.error("--lower-for cuda lowers for a GPU this host cannot compile for: drop --compile")
   if args.xla_timers and not (args.fresh and args.compile):
     parser.error("--xla-timers reads a new process's log: give --fresh --compile with it")
   folder = _timing.out_dir(args.out)
@@ -357,10 +414,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for impl, mode, guard in itertools.product(args.impls.split(","), modes, guards):
       if args.fresh:
         row = measure_fresh(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
-                            args.xla_timers, args.trace_compile, mode, guard == "on", args.remat)
+                            args.xla_timers, args.trace_compile, mode, guard == "on", args.remat,
+                            args.lower_for)
       else:
         row = measure(args.model, impl, args.layers, args.tokens, args.compile, args.attention,
-                      args.trace_compile, mode, guard == "on", args.remat)
+                      args.trace_compile, mode, guard == "on", args.remat, args.lower_for)
       rows.append(dict(row, repeat=repeat))
       _timing.log(f"  {impl}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in rows[-1].items() if k != "top_primitives"))

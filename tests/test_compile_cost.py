@@ -147,3 +147,20 @@ def test_guard_on_and_off_side_by_side(tmp_path, capsys):
   assert on["jaxpr_eqns"] > off["jaxpr_eqns"]
   assert compile_cost.label(off) == "forge_unrolled [no guard]" and compile_cost.label(on) == "forge_unrolled"
   assert compile_cost.label(dict(off, remat="full")) == "forge_unrolled [remat full] [no guard]"
+
+
+def test_lower_for_cuda_lowers_the_gpu_step_with_its_mosaic_kernels(tmp_path):
+  """--lower-for cuda: the step a Hopper GPU compiles, traced and lowered on this host, its FORGE
+  layers in the Mosaic kernel (a scanned stack's layer products in the stacked GEMM too)."""
+  from tests._lowering import skip_if_cuda_lowering_needs_a_gpu  # pylint: disable=g-import-not-at-top
+  with skip_if_cuda_lowering_needs_a_gpu():
+    assert compile_cost.main(["--model", "tiny-llama", "--layers", "2", "--tokens", "128",
+                              "--impls", "forge,forge_unrolled", "--lower-for", "cuda",
+                              "--out", str(tmp_path)]) == 0
+  scanned, unrolled = json.loads((tmp_path / "compile_cost.json").read_text())["rows"]
+  for row in (scanned, unrolled):
+    assert row["lowered_for"] == "cuda" and row["lower_s"] > 0 and "compile_s" not in row
+  assert 0 < unrolled["mosaic_kernels"] < scanned["mosaic_kernels"]
+  assert "| forge [lowered for cuda] | 2 |" in (tmp_path / "compile_cost.md").read_text()
+  with pytest.raises(SystemExit):  # nothing to compile for a GPU here
+    compile_cost.main(["--lower-for", "cuda", "--compile", "--out", str(tmp_path)])
