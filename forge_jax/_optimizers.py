@@ -242,6 +242,13 @@ def as_forge_optimizer(optimizer) -> ForgeOptimizer:
   if isinstance(optimizer, ForgeOptimizer):
     return optimizer
   if isinstance(optimizer, optax.GradientTransformation):
+    if "inject_hyperparams" in getattr(optimizer.init, "__qualname__", ""):
+      raise ValueError(
+          "optax.inject_hyperparams cannot wrap a FORGE optimizer: its hyperparameters live in "
+          "the optax state, which FORGE's kernels (inside the backward pass) do not read. Give a "
+          "hyperparameter that changes during training as a schedule instead: a function of "
+          "the int32 step count, e.g. forge_jax.adamw(learning_rate=optax.cosine_decay_schedule("
+          "...)).")
     raise ValueError(
         f"{optimizer!r} is a plain optax transformation: FORGE can only fuse an "
         "elementwise optimizer whose rule it knows. Build it with forge_jax "

@@ -226,6 +226,10 @@ def test_errors():
     forge_jax.as_forge_optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
   with pytest.raises(TypeError, match="expected a forge_jax optimizer"):
     forge_jax.as_forge_optimizer("adamw")
+  # optax's way to change a learning rate by hand keeps it in the optax state: refused, with
+  # the schedule that does it for FORGE.
+  with pytest.raises(ValueError, match="inject_hyperparams cannot wrap.*as a schedule"):
+    forge_jax.as_forge_optimizer(optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3))
 
 
 def test_plain_adam_needs_no_params():
