@@ -241,8 +241,23 @@ def as_forge_optimizer(optimizer) -> ForgeOptimizer:
   """Returns ``optimizer`` if FORGE can fuse it; raises a clear error otherwise."""
   if isinstance(optimizer, ForgeOptimizer):
     return optimizer
+  if isinstance(optimizer, optax.MultiSteps):
+    raise ValueError(
+        "optax.MultiSteps (gradient accumulation over micro-batches) cannot wrap a FORGE "
+        "optimizer: FORGE applies each layer's update inside its backward pass, so every "
+        "micro-batch's backward pass would be an optimizer step, and there is no gradient to "
+        "accumulate (that pool is what FORGE removes). The largest effective batch is the "
+        "largest batch one train_step fits; use optax with optax.MultiSteps for larger ones.")
   if isinstance(optimizer, optax.GradientTransformation):
-    if "inject_hyperparams" in getattr(optimizer.init, "__qualname__", ""):
+    init_name = getattr(optimizer.init, "__qualname__", "")
+    if "apply_if_finite" in init_name:
+      raise ValueError(
+          "optax.apply_if_finite cannot wrap a FORGE optimizer (FORGE updates each layer inside "
+          "its backward pass, before any check after it): forge_jax.train_step skips a step "
+          "whose loss is not finite itself (skip_nonfinite=True, the default), and FORGE "
+          "kernels keep an element whose gradient is not finite (Precision(nonfinite='skip')). "
+          "Pass the forge_jax optimizer itself.")
+    if "inject_hyperparams" in init_name:
       raise ValueError(
           "optax.inject_hyperparams cannot wrap a FORGE optimizer: its hyperparameters live in "
           "the optax state, which FORGE's kernels (inside the backward pass) do not read. Give a "

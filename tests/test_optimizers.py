@@ -230,6 +230,12 @@ def test_errors():
   # the schedule that does it for FORGE.
   with pytest.raises(ValueError, match="inject_hyperparams cannot wrap.*as a schedule"):
     forge_jax.as_forge_optimizer(optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3))
+  # Gradient accumulation and skipping non-finite updates: what FORGE cannot wrap, and what
+  # it does instead.
+  with pytest.raises(ValueError, match="MultiSteps .gradient accumulation.*no gradient to accumulate"):
+    forge_jax.as_forge_optimizer(optax.MultiSteps(forge_jax.adamw(1e-3), 4))
+  with pytest.raises(ValueError, match="apply_if_finite cannot wrap.*skip_nonfinite=True"):
+    forge_jax.as_forge_optimizer(optax.apply_if_finite(forge_jax.adamw(1e-3), 3))
 
 
 def test_plain_adam_needs_no_params():
