@@ -67,9 +67,19 @@ def test_forge_training_matches_optax(name, scan):
 
 
 @pytest.mark.usefixtures("legacy_cpu_emitter_for_test")
-def test_resume_is_bit_exact(tmp_path):
-  cfg = models.get_config("tiny-llama", linear="forge", remat="full")
-  opt = forge_jax.lion(1e-3, weight_decay=0.1)
+@pytest.mark.parametrize("case", ["lion_fp32", "adamw_bf16_sr_int8"])
+def test_resume_is_bit_exact(tmp_path, case):
+  """Two steps, a checkpoint, two more from the restored state: the same state as four steps
+  straight, bit for bit; also with bf16 weights rounded stochastically (the rounding streams
+  follow the restored counts) and int8 states (codes and scales restored as written)."""
+  if case == "lion_fp32":
+    cfg = models.get_config("tiny-llama", linear="forge", remat="full")
+    opt = forge_jax.lion(1e-3, weight_decay=0.1)
+  else:
+    cfg = models.get_config("tiny-llama", linear="forge", remat="full", param_dtype="bfloat16",
+                            dtype="bfloat16", intermediate_size=128)  # int8 blocks of 64 along N
+    opt = forge_jax.adamw(1e-3, weight_decay=0.1,
+                          precision=forge_jax.Precision("stochastic", state_dtype="int8"))
   model = models.CausalLM(cfg, optimizer=opt)
   loss_fn = functools.partial(_loss, model.apply)
   batches = _batches(cfg, 4)
@@ -86,6 +96,10 @@ def test_resume_is_bit_exact(tmp_path):
   half = fresh()
   for batch in batches[:2]:
     half, _ = forge_jax.train_step(half, batch, loss_fn)
+  if case != "lion_fp32":  # int8 states in both the FORGE kernels' and the optax-managed states
+    quantized = lambda tree: any(isinstance(x, forge_jax.QuantizedArray) for x in jax.tree.leaves(
+        tree, is_leaf=lambda x: isinstance(x, forge_jax.QuantizedArray)))
+    assert quantized(half.forge_state) and quantized(half.opt_state)
   forge_jax.save_train_state(tmp_path / "ckpt", half)
   resumed = forge_jax.restore_train_state(tmp_path / "ckpt", fresh())
   assert int(resumed.step) == 2
