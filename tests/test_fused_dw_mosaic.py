@@ -235,8 +235,8 @@ def test_stochastic_rounding_matches_reference(state, stacked):
 
 
 def test_stochastic_rounding_in_the_kernel_is_unbiased():
-  """The kernel's stochastic rounding of bf16 weights (the compiled kernel on a GPU, the
-  interpreter elsewhere): SGD moves every weight of a column group from 1.0 by a fixed fraction
+  """The kernel's stochastic rounding of bf16 weights (the compiled kernel with its default
+  tiling on a GPU, the interpreter on small tiles elsewhere): SGD moves every weight of a column group from 1.0 by a fixed fraction
   ``f`` of the bf16 spacing below 1.0 (2**-8), so round to nearest would move none (f < 1/2) or
   all (f > 1/2); rounded stochastically, each lands on 1.0 or 1 - 2**-8, a fraction ``f`` of
   them on the latter (within 4 standard deviations over 4096 weights), and two steps' bits are
@@ -249,9 +249,10 @@ def test_stochastic_rounding_in_the_kernel_is_unbiased():
   dy = jnp.asarray(np.repeat(fractions / t, n // groups)[None, :].repeat(t, 0), BF16)
   w = jnp.ones((k, n), BF16)
   rule = forge_jax.sgd(lr).rule
+  interpret = jax.default_backend() != "gpu"  # on a GPU, the compiled kernel's default tiling
   kernel = jax.jit(functools.partial(
-      mosaic.fused_dw_update_mosaic, update_fn=rule.update, config=SMALL,
-      interpret=jax.default_backend() != "gpu", weight_codec=nm.StochasticRound()))
+      mosaic.fused_dw_update_mosaic, update_fn=rule.update, config=SMALL if interpret else None,
+      interpret=interpret, weight_codec=nm.StochasticRound()))
   downs = []
   for step in (1, 2):
     new_w, _, _ = kernel(x, dy, w, (), rule.scalars(jnp.int32(0)), seed=jnp.uint32(5),
