@@ -647,12 +647,17 @@ def test_non_finite_loss_skip_takes_no_cond(backend):
   assert "conditional(" not in text
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton and Mosaic GPU kernels")
-@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
+_ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels: a GPU case")
+_ON_CPU = pytest.mark.skipif(jax.default_backend() == "gpu", reason="the interpreters: a CPU case")
+
+
+@pytest.mark.parametrize("backend", [pytest.param("pallas", marks=_ON_GPU),
+                                     pytest.param("mosaic", marks=_ON_GPU),
+                                     pytest.param("mosaic_interpret", marks=_ON_CPU)])
 def test_kernels_keep_the_non_finite_semantics(backend):
-  """On the GPU, with the fused kernels (shapes on the Mosaic kernel's tiling; the model runs
-  in bf16, so every layer's x and dy are bf16, which the Mosaic kernel needs: a fallback to the
-  Triton kernel is an error here)."""
+  """With the fused kernels (on a GPU; the Mosaic kernel under its interpreter on a CPU): shapes
+  on the Mosaic kernel's tiling, the model in bf16, so every layer's x and dy are bf16, which
+  the Mosaic kernel needs (a fallback is an error here)."""
   key = jax.random.PRNGKey(3)
   batch = {"x": jax.random.normal(key, (128, 256)).astype(jnp.bfloat16),
            "y": jax.random.normal(jax.random.fold_in(key, 1), (128, 256))}
