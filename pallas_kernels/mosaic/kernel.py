@@ -420,7 +420,6 @@ def fused_dw_update_mosaic(
     ValueError: for operands the kernel cannot take (the message says why and what to change).
   """
   slots = tuple(slots)
-  interpreting = common.interpret_params(interpret) is not None
   codec = weight_codec or numerics.Cast()
   if not config_checked:
     config, reason = mcfg.select_config(x, dy, w, slots, config,
