@@ -124,21 +124,12 @@ def rounding_key(seed, step, layer=0) -> Array:
   return mix32(k + _u32(layer))
 
 
-def _mix32_int(x: int) -> int:
-  """:func:`mix32` of a Python int in [0, 2**32), on the host."""
-  x ^= x >> 16
-  x = (x * 0x7FEB352D) & 0xFFFFFFFF
-  x ^= x >> 15
-  x = (x * 0x846CA68B) & 0xFFFFFFFF
-  return x ^ (x >> 16)
-
-
 def stream_seed(seed, stream) -> Array:
-  """Folds a stream id (which weight) into a seed, as a uint32 (computed on the host when
-  both are ints, as every FORGE layer's are)."""
+  """Folds a stream id (which weight) into a seed, as a uint32 (computed on the host, with
+  numpy's wrapping uint32 arrays, when both are ints, as every FORGE layer's are)."""
   if all(isinstance(v, (int, np.integer)) for v in (seed, stream)):
-    mixed = _mix32_int((int(stream) + 0x632BE5AB) % 2**32)
-    return jnp.asarray(np.uint32(_mix32_int((int(seed) % 2**32) ^ mixed)))
+    host = lambda v: np.array([int(v) % 2**32], np.uint32)
+    return jnp.asarray(mix32(host(seed) ^ mix32(host(stream) + np.uint32(0x632BE5AB)))[0])
   return mix32(_u32(seed) ^ mix32(_u32(stream) + np.uint32(0x632BE5AB)))
 
 

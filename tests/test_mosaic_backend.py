@@ -307,8 +307,8 @@ def test_a_train_step_through_the_mosaic_kernel_equals_the_xla_route():
   int8 states in the default maps, the layers' updates in the Mosaic kernel (interpreter)
   against the "xla" route: the same loss, gradient norm, codes and scales, and the same
   weights but where the two float32 sums over T differ in their last bit at a rounding
-  threshold (one weight in 32768 here; with another layer's bits a third of the weights that
-  move would differ). XLA keeps bf16 values as written for this (``bf16_as_written``,
+  threshold (at most one in 10,000; with other random bits, as many differ as stochastic rounding
+  moves off round-to-nearest). XLA keeps bf16 values as written for this (``bf16_as_written``,
   tests/conftest.py): by default it may keep one in float32 where it feeds its own fused
   consumer, where the kernel reads it rounded (seen here on the forward's output and the
   loss's cotangent)."""

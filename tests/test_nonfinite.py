@@ -197,6 +197,7 @@ _SR_BF16 = forge_jax.Precision("stochastic", state_dtype="float32")
     pytest.param("interpret", _INT8, F32, False, marks=_CPU),
     pytest.param("interpret", _SR_BF16, BF16, True, marks=_CPU),
     pytest.param("mosaic_interpret", _INT8, F32, True, marks=_CPU),
+    pytest.param("mosaic_interpret", None, BF16, False, marks=_CPU),
     pytest.param("mosaic_interpret", _SR_BF16, BF16, False, marks=_CPU),
     pytest.param("pallas", _INT8, BF16, True, marks=_GPU),
     pytest.param("mosaic", _INT8, BF16, True, marks=_GPU),
