@@ -84,6 +84,10 @@ _F32 = jnp.float32
 _I32 = jnp.int32
 CODE_DTYPE = jnp.dtype(jnp.int8)
 SCALE_DTYPE = jnp.dtype(jnp.float32)
+# y + 1.5 * 2**23 is a float32 whose bits are _ROUND_MAGIC_BITS + round(y) for |y| < 2**22.
+_ROUND_MAGIC = np.float32(1.5 * 2**23)
+_ROUND_MAGIC_BITS = int(np.float32(1.5 * 2**23).view(np.int32))
+_MIN_NORMAL = float(np.finfo(np.float32).tiny)
 
 
 # ----------------------------------------------------------------------------
@@ -278,21 +282,26 @@ class QuantMap:
     return scale * (1.0 / self.max_code) if self.kind == "linear" else scale
 
   def encode(self, x_rel: Array, bits: Optional[Array] = None) -> Array:
-    """int32 codes in [-127, 127] of ``x_rel = x / absmax`` (|x_rel| <= ~1).
+    """int32 codes in [-127, 127] of ``x_rel = x / absmax`` (clipped to [-1, 1]).
 
     ``bits`` (uint32 per element) are needed by stochastic rounding.
     """
-    return self.encode_scaled(x_rel * self.encode_factor(1.0), bits)
+    return self.encode_scaled(jnp.clip(x_rel, -1.0, 1.0) * self.encode_factor(1.0), bits)
 
   def encode_scaled(self, y: Array, bits: Optional[Array] = None) -> Array:
     """int32 codes of ``y = x * encode_factor(1 / absmax)``."""
     stochastic = self.rounding == "stochastic"
     if stochastic and bits is None:
       raise ValueError("QuantMap(rounding='stochastic') needs the element bits (bits=None given).")
+    if self.kind == "linear" and not stochastic:
+      # Nearest (ties to even), sign included: adding 1.5 * 2**23 leaves round(y) in the float's
+      # low mantissa bits (|y| <= max_code * (1 + 3 ulp) < 2**22 here). Two instructions, no
+      # clamp: |y| never exceeds max_code + 1/2, and the int8 store keeps the low byte.
+      y, shift = (y, 0) if self.signed else (jnp.maximum(y, 0.0), 127)
+      return lax.bitcast_convert_type(y + _ROUND_MAGIC, _I32) - (_ROUND_MAGIC_BITS + shift)
     mag = jnp.abs(y) if self.signed else jnp.maximum(y, 0.0)
-    if self.kind == "linear":
-      # Nearest: + 1/2 then floor. Stochastic: + a uniform [0, 1) (the top 16 bits) then floor.
-      offset = (bits >> np.uint32(16)).astype(_F32) * 2.0**-16 if stochastic else 0.5
+    if self.kind == "linear":  # stochastic: + a uniform [0, 1) (the top 16 bits), then floor
+      offset = (bits >> np.uint32(16)).astype(_F32) * 2.0**-16
       # The conversion truncates, which is floor here (the operand is >= 0), and
       # lowers where floor does not (Mosaic GPU, warpgroup semantics).
       q = (mag + offset).astype(_I32)
@@ -448,8 +457,10 @@ class BlockQuantized(Codec):
 
   def _codes(self, x: Array, absmax: Array, spread, bits: Optional[Array]) -> Array:
     """int32 codes of ``x`` relative to its blocks' ``absmax``; ``spread`` maps a
-    per-block array onto ``x``'s shape (after the per-block arithmetic)."""
-    inv = jnp.where(absmax > 0.0, 1.0 / absmax, 0.0)
+    per-block array onto ``x``'s shape (after the per-block arithmetic). A block whose largest
+    magnitude is below the smallest normal float32 (2**-126) stores zeros, as flush-to-zero
+    arithmetic would: its ``1 / absmax`` would overflow."""
+    inv = jnp.where(absmax >= _MIN_NORMAL, 1.0 / absmax, 0.0)
     return self.qmap.encode_scaled(x * spread(self.qmap.encode_factor(inv)), bits)
 
   def decode(self, parts):

@@ -209,6 +209,36 @@ def test_stochastic_codes_are_unbiased_and_within_one_step(qmap):
     qmap.encode(jnp.ones(3))
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_nearest_linear_codes_are_the_rounded_values(signed):
+  """The nearest linear map's codes are ``rint(x * max_code / absmax)`` (ties to even; unsigned:
+  offset by -127), never beyond max_code, for values on and next to every half step."""
+  qmap = nm.QuantMap("linear", signed=signed)
+  steps = (np.arange(-254, 255) / 2 if signed else np.arange(0, 509) / 2).astype(np.float32)
+  y = np.concatenate([steps, np.nextafter(steps, np.float32(np.inf)),
+                      np.nextafter(steps, np.float32(-np.inf))])
+  y = np.clip(y, -qmap.max_code if signed else 0.0, qmap.max_code).astype(np.float32)
+  y = np.concatenate([y, np.zeros((-len(y)) % 64, np.float32)]).reshape(-1, 64)
+  y[:, 0] = qmap.max_code  # each block's maximum: 1 / absmax * max_code is exactly 1 here
+  codes, _ = nm.BlockQuantized(qmap, 64).encode(jnp.asarray(y))
+  want = np.rint(y.astype(np.float64)) - (0 if signed else 127)
+  assert np.sum(np.abs(y - np.floor(y)) == 0.5) > 200  # the ties are there
+  np.testing.assert_array_equal(np.asarray(codes, np.int64), want)
+  assert np.abs(np.asarray(codes, np.int64)).max() <= 127
+
+
+def test_a_block_below_the_normal_range_stores_zeros():
+  """A block whose maximum is a float32 denormal stores zeros (its 1/absmax would overflow), as
+  flush-to-zero arithmetic would; a normal block beside it is unaffected."""
+  for qmap in (LINEAR, UFLOAT):
+    x = np.full((2, 64), 1e-3, np.float32)
+    x[0] = np.float32(1e-39) * (np.arange(64) % 3 + 1)  # below 2**-126 = 1.18e-38
+    q = nm.BlockQuantized(qmap, 64).quantize(jnp.asarray(x))
+    y = np.asarray(q.dequantize())
+    np.testing.assert_array_equal(y[0], 0.0)
+    np.testing.assert_allclose(y[1], 1e-3, rtol=1e-6)
+
+
 def test_quantizing_zeros_and_a_constant_is_exact():
   for qmap in (LINEAR, UFLOAT):
     codec = nm.BlockQuantized(qmap, 64)
