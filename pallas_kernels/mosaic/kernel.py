@@ -214,7 +214,7 @@ class _Epilogue:
     w_ref, s_refs = self.w_ring.at[self.wg_idx, slot], self._slot_refs(slot)
     with _region("epi_load"):  # swizzled SMEM reads come back in the accumulator's layout
       w_raw = w_ref[...]
-      s_raw = tuple((ref[0][...], _row_load(ref[1], plan)) if isinstance(ref, tuple) else ref[...]
+      s_raw = tuple(tuple(p[...] for p in ref) if isinstance(ref, tuple) else ref[...]
                     for ref in s_refs)
     with _region("epi_decode"):
       w32 = w_raw.astype(jnp.float32)
@@ -254,14 +254,6 @@ class _Epilogue:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       with _region("epi_refill"):
         self._fetch(j + plan.depth, row0, col0)
-
-
-def _row_load(ref, plan: _Plan) -> Array:
-  """A sub-tile's per-row values (int8 row scales) in the layout of a row of the accumulator,
-  which lowers on both lowering semantics (Lane would load a 1-D ref strided, 128 at a time)."""
-  if plan.interpreting:
-    return ref[...]
-  return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
 
 
 def _pick(values: Sequence[Array], j) -> Array:

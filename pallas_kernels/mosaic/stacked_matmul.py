@@ -36,7 +36,6 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic import common
 from pallas_kernels.mosaic import config as mcfg
-from pallas_kernels.mosaic import rule_eval
 
 _WGS = 2  # compute warpgroups
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -312,7 +311,7 @@ def stacked_matmul(x: jax.Array, w_stack: jax.Array, layer: Any, *, transpose_w:
   call = pl.kernel(
       functools.partial(_kernel, plan=plan), out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
       mesh=mesh, name="stacked_matmul",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=getattr(plgpu.LoweringSemantics, rule_eval.LOWERING_SEMANTICS)),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **({} if params is None else dict(interpret=params)))
   # A reshape of the whole stack (a bitcast), not a slice of it.
   return call(x, w_stack.reshape(num_layers * rows, cols), layer_vec)
