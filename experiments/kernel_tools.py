@@ -178,6 +178,18 @@ def summarize_trace(trace: dict) -> dict[str, Any]:
   return {"regions": regions, "tracks": len(first), "span_us": max(spans, default=0.0)}
 
 
+def profile_table(summary: dict) -> list[str]:
+  """Markdown rows of :func:`summarize_trace`'s regions: count, mean and total microseconds, and
+  microseconds per warpgroup tile (a region's total over the ``fdw_mainloop`` count)."""
+  regions = summary.get("regions") or {}
+  tiles = regions.get("fdw_mainloop", {}).get("count")
+  rows = ["| region | count | mean us | total us | us per tile |", "|---|---|---|---|---|"]
+  for name, r in regions.items():
+    per_tile = f"{r['total_us'] / tiles:.2f}" if tiles else "-"
+    rows.append(f"| {name} | {r['count']} | {r['mean_us']:.2f} | {r['total_us']:.1f} | {per_tile} |")
+  return rows if regions else []
+
+
 def parse_ptxas(text: str) -> dict[str, Any]:
   """ptxas ``-v`` figures in a process's output, maxima over its functions (None if absent)."""
   regs = [int(m.group(1)) for m in _USED.finditer(text)]
@@ -525,9 +537,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   result = {"info": info, args.tool: TOOLS[args.tool](args, out)}
   _timing.write_json(out / f"kernel_{args.tool}.json", result)
   guard = ", no guard" if args.no_guard else ""
+  table = profile_table(result[args.tool]) if args.tool == "profile" else []
   lines = [f"# kernel_tools {args.tool}: {args.shape} {args.optimizer}, {args.states} states{guard}", "",
            f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}.", "",
-           "```", json.dumps(result[args.tool], indent=1, default=str)[:6000], "```"]
+           *table, *([""] if table else []), "```", json.dumps(result[args.tool], indent=1, default=str)[:6000], "```"]
   (out / f"kernel_{args.tool}.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
   return 0

@@ -26,6 +26,10 @@ def test_profile_trace_summary():
   assert s["regions"]["fdw_mainloop"] == {"count": 2, "total_us": 14.0, "mean_us": 7.0}
   assert s["regions"]["fdw_epi_wait"]["total_us"] == 4.0
   assert s["regions"]["fdw_epilogue"] == {"count": 1, "total_us": 10.0, "mean_us": 10.0}  # unmatched end
+  table = kernel_tools.profile_table(s)
+  assert "| fdw_mainloop | 2 | 7.00 | 14.0 | 7.00 |" in table  # per tile: over the main loop's count
+  assert "| fdw_epi_wait | 2 | 2.00 | 4.0 | 2.00 |" in table
+  assert kernel_tools.profile_table({}) == []
 
 
 def test_ptxas_report_parsing():
