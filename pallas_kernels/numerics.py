@@ -295,9 +295,12 @@ class QuantMap:
       raise ValueError("QuantMap(rounding='stochastic') needs the element bits (bits=None given).")
     if self.kind == "linear" and not stochastic:
       # Nearest (ties to even), sign included: adding 1.5 * 2**23 leaves round(y) in the float's
-      # low mantissa bits (|y| <= max_code * (1 + 3 ulp) < 2**22 here). Two instructions, no
-      # clamp: |y| never exceeds max_code + 1/2, and the int8 store keeps the low byte.
-      y, shift = (y, 0) if self.signed else (jnp.maximum(y, 0.0), 127)
+      # low mantissa bits (|y| <= max_code * (1 + 3 ulp) < 2**22 here), and the int8 store keeps
+      # the low byte. The min / max between y's product and the add is needed: without it XLA and
+      # LLVM may contract the two into one fma, which rounds once, where a program's fusions
+      # decide (a weight split over devices then got other codes than the whole one).
+      y, shift = ((jnp.minimum(y, float(self.max_code)), 0) if self.signed
+                  else (jnp.maximum(y, 0.0), 127))
       return lax.bitcast_convert_type(y + _ROUND_MAGIC, _I32) - (_ROUND_MAGIC_BITS + shift)
     mag = jnp.abs(y) if self.signed else jnp.maximum(y, 0.0)
     if self.kind == "linear":  # stochastic: + a uniform [0, 1) (the top 16 bits), then floor
