@@ -227,6 +227,23 @@ def test_nearest_linear_codes_are_the_rounded_values(signed):
   assert np.abs(np.asarray(codes, np.int64)).max() <= 127
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_nearest_linear_codes_do_not_depend_on_fusion(signed):
+  """The codes of ``x * factor`` are the same whether the product is rounded on its own (another
+  program) or fused with the encode (one program, where a compiler may contract the product
+  and the rounding add into one fma): values whose exact product sits within an ulp of a half
+  step, where one rounding and two differ."""
+  qmap = nm.QuantMap("linear", signed=signed)
+  factor = np.float32(1.2345678)
+  k = np.arange(-126, 127) if signed else np.arange(0, 127)
+  x = ((k[:, None] + 0.5) / factor * (1 + np.linspace(-4e-7, 4e-7, 512))).astype(np.float32)
+  x = jnp.asarray(x.ravel())
+  fused = jax.jit(lambda x, f: qmap.encode_scaled(x * f))(x, factor)
+  y = jax.jit(lambda x, f: x * f)(x, factor)
+  separate = jax.jit(qmap.encode_scaled)(y)
+  np.testing.assert_array_equal(np.asarray(fused), np.asarray(separate))
+
+
 def test_a_block_below_the_normal_range_stores_zeros():
   """A block whose maximum is a float32 denormal stores zeros (its 1/absmax would overflow), as
   flush-to-zero arithmetic would; a normal block beside it is unaffected."""
