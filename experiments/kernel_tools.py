@@ -284,9 +284,11 @@ def loop_spans(back_edges) -> list[tuple[int, int]]:
 
 
 def ncu_command(ncu: str, report: pathlib.Path, run_args: Sequence[str]) -> list[str]:
-  """Nsight Compute on ``kernel_tools run`` between cuProfilerStart/Stop, clocks left alone."""
+  """Nsight Compute on ``kernel_tools run`` between cuProfilerStart/Stop, clocks left alone, the
+  fused kernel only (an int8 call's operand transposes would take a full replay each)."""
   return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--target-processes",
-          "all", "--set", "full", "-f", "-o", str(report), sys.executable, "-m",
+          "all", "--kernel-name", f"regex:{FUSED_KERNEL}", "--set", "full", "-f", "-o",
+          str(report), sys.executable, "-m",
           "experiments.kernel_tools", "run", "--cuda-profiler-range", *run_args]
 
 

@@ -47,6 +47,7 @@ def test_ptxas_report_parsing():
 def test_ncu_runs_one_profiled_call_and_summarizes_the_raw_page(tmp_path):
   cmd = kernel_tools.ncu_command("/x/ncu", tmp_path / "kernel", ["--shape", "64x64x128"])
   assert cmd[0] == "/x/ncu" and ["--profile-from-start", "off"] == cmd[3:5]
+  assert cmd[cmd.index("--kernel-name") + 1] == f"regex:{kernel_tools.FUSED_KERNEL}"
   assert cmd[-5:] == ["experiments.kernel_tools", "run", "--cuda-profiler-range", "--shape", "64x64x128"]
   raw = ('"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","other"\n'
          '"","","usecond","byte",""\n'
