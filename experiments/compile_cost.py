@@ -49,6 +49,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import os
@@ -176,6 +177,53 @@ def _as_on_a_hopper_gpu():
     jax.clear_caches()
 
 
+@contextlib.contextmanager
+def mosaic_lowering_seconds():
+  """Yields a list that fills with one ``{"kernel", "inputs", "s"}`` per Mosaic GPU kernel lowered
+  inside the block: the seconds jax spends turning the kernel's jaxpr into its Mosaic GPU module
+  (the Pallas lowering, layout inference, the dialect's lowering), host work that precedes any
+  compile. ``kernel`` is the module's name (jax 0.10 names a warp-specialized kernel after its
+  body, ``new_body``; 0.11 after the kernel), ``inputs`` its first two operands' shapes. Empty
+  where this jax has no Mosaic GPU lowering to time."""
+  records: list = []
+  try:
+    from jax._src.pallas.mosaic_gpu import lowering  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    yield records
+    return
+  original = getattr(lowering, "lower_jaxpr_to_module", None)
+  if original is None:
+    yield records
+    return
+
+  @functools.wraps(original)
+  def timed(*args, **kwargs):
+    tick = time.perf_counter()
+    result = original(*args, **kwargs)
+    seconds = time.perf_counter() - tick
+    bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+    name = None
+    try:
+      name = ir_string(result.module.operation.attributes["sym_name"])
+    except Exception:  # pylint: disable=broad-except
+      info = getattr(bound.get("jaxpr"), "debug_info", None)
+      name = getattr(info, "func_name", None)
+    shapes = ["x".join(map(str, a.shape)) for a in list(bound.get("in_shapes", ()))[:2]]
+    records.append({"kernel": name or "?", "inputs": ", ".join(shapes), "s": seconds})
+    return result
+
+  lowering.lower_jaxpr_to_module = timed
+  try:
+    yield records
+  finally:
+    lowering.lower_jaxpr_to_module = original
+
+
+def ir_string(attr) -> str:
+  """The text of an MLIR string attribute (``StringAttr.value``; else its quoted printing)."""
+  return getattr(attr, "value", None) or str(attr).strip('"')
+
+
 def measure(model: str, impl: str, layers: int, tokens: int, compile_step: bool,
             attention: str = "xla", trace_compile: bool = False,
             kernel_compile: str = "parallel", guard: bool = True, remat: str = "none",
@@ -229,8 +277,11 @@ def _measure(model, impl, layers, tokens, compile_step, attention, trace_compile
   row.update(jaxpr_eqns=sum(counts.values()), top_primitives=counts.most_common(10))
   tick = time.perf_counter()
   # From here the kernel pool compiles the step's Mosaic GPU kernels (on a GPU).
-  lowered = traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+  with mosaic_lowering_seconds() as kernels:
+    lowered = traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
   row["lower_s"] = time.perf_counter() - tick
+  if kernels:
+    row["mosaic_lowering"] = kernels
   if compile_step:
     if trace_compile:
       compiled, row["compile_s"], events = traced_compile(lowered)
@@ -348,6 +399,19 @@ def markdown(info: dict, rows: list[dict]) -> str:
               f"on {r['mosaic_compile_threads']} host thread(s))" if "mosaic_compile_span_ms" in r else "")
       out.append(f"  - Mosaic GPU kernels: {len(kernels)}, {sum(kernels) / 1e3:.1f} s{span}: "
                  + ", ".join(f"{ms:.0f}" for ms in kernels))
+  if any(r.get("mosaic_lowering") for r in first):
+    out += ["", "Lowering the Mosaic GPU kernels (first repeat; the seconds each kernel's jaxpr took "
+            "to become its Mosaic GPU module, part of `lower s`; kernels of one name and inputs "
+            "summed, longest first):", ""]
+    for r in (r for r in first if r.get("mosaic_lowering")):
+      total = sum(k["s"] for k in r["mosaic_lowering"])
+      out.append(f"- {label(r)}: {len(r['mosaic_lowering'])} kernels, {total:.2f} s of "
+                 f"{r['lower_s']:.2f}")
+      groups: dict = collections.defaultdict(list)
+      for k in r["mosaic_lowering"]:
+        groups[(k["kernel"], k["inputs"])].append(k["s"])
+      for (kernel, inputs), secs in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+        out.append(f"  - {kernel} ({inputs}): {sum(secs):.3f} s" + (f" ({len(secs)})" if len(secs) > 1 else ""))
   if any(r.get("custom_calls") for r in first):
     out += ["", "Custom calls by target:", ""]
     for r in (r for r in first if r.get("custom_calls")):

@@ -161,6 +161,11 @@ def test_lower_for_cuda_lowers_the_gpu_step_with_its_mosaic_kernels(tmp_path):
   for row in (scanned, unrolled):
     assert row["lowered_for"] == "cuda" and row["lower_s"] > 0 and "compile_s" not in row
   assert 0 < unrolled["mosaic_kernels"] < scanned["mosaic_kernels"]
+  for row in (scanned, unrolled):  # each kernel's lowering timed once, within the step's lowering
+    kernels = row["mosaic_lowering"]
+    assert len(kernels) == row["mosaic_kernels"] and all(k["s"] > 0 for k in kernels)
+    assert sum(k["s"] for k in kernels) < row["lower_s"]
+  assert "Lowering the Mosaic GPU kernels" in (tmp_path / "compile_cost.md").read_text()
   assert "| forge [lowered for cuda] | 2 |" in (tmp_path / "compile_cost.md").read_text()
   with pytest.raises(SystemExit):  # nothing to compile for a GPU here
     compile_cost.main(["--lower-for", "cuda", "--compile", "--out", str(tmp_path)])
