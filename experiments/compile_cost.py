@@ -40,7 +40,9 @@ part of a GPU compile that a CPU measures (on a host as fast per core):
         --tokens 1024 --impls forge,forge_unrolled --lower-for cuda --fresh --repeats 3 --out $OUT
 
 (Rows lowered for CUDA count the Mosaic GPU kernels in the lowered module: the distinct ones,
-as a step lowers each once and calls it where it is used.)
+as a step lowers each once and calls it where it is used.) Wherever a step lowers Mosaic GPU
+kernels (on a GPU, or for CUDA here), each kernel's lowering is timed on its own and listed
+(``mosaic_lowering``): the host work of the step's lowering that is its kernels'.
 """
 
 from __future__ import annotations
