@@ -9,8 +9,9 @@ guarded against non-finite gradient elements as forge_jax's layers run it, or ba
     # fdw_epi_wait, ...) per warpgroup, from its Chrome traces (kept gzipped in --out).
     PYTHONPATH=$PWD python -m experiments.kernel_tools profile --out $OUT/profile --shape 1024x4096x4096
     # Nsight Compute on that one call (between cuProfilerStart/Stop, the fused kernel only):
-    # duration, DRAM bytes, tensor pipe and SM throughput, and the warp-state samples per SASS instruction summed by stall
-    # reason for the epilogue's loop and the main loop; the .ncu-rep stays in --out.
+    # duration, DRAM bytes, tensor pipe and SM throughput, and the warp-state samples per SASS
+    # instruction summed by stall reason for the epilogue's loop and the main loop; the
+    # .ncu-rep stays in --out.
     PYTHONPATH=$PWD python -m experiments.kernel_tools ncu --out $OUT/ncu --states bfloat16
     # ptxas -v on the kernel (MOSAIC_GPU_DUMP_PTXAS=1): registers per thread and spill bytes.
     PYTHONPATH=$PWD python -m experiments.kernel_tools ptxas --out $OUT/ptxas --states int8
