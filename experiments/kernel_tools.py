@@ -386,11 +386,18 @@ def ncu_source_block(text: str, kernel: str) -> str:
   return "\n".join(found[-1]) + "\n" if found else ""
 
 
+def sass_opcode(text: str) -> str:
+  """``FMNMX`` of ``@!P1 FMNMX.NAN R1, R2, R3, !PT``: the mnemonic without predicate and modifiers."""
+  words = [w for w in text.split() if not w.startswith("@")]
+  return words[0].split(".")[0] if words else ""
+
+
 def summarize_ncu_source(block: str, top: int = 20) -> dict[str, Any]:
   """Warp-state samples of one kernel's source page (SASS): totals by stall reason for the whole
   kernel, for its largest loop without ``HGMMA`` (in the fused kernel, the epilogue's loop over
-  sub-tiles) and for its smallest loop with one (the main loop), and the ``top`` instructions by
-  samples with their index, text and main reasons. Loops are spans from a branch's target
+  sub-tiles) and for its smallest loop with one (the main loop), those two also by opcode (the
+  ``top`` most sampled), and the ``top`` instructions by samples with their index, text and
+  main reasons. Loops are spans from a branch's target
   address back to the branch; the out-of-line spin-waits of barrier waits sit outside them."""
   rows = list(csv.reader(io.StringIO(block)))
   if len(rows) < 2:
@@ -407,21 +414,32 @@ def summarize_ncu_source(block: str, top: int = 20) -> dict[str, Any]:
                      for i, t in enumerate(texts) if (m := _HEX_TARGET.search(t)))
   has_mma = lambda start, end: any("HGMMA" in t for t in texts[start:end + 1])
 
-  def region(start: int, end: int) -> dict[str, Any]:
+  def region(start: int, end: int, by_opcode: bool = False) -> dict[str, Any]:
     total = collections.Counter()
     for s in stalls[start:end + 1]:
       total.update(s)
     n = sum(total.values())
-    return {"instructions": end - start + 1, "first": start, "samples": int(n),
+    out_ = {"instructions": end - start + 1, "first": start, "samples": int(n),
             "reasons_pct": {k: round(100 * v / n, 1) for k, v in total.most_common() if v} if n else {}}
+    if by_opcode:  # where a loop's samples sit, by instruction (predicates and modifiers dropped)
+      ops: dict = collections.defaultdict(lambda: [0, collections.Counter()])
+      for i in range(start, end + 1):
+        entry = ops[sass_opcode(texts[i])]
+        entry[0] += 1
+        entry[1].update(stalls[i])
+      ranked = sorted(ops.items(), key=lambda kv: -sum(kv[1][1].values()))[:top]
+      out_["by_opcode"] = [{"opcode": op, "instructions": count, "samples": int(sum(c.values())),
+                            "reasons": {k: int(v) for k, v in c.most_common(3) if v}}
+                           for op, (count, c) in ranked]
+    return out_
 
   out = {"instructions": len(rows), "all": region(0, len(rows) - 1)}
   no_mma = [(s, e) for s, e in spans if not has_mma(s, e)]
   with_mma = [(s, e) for s, e in reversed(spans) if has_mma(s, e)]
   if no_mma:
-    out["largest_loop_without_mma"] = region(*no_mma[0])
+    out["largest_loop_without_mma"] = region(*no_mma[0], by_opcode=True)
   if with_mma:
-    out["smallest_loop_with_mma"] = region(*with_mma[0])
+    out["smallest_loop_with_mma"] = region(*with_mma[0], by_opcode=True)
   order = sorted(range(len(rows)), key=lambda i: -sum(stalls[i].values()))[:top]
   out["top"] = [{"index": i, "sass": texts[i], "samples": int(sum(stalls[i].values())),
                  "reasons": {k: int(v) for k, v in sorted(stalls[i].items(), key=lambda kv: -kv[1])[:3] if v}}

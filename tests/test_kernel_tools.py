@@ -79,6 +79,10 @@ def test_ncu_source_page_is_summarized_by_loop_and_stall_reason():
   epi = got["largest_loop_without_mma"]
   assert (epi["first"], epi["instructions"], epi["samples"]) == (3, 3, 10)
   assert epi["reasons_pct"] == {"wait": 70.0, "long_sb": 30.0}
+  assert epi["by_opcode"] == [
+      {"opcode": "FFMA", "instructions": 1, "samples": 6, "reasons": {"wait": 6}},
+      {"opcode": "MUFU", "instructions": 1, "samples": 4, "reasons": {"long_sb": 3, "wait": 1}}]
+  assert kernel_tools.sass_opcode("@!P1  FMNMX.NAN R104, |R96|, |R135|, !PT") == "FMNMX"
   main = got["smallest_loop_with_mma"]
   assert (main["first"], main["instructions"], main["samples"]) == (1, 2, 4)
   assert [t["index"] for t in got["top"]] == [3, 1] and got["top"][0]["reasons"] == {"wait": 6}
