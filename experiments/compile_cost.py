@@ -198,12 +198,14 @@ def mosaic_lowering_seconds():
     yield records
     return
 
+  signature = inspect.signature(original)
+
   @functools.wraps(original)
   def timed(*args, **kwargs):
     tick = time.perf_counter()
     result = original(*args, **kwargs)
     seconds = time.perf_counter() - tick
-    bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+    bound = signature.bind_partial(*args, **kwargs).arguments
     name = None
     try:
       name = ir_string(result.module.operation.attributes["sym_name"])

@@ -200,7 +200,9 @@ def parse_ptxas(text: str) -> dict[str, Any]:
           "spill_store_bytes": top(1), "spill_load_bytes": top(2), "functions": len(regs)}
 
 
-_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)([^;]*);")
+# An instruction: its predicate (dropped), opcode and modifiers.
+_SASS_OP = r"(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)"
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+" + _SASS_OP + r"([^;]*);")
 _SASS_LABEL = re.compile(r"^\s*(\.L_[\w]+):")
 _SASS_TARGET = re.compile(r"`\((\.L_[\w]+)\)")
 # Opcode classes of sm_90 SASS (the rest: "other").
@@ -387,9 +389,10 @@ def ncu_source_block(text: str, kernel: str) -> str:
 
 
 def sass_opcode(text: str) -> str:
-  """``FMNMX`` of ``@!P1 FMNMX.NAN R1, R2, R3, !PT``: the mnemonic without predicate and modifiers."""
-  words = [w for w in text.split() if not w.startswith("@")]
-  return words[0].split(".")[0] if words else ""
+  """``FMNMX`` of ``@!P1 FMNMX.NAN R1, R2, R3, !PT``: the opcode without predicate and modifiers,
+  as :func:`parse_sass` reads it ("" for a line that is not an instruction)."""
+  m = re.match(_SASS_OP, text.strip())
+  return m.group(1) if m else ""
 
 
 def summarize_ncu_source(block: str, top: int = 20) -> dict[str, Any]:
@@ -397,8 +400,8 @@ def summarize_ncu_source(block: str, top: int = 20) -> dict[str, Any]:
   kernel, for its largest loop without ``HGMMA`` (in the fused kernel, the epilogue's loop over
   sub-tiles) and for its smallest loop with one (the main loop), those two also by opcode (the
   ``top`` most sampled), and the ``top`` instructions by samples with their index, text and
-  main reasons. Loops are spans from a branch's target
-  address back to the branch; the out-of-line spin-waits of barrier waits sit outside them."""
+  main reasons. Loops are spans from a branch's target address back to the branch; the
+  out-of-line spin-waits of barrier waits sit outside them."""
   rows = list(csv.reader(io.StringIO(block)))
   if len(rows) < 2:
     return {}
