@@ -101,24 +101,35 @@ def fused_dw_update_reference(
     return [jnp.where(apply, q.astype(p.dtype), p) for q, p in zip(new_parts, old_parts)]
 
   n_w = len(codecs[0].col_divisors())
-  if unwrap(update_fn)[1] and layer is None:
-    # Whole arrays: with the guard's selects on the slots, no slot output holds the rule's new
-    # slots any more, so XLA recomputes them from the old slots inside the weight's fusion, and
-    # it overwrites the old slots in place only if that fusion provably comes first (else a
-    # copy of every state per layer, and per-layer lax.cond outputs that stop aliasing their
-    # inputs: tests/test_flax_binding.py). The slots' update reads a gradient that depends on
-    # the written weight (g + -0.0, bit for bit g). Ordering it through the selects' mask
-    # instead changed the FMAs XLA contracts in the slots' fusion (up to 117 ulp from optax on
-    # first moments near zero: tests/test_optimizers.py); this keeps that fusion as it was.
-    # (A stack's slots are written after its weight below.)
+
+  def at_once():
+    new_w32, new = apply_update(update_fn, g, w32, slots32, scalars)
+    return gate(encode((new_w32, *new), 0), parts_l)
+
+  def weight_first():
+    # With the guard's selects on the slots, no slot output holds the rule's new slots any
+    # more: XLA:CPU recomputes them from the old slots inside the weight's fusion and overwrites
+    # the old slots in place only if that fusion provably comes first (else a copy of every
+    # state per layer, and per-layer lax.cond outputs that stop aliasing their inputs:
+    # tests/test_flax_binding.py). So the slots' update reads a gradient that depends on the
+    # written weight (g + -0.0, bit for bit g). Ordering it through the selects' mask instead
+    # changed the FMAs XLA contracts in the slots' fusion (up to 117 ulp from optax on first
+    # moments near zero: tests/test_optimizers.py); this keeps that fusion as it was.
     new_w32, _ = apply_update(update_fn, g, w32, slots32, scalars)
     w_parts = gate(encode((new_w32,), 0), parts_l[:n_w])
     g_after = g - jnp.abs(zero_after(w_parts[0]))  # g + -0.0: g bit for bit
     _, new = apply_update(update_fn, g_after, w32, slots32, scalars)
-    new_parts = list(w_parts) + gate(encode(new, 1), parts_l[n_w:])
+    return list(w_parts) + gate(encode(new, 1), parts_l[n_w:])
+
+  if unwrap(update_fn)[1] and layer is None:
+    # Whole arrays with the guard. XLA:GPU makes one multi-output fusion of the rule evaluated
+    # once, updating W and the slots in place; weight_first's order costs it a second pass over
+    # g, W and the slots per layer, and copies of the slots in a model's step (the guard cost
+    # the layer +31-33% at T=1024 on the H200, experiments/results/h200/guard). XLA:CPU needs
+    # the order. (A stack's slots are written after its weight below, whatever the platform.)
+    new_parts = list(jax.lax.platform_dependent(cpu=weight_first, default=at_once))
   else:
-    new_w32, new = apply_update(update_fn, g, w32, slots32, scalars)
-    new_parts = gate(encode((new_w32, *new), 0), parts_l)
+    new_parts = at_once()
   if layer is not None:
     # The weight's update reads the old slots (its step needs their new
     # values), and nothing orders that read before the slots' in-place

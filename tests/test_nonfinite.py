@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import warnings
 
 import jax
@@ -266,6 +267,27 @@ def test_guarded_rule_lowers_for_cuda_in_the_mosaic_kernel():
                           step=jnp.int32(2), apply=jnp.bool_(True)
                           ).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_xla_route_evaluates_the_guarded_rule_once_for_a_gpu():
+  """The "xla" route with the guard, lowered for CUDA: the rule once, which XLA:GPU fuses into
+  one pass updating W and the slots in place (two passes over the gradient, W and the slots
+  cost a layer up to a third more on the H200). Lowered for a CPU: the weight's update, then
+  the slots' after it (XLA:CPU copies every state otherwise: tests/test_flax_binding.py).
+  The guard's finiteness test (an ``abs`` over the layer's shape; AdamW has none) counts the
+  evaluations."""
+  from tests._lowering import skip_if_cuda_lowering_needs_a_gpu  # pylint: disable=g-import-not-at-top
+  opt = _adamw()
+  (x, dy), _, _ = _crafted()
+  w = jnp.zeros((64, 64), F32)
+  state = _state(opt, w)
+  update = jax.jit(functools.partial(forge_jax.fused_linear_update, optimizer=opt, backend="xla"))
+  counts = {}
+  for platform in ("cuda", "cpu"):
+    with skip_if_cuda_lowering_needs_a_gpu():
+      text = update.trace(x, dy, w, state).lower(lowering_platforms=(platform,)).as_text()
+    counts[platform] = len(re.findall(r"stablehlo\.abs %\S+ : tensor<64x64xf32>", text))
+  assert counts == {"cuda": 1, "cpu": 2}, counts
 
 
 def test_benchmarks_time_the_guard_against_its_absence():
