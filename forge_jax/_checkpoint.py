@@ -57,7 +57,9 @@ def restore_train_state(directory: str | os.PathLike, like: Any) -> Any:
 
   Returns:
     The restored TrainState. A checkpoint written before TrainState counted
-    skipped steps restores with ``skipped_steps`` 0.
+    skipped steps restores with ``skipped_steps`` 0; one written before int8 scales were
+    stored block-major (``[..., K, N // block]``, forge-jax before 2026-12-05) restores with
+    its scales transposed to ``[..., N // block, K]``.
 
   Raises:
     ValueError: when the checkpoint does not match ``like``'s structure, shapes or
@@ -77,6 +79,10 @@ def restore_train_state(directory: str | os.PathLike, like: Any) -> Any:
                   and ("skipped_steps",) not in stored)
     if no_skipped:
       abstract = abstract.replace(skipped_steps=None)
+    row_major = _row_major_scales(stored, abstract) if stored is not None else set()
+    wanted = abstract
+    if row_major:
+      abstract = _map_paths(abstract, row_major, _swapped_struct)
     if stored is not None:
       _check_matches(path, stored, abstract)
     try:
@@ -89,7 +95,39 @@ def restore_train_state(directory: str | os.PathLike, like: Any) -> Any:
       ) from e
   if no_skipped:
     state = state.replace(skipped_steps=jax.numpy.zeros([], jax.numpy.int32))
+  if row_major:
+    want = {_path_names(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(wanted)[0]}
+    state = _map_paths(state, row_major, lambda a, p: jax.jit(
+        lambda v: jax.numpy.swapaxes(v, -1, -2), out_shardings=want[p].sharding)(a))
   return state
+
+
+def _row_major_scales(stored: dict, abstract) -> set:
+  """Paths of the int8 scales ``abstract`` holds block-major (``[..., N // block, K]``) that the
+  checkpoint stores as forge-jax wrote them before, ``[..., K, N // block]``."""
+  out = set()
+  for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+    names = _path_names(p)
+    shape = tuple(getattr(leaf, "shape", ()))
+    if (names and names[-1] == "scale" and len(shape) >= 2 and shape[-1] != shape[-2]
+        and names in stored and tuple(stored[names][0]) == shape[:-2] + shape[:-3:-1]):
+      out.add(names)
+  return out
+
+
+def _map_paths(tree, paths: set, fn):
+  return jax.tree_util.tree_map_with_path(
+      lambda p, a: fn(a, _path_names(p)) if _path_names(p) in paths else a, tree)
+
+
+def _swapped_struct(a, _):
+  """``a``'s ShapeDtypeStruct with its last two axes (and their sharding) swapped."""
+  sharding = a.sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+        *spec[:-2], spec[-1], spec[-2]))
+  return jax.ShapeDtypeStruct(a.shape[:-2] + (a.shape[-1], a.shape[-2]), a.dtype, sharding=sharding)
 
 
 def _first_lines(e: BaseException, lines: int = 4, chars: int = 600) -> str:

@@ -208,7 +208,7 @@ def init_slots(rule, precision: Precision, w) -> tuple:
     slots.append(dataclasses.replace(
         block,
         codes=jnp.broadcast_to(block.codes[0], shape),  # a constant: one code throughout
-        scale=jnp.broadcast_to(block.scale[0], shape[:-1] + (shape[-1] // precision.block_size,)),
+        scale=jnp.broadcast_to(block.scale[0], block.codec.scale_shape(shape)),
     ))
   return tuple(slots)
 

@@ -119,11 +119,22 @@ class TensorParallel:
           f"tensor parallelism splits it evenly over the devices. {fix}")
 
 
-def slot_spec(tp: TensorParallel, layout: str, leaf) -> P:
+# int8 scales are stored block-major, [..., N // block, K]: split on the other axis.
+_SCALE_LAYOUT = {"column": "row", "row": "column"}
+
+
+def slot_spec(tp: TensorParallel, layout: str, leaf, scale: bool = False) -> P:
   """An optimizer-state leaf's spec: like its weight for ``[..., K, N]`` leaves (moments,
-  int8 codes and their ``[..., K, N // block]`` scales), replicated for counts and norms."""
+  int8 codes), on the other axis for int8 scales (``scale``: ``[..., N // block, K]``),
+  replicated for counts and norms."""
   ndim = jnp.ndim(leaf)
-  return tp.kernel_spec(layout, ndim) if ndim >= 2 else P()
+  if ndim < 2:
+    return P()
+  return tp.kernel_spec(_SCALE_LAYOUT[layout] if scale else layout, ndim)
+
+
+def _is_scale(path) -> bool:
+  return bool(path) and getattr(path[-1], "name", None) == "scale"
 
 
 def _check_shapes(tp: TensorParallel, layout: str, path: str, kernel, slots) -> None:
@@ -159,7 +170,8 @@ def sharded_linear_update(tp: TensorParallel, layout: str, path: str, x, dy, ker
   _check_shapes(tp, layout, path, kernel, slots)
   axis = tp.axis
   w_spec = tp.kernel_spec(layout, kernel.ndim)
-  state_spec = jax.tree.map(lambda a: slot_spec(tp, layout, a), opt_state)
+  state_spec = jax.tree_util.tree_map_with_path(
+      lambda path, a: slot_spec(tp, layout, a, _is_scale(path)), opt_state)
   rows = lambda a: P(*(None,) * (a.ndim - 1), axis)
   x_spec, dy_spec = (P(), rows(dy)) if layout == "column" else (rows(x), P())
   k_local, n_local = kernel.shape[-2] // tp.size, kernel.shape[-1] // tp.size
@@ -226,8 +238,9 @@ def shard_tree(tp: TensorParallel, tree, layouts: dict) -> Any:
       if layout is None:
         continue
       if ns[i + 1] in ("kernel", "embedding") and ndim >= 2:
-        _check_split(tp, layout, "/".join(ns), leaf.shape)
-        return tp.sharding(tp.kernel_spec(layout, ndim))
+        split = _SCALE_LAYOUT[layout] if _is_scale(path) else layout
+        _check_split(tp, layout, "/".join(ns), leaf.shape, split)
+        return tp.sharding(tp.kernel_spec(split, ndim))
       if ns[i + 1] == "bias" and layout == "column" and ndim >= 1:
         return tp.sharding(P(*(None,) * (ndim - 1), tp.axis))
     return tp.sharding(P())
@@ -235,11 +248,12 @@ def shard_tree(tp: TensorParallel, tree, layouts: dict) -> Any:
   return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def _check_split(tp: TensorParallel, layout: str, path: str, shape) -> None:
-  size = shape[-1] if layout == "column" else shape[-2]
+def _check_split(tp: TensorParallel, layout: str, path: str, shape, split: str) -> None:
+  """``split``: the layout whose axis this leaf splits (an int8 scale's is the other one)."""
+  size = shape[-1] if split == "column" else shape[-2]
   if size % tp.size == 0:
     return
-  if path.endswith("scale"):
+  if path.endswith("scale") and layout == "column":
     raise ValueError(
         f"{path}: this int8 state has {size} quantization blocks per row (scales "
         f"{tuple(shape)}), not divisible by the {tp.axis!r} axis size {tp.size}: a "

@@ -60,7 +60,7 @@ UpdateFn = Callable[..., tuple[Array, tuple[Array, ...]]]
 def check_quantized(s: numerics.QuantizedArray, name: str) -> None:
   """ValueErrors for an int8 state whose codes, scales or block do not fit its shape."""
   s.codec.check(s.shape, name)
-  scale_shape = tuple(s.shape[:-1]) + (s.shape[-1] // s.codec.block,)
+  scale_shape = s.codec.scale_shape(s.shape)
   if s.codes.dtype != numerics.CODE_DTYPE or s.scale.dtype != numerics.SCALE_DTYPE:
     raise ValueError(
         f"{name} has codes of dtype {s.codes.dtype} and scales of dtype {s.scale.dtype}; "
@@ -70,7 +70,8 @@ def check_quantized(s: numerics.QuantizedArray, name: str) -> None:
   if tuple(s.scale.shape) != scale_shape:
     raise ValueError(
         f"{name}.scale.shape={tuple(s.scale.shape)} must be {scale_shape}: one scale "
-        f"per block of {s.codec.block} values along the last axis."
+        f"per block of {s.codec.block} values along the last axis, block-major ([..., N // "
+        "block, K]; build it with BlockQuantized.quantize)."
     )
 
 

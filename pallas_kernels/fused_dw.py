@@ -252,14 +252,18 @@ def _fused_dw_kernel(
       t=t, config=config, compute_dtype=compute_dtype, precision=precision,
   )
 
-  # Where each part's tile lives: a part with one column per `d` columns of
-  # the weight (per-block scales) has a tile of bn // d columns at n0 // d.
+  # Where each part's tile lives: a part with one value per `d` columns of the
+  # weight (per-block scales) is stored block-major, [..., N // d, K]: its tile
+  # is bn // d rows at n0 // d by the weight tile's bk columns.
   layer = (ints_ref[0],) if stacked else ()
   views = []
   for d in (d for c in codecs for d in c.col_divisors()):
-    tile = layer + (pl.ds(k0, bk), pl.ds(n0 // d, bn // d))
-    col_mask = n_mask if d == 1 else _edge_mask(n0 // d, bn // d, n // d)
-    views.append((tile, _tile_mask(k_mask, col_mask, (bk, bn // d))))
+    if d == 1:
+      views.append((layer + (pl.ds(k0, bk), pl.ds(n0, bn)), _tile_mask(k_mask, n_mask, (bk, bn))))
+    else:
+      block_mask = _edge_mask(n0 // d, bn // d, n // d)
+      views.append((layer + (pl.ds(n0 // d, bn // d), pl.ds(k0, bk)),
+                    _tile_mask(block_mask, k_mask, (bn // d, bk))))
 
   values32, i = [], 0
   for c in codecs:

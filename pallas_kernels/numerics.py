@@ -413,6 +413,11 @@ class StochasticRound(Codec):
 class BlockQuantized(Codec):
   """int8 codes + one float32 absmax per ``block`` values along the last axis.
 
+  The scales of a matrix ``[..., K, N]`` are stored block-major, ``[..., N // block, K]``
+  (:meth:`scale_shape`): one row per block column, so the scales of a block column's rows are
+  contiguous, as the Mosaic kernel reads and writes them (one TMA box per sub-tile, in place).
+  A vector's are ``[N // block]``.
+
   Attributes:
     qmap: the code map (:class:`QuantMap`).
     block: values per scale; a power of two, and the last axis must be a
@@ -450,6 +455,18 @@ class BlockQuantized(Codec):
           "choose a block that divides it, or keep this state in a float dtype."
       )
 
+  def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+    """The scales' shape for codes of ``shape``: ``[..., N // block, K]`` (block-major) for a
+    matrix or a stack of them, ``[N // block]`` for a vector."""
+    shape = tuple(shape)
+    blocks = shape[-1] // self.block
+    return (blocks,) if len(shape) < 2 else shape[:-2] + (blocks, shape[-2])
+
+  @staticmethod
+  def _swap(a: Array, ndim: int) -> Array:
+    """Block-major scales <-> ``[..., K, N // block]`` (row-major, as the blocks lie)."""
+    return a if ndim < 2 else jnp.swapaxes(a, -1, -2)
+
   def _blocks(self, x: Array) -> Array:
     return x.reshape(x.shape[:-1] + (x.shape[-1] // self.block, self.block))
 
@@ -468,7 +485,7 @@ class BlockQuantized(Codec):
 
   def decode(self, parts):
     codes, scale = parts
-    factor = self.qmap.decode_factor(scale.astype(_F32))
+    factor = self.qmap.decode_factor(self._swap(scale, codes.ndim).astype(_F32))
     return self.qmap.decode_scaled(codes, self._expand(factor, codes.shape[-1]))
 
   def encode(self, x, dtypes=None, bits=None):
@@ -476,7 +493,7 @@ class BlockQuantized(Codec):
     x = x.astype(_F32)
     absmax = jnp.max(jnp.abs(self._blocks(x)), axis=-1)
     codes = self._codes(x, absmax, lambda v: self._expand(v, x.shape[-1]), bits)
-    return codes.astype(CODE_DTYPE), absmax.astype(SCALE_DTYPE)
+    return codes.astype(CODE_DTYPE), self._swap(absmax, x.ndim).astype(SCALE_DTYPE)
 
   # The same codec for a tile whose rows are exactly one block each (a [M, block]
   # float32 tile, one scale per row), as the Mosaic GPU epilogue holds it: no
@@ -510,8 +527,9 @@ class BlockQuantized(Codec):
 class QuantizedArray:
   """A block-quantized array: int8 ``codes`` and float32 per-block ``scale``.
 
-  A pytree with two array leaves (``codes`` [..., N], ``scale`` [..., N //
-  block]); the codec is static metadata. ``shape`` is the logical shape.
+  A pytree with two array leaves (``codes`` [..., K, N], ``scale`` [..., N // block, K],
+  block-major: :meth:`BlockQuantized.scale_shape`); the codec is static metadata. ``shape`` is
+  the logical shape.
   """
 
   codes: Array

@@ -452,7 +452,7 @@ def test_stochastic_rounding_and_int8_states_lower_for_cuda(w_dtype, stacked, t)
     slots = tuple(_sds(lead + (4096, 4096), BF16) for _ in rule.slot_names)
   else:
     precision = forge_jax.Precision(state_dtype="int8")
-    slots = tuple(nm.QuantizedArray(_sds((4096, 4096), jnp.int8), _sds((4096, 64), F32),
+    slots = tuple(nm.QuantizedArray(_sds((4096, 4096), jnp.int8), _sds((64, 4096), F32),
                                     precision.codec(name)) for name in rule.slot_names)
   cfg = mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
   assert cfg.no_auto_barriers and (stacked or cfg.epi_n == 64)
@@ -625,7 +625,7 @@ def test_int8_default_tiles_follow_the_sweeps(w_dtype):
   """int8 states: 128x64 tiles and 4 stages at short T (the epilogue bounds), 128x128 tiles
   and 3 stages at long T (the main loop bounds; 0.90-0.97x the 128x64 tiles at T=4096)."""
   w, precision = _sds((4096, 4096), w_dtype), forge_jax.Precision(state_dtype="int8")
-  q = [nm.QuantizedArray(_sds((4096, 4096), jnp.int8), _sds((4096, 64), F32), precision.codec(name))
+  q = [nm.QuantizedArray(_sds((4096, 4096), jnp.int8), _sds((64, 4096), F32), precision.codec(name))
        for name in ("mu", "nu")]
   pick = lambda t: mosaic.default_config(_sds((t, 4096), BF16), _sds((t, 4096), BF16), w, q,
                                          compute_grad_sq_norm=True, num_sms=132)
@@ -715,9 +715,9 @@ def test_int8_slots_refusals():
   q = _int8_slots(rule, slots)
   ok, why = mosaic.supports(x, dy, w, q, dataclasses.replace(INT8, epi_n=32))
   assert not ok and "epi_n=32 must equal the block" in why
-  bad = (nm.QuantizedArray(q[0].codes, q[0].scale[:, :1], q[0].codec), q[1])
+  bad = (nm.QuantizedArray(q[0].codes, q[0].scale.T, q[0].codec), q[1])  # not block-major
   ok, why = mosaic.supports(x, dy, w, bad, INT8)
-  assert not ok and "slots[0].scale.shape=(64, 1) must be (64, 2)" in why
+  assert not ok and "slots[0].scale.shape=(64, 2) must be (2, 64)" in why
   sr = _int8_slots(rule, slots, stochastic=True)
   with pytest.raises(ValueError, match="seed="):  # SR maps need the seed and step
     mosaic.fused_dw_update_mosaic(x, dy, w, sr, rule.scalars(jnp.int32(1)), rule.update, config=INT8)

@@ -225,8 +225,8 @@ def test_int8_state_with_wrong_scale_shape_is_named_on_every_backend():
   opt = forge_jax.adamw(1e-2, precision=forge_jax.Precision(state_dtype="int8", min_quantized_size=0))
   w = jnp.ones((64, 128))
   state = opt.init(w)
-  bad = state._replace(mu=dataclasses.replace(state.mu, scale=state.mu.scale[:, :1]))
+  bad = state._replace(mu=dataclasses.replace(state.mu, scale=state.mu.scale.T))  # not block-major
   x, dy = jnp.ones((8, 64)), jnp.ones((8, 128))
   for backend in ("xla", "interpret"):
-    with pytest.raises(ValueError, match=r"scale.shape=\(64, 1\) must be \(64, 2\)"):
+    with pytest.raises(ValueError, match=r"scale.shape=\(64, 2\) must be \(2, 64\)"):
       forge_jax.fused_linear_update(x, dy, w, bad, opt, backend=backend)

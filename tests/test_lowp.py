@@ -105,7 +105,7 @@ def test_state_storage_follows_the_precision():
   int8 = forge_jax.adamw(1e-3, precision=P(state_dtype="int8")).init(params)
   for slot in (int8.mu, int8.nu):
     assert isinstance(slot["w"], forge_jax.QuantizedArray)  # 32768 >= 4096 elements
-    assert slot["w"].codes.dtype == jnp.int8 and slot["w"].scale.shape == (128, 4)
+    assert slot["w"].codes.dtype == jnp.int8 and slot["w"].scale.shape == (4, 128)
     assert slot["b"].dtype == F32 and slot["tiny"].dtype == F32  # below min_quantized_size
   assert int8.mu["w"].codec.qmap == P().signed_map and int8.nu["w"].codec.qmap == P().unsigned_map
   init = forge_jax.rmsprop(1e-3, initial_scale=0.1, precision=P(state_dtype="int8")).init(params)
@@ -267,7 +267,7 @@ def test_train_step_with_sr_and_int8_states_scanned_and_unrolled_kernel_equals_x
   mu = xla.forge_state["Dense_0"]["kernel"].opt.mu
   assert isinstance(mu, forge_jax.QuantizedArray) and mu.codes.dtype == jnp.int8  # stored as int8
   stacked = xla.forge_state["ScannedStack_0"]["layers"]["block"]["Dense_0"]["kernel"].opt.nu
-  assert stacked.codes.shape == (2, 64, 64) and stacked.scale.shape == (2, 64, 1)
+  assert stacked.codes.shape == (2, 64, 64) and stacked.scale.shape == (2, 1, 64)  # block-major
   assert xla.params["Dense_0"]["kernel"].dtype == BF16
   # Identical inputs, the same bits: the backends agree up to rare one-step roundings.
   for a, b in zip(jax.tree.leaves(xla.forge_state), jax.tree.leaves(kern.forge_state)):
@@ -277,6 +277,14 @@ def test_train_step_with_sr_and_int8_states_scanned_and_unrolled_kernel_equals_x
     assert (np.asarray(a) != np.asarray(b)).mean() <= 2e-3
   # Bit-exact resume: the int8 state checkpoints as int8.
   path = forge_jax.save_train_state(tmp_path / "ckpt", xla)
+  _leaves_equal(forge_jax.restore_train_state(path, xla), xla)
+  # A checkpoint with the scales as forge-jax stored them before (row-major, [..., K, N // block])
+  # restores block-major.
+  is_scale = lambda p: getattr(p[-1], "name", None) == "scale"
+  old = jax.tree_util.tree_map_with_path(
+      lambda p, a: jnp.swapaxes(a, -1, -2) if is_scale(p) and a.ndim >= 2 else a, xla)
+  assert old.forge_state["Dense_0"]["kernel"].opt.mu.scale.shape == (64, 1)
+  path = forge_jax.save_train_state(tmp_path / "old", old)
   _leaves_equal(forge_jax.restore_train_state(path, xla), xla)
 
 

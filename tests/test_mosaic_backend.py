@@ -190,7 +190,7 @@ def test_mosaic_problem_codecs_and_configs():
   def quantized(rounding):  # int8 codes + per-block scales
     qmap = pallas_numerics.QuantMap("float", signed=False, mantissa_bits=4, rounding=rounding)
     return pallas_numerics.QuantizedArray(jax.ShapeDtypeStruct((128, 256), jnp.int8),
-                                          jax.ShapeDtypeStruct((128, 4), F32),
+                                          jax.ShapeDtypeStruct((4, 128), F32),
                                           pallas_numerics.BlockQuantized(qmap, 64))
 
   assert _fused._mosaic_problem(x, dy, w, (w, w), None, False)[0] is None

@@ -120,13 +120,13 @@ def _check_guard(backend, precision, w_dtype, exact_states=True):
       poisoned = mask.reshape(mask.shape[0], -1, block).any(-1)
       elem = np.repeat(poisoned, block, axis=1)
       _assert_bits(got.codes, want.codes, ~elem)
-      _assert_bits(got.scale, want.scale, ~poisoned)
+      _assert_bits(got.scale, want.scale, ~poisoned.T)  # block-major: [N / block, K]
       # The guarded element is re-encoded from its old value with its block's new scale:
       # within one code step of it (stochastic rounding; half a step to nearest).
       dec, dec_old = np.asarray(got.dequantize())[mask], np.asarray(old.dequantize())[mask]
       qmap = got.codec.qmap
       if qmap.kind == "linear":
-        step = np.repeat(np.asarray(got.scale), block, axis=1)[mask] / qmap.max_code
+        step = np.repeat(np.asarray(got.scale).T, block, axis=1)[mask] / qmap.max_code
       else:
         step = np.abs(dec_old) * 2.0**-qmap.mantissa_bits
       assert np.all(np.abs(dec - dec_old) <= step * (1 + 1e-6)), np.abs(dec - dec_old) / step
@@ -257,7 +257,7 @@ def test_guarded_rule_lowers_for_cuda_in_the_mosaic_kernel():
   w = sds((256, 256), F32)
   update = pallas_kernels.skip_non_finite(_fused._RuleUpdate(rule, True))  # pylint: disable=protected-access
   for slots in [tuple(sds((256, 256), F32) for _ in rule.slot_names),
-                tuple(numerics.QuantizedArray(sds((256, 256), jnp.int8), sds((256, 4), F32),
+                tuple(numerics.QuantizedArray(sds((256, 256), jnp.int8), sds((4, 256), F32),
                                               _INT8.codec(name)) for name in rule.slot_names)]:
     cfg = mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
     kernel = jax.jit(functools.partial(mosaic.fused_dw_update_mosaic, update_fn=update,

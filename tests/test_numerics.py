@@ -160,7 +160,7 @@ def test_round_trip_error_is_within_the_documented_bound(qmap, block):
   x = _heavy_tailed(jax.random.PRNGKey(block), (48, 512), qmap.signed)
   codec = nm.BlockQuantized(qmap, block)
   q = codec.quantize(x)
-  assert q.codes.dtype == jnp.int8 and q.scale.shape == (48, 512 // block)
+  assert q.codes.dtype == jnp.int8 and q.scale.shape == (512 // block, 48)
   assert int(q.codes.min()) >= -127  # -128 is never a code
   y = np.asarray(q.dequantize(), np.float64)
   x = np.asarray(x, np.float64)
@@ -277,7 +277,7 @@ def test_block_rows_form_equals_the_codec(qmap):
   want_codes, want_scale = codec.encode(x.reshape(8, 192), bits=bits.reshape(8, 192))
   codes, scale = codec.encode_block_rows(x, bits)
   np.testing.assert_array_equal(np.asarray(codes, np.int8).reshape(8, 192), np.asarray(want_codes))
-  np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))
+  np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale).T)  # block-major
   np.testing.assert_array_equal(np.asarray(codec.decode_block_rows(codes.astype(jnp.int8), scale)).reshape(8, 192),
                                 np.asarray(codec.decode((want_codes, want_scale))))
 
@@ -411,7 +411,7 @@ def test_bf16_states_and_nearest_rounding_match_reference():
 def test_errors_name_the_value_and_the_fix(changes, match):
   n = changes.pop("n", 128)
   x, dy, w = jnp.ones((8, 16), BF16), jnp.ones((8, n), BF16), jnp.ones((16, n), changes.pop("w_dtype", BF16))
-  m = nm.QuantizedArray(jnp.zeros((16, n), jnp.int8), jnp.zeros((16, n // 64), F32), nm.BlockQuantized(LINEAR, 64))
+  m = nm.QuantizedArray(jnp.zeros((16, n), jnp.int8), jnp.zeros((n // 64, 16), F32), nm.BlockQuantized(LINEAR, 64))
   kwargs = dict(config=SMALL, seed=1, step=jnp.int32(0))
   kwargs.update(changes)
   rule = forge_jax.lion(1e-3).rule
@@ -431,7 +431,7 @@ def test_gpu_path_with_sr_and_int8_states_lowers_to_a_triton_call(stacked):
   t, k, n, layers = 1000, 384, 320, 2
   sds = jax.ShapeDtypeStruct
   w_shape = (layers, k, n) if stacked else (k, n)
-  q = lambda c: nm.QuantizedArray(sds(w_shape, jnp.int8), sds(w_shape[:-1] + (n // 64,), F32), c)
+  q = lambda c: nm.QuantizedArray(sds(w_shape, jnp.int8), sds(c.scale_shape(w_shape), F32), c)
 
   def step(x, dy, w, m, v, count, layer):
     return fused_dw_update(

@@ -95,7 +95,7 @@ class _Epilogue:
   sc_gmem: Any  # the rule's scalars, flattened
   layer_gmem: Any  # [layer, rounding key bits(, apply)] (int32)
   w_gmem: Any
-  slot_gmems: Sequence[Any]  # per slot: the array, or (codes, transposed scales)
+  slot_gmems: Sequence[Any]  # per slot: the array, or (codes, block-major scales)
   norm_gmem: Any
   w_ring: Any
   slot_rings: Sequence[Any]
@@ -128,11 +128,13 @@ class _Epilogue:
     """``(shared buffer, device window)`` of sub-tile ``j`` for every stored part of every state."""
     win = self._window(j, row0, col0)
     for ref, gmem in zip(s_refs, self.slot_gmems):
-      if isinstance(gmem, tuple):  # int8: codes, then the scales in the [N/blk, L*K] view
-        r, c = self._offsets(j)
+      if isinstance(gmem, tuple):  # int8: codes, then the scales in the [L*N/blk, K] view
+        plan, (r, c) = self.plan, self._offsets(j)
+        layer = self.layer_gmem[0]
+        blocks = plan.n // plan.cfg.epi_n  # block columns a layer
         yield ref[0], gmem[0].at[win]
-        yield ref[1], gmem[1].at[lax.div(col0 + c, jnp.int32(self.plan.cfg.epi_n)),
-                                 pl.ds(row0 + r, self.plan.cfg.epi_m)]
+        yield ref[1], gmem[1].at[layer * blocks + lax.div(col0 + c, jnp.int32(plan.cfg.epi_n)),
+                                 pl.ds(row0 + r - layer * plan.k, plan.cfg.epi_m)]
       else:
         yield ref, gmem.at[win]
 
@@ -402,7 +404,7 @@ def fused_dw_update_mosaic(
     x, dy: both bfloat16 or both float16.
     w: float32, bfloat16 or float16.
     slots: float arrays, or int8 :class:`~pallas_kernels.numerics.QuantizedArray` states in
-      blocks of ``config.epi_n`` along N (their scales pass through the kernel transposed).
+      blocks of ``config.epi_n`` along N (their block-major scales read and written in place).
     config: tiling; ``None`` picks :func:`~pallas_kernels.mosaic.default_config`.
     config_checked: ``config`` came from :func:`~pallas_kernels.mosaic.select_config` for these
       very operands, so it is not checked again.
@@ -500,16 +502,17 @@ def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cf
   def kernel_view(s):
     if not mcfg.quantized(s):
       return flat(s)
-    # Scales transposed, [N/blk, L*K]: a sub-tile's row scales are then one contiguous TMA box
-    # (a [64, 1] column is 4 bytes wide; TMA needs 16).
-    return flat(s.codes), s.scale.reshape(num_layers * k, n // s.codec.block).T
+    # The scales are stored block-major, [L, N/blk, K]: a sub-tile's row scales are one
+    # contiguous TMA box of the [L*N/blk, K] view (a [64, 1] column of [K, N/blk] would be 4
+    # bytes wide; TMA needs 16).
+    return flat(s.codes), s.scale.reshape(num_layers * (n // s.codec.block), k)
 
   def from_kernel_view(new, old):
     if not mcfg.quantized(old):
       return new.reshape(old.shape)
-    codes, scale_t = new
-    return numerics.QuantizedArray(codes.reshape(old.codes.shape),
-                                   scale_t.T.reshape(old.scale.shape), old.codec)
+    codes, scale = new
+    return numerics.QuantizedArray(codes.reshape(old.codes.shape), scale.reshape(old.scale.shape),
+                                   old.codec)
 
   outs = pl.run_state(stateful)(
       (x, dy, sc_vec, layer_vec, flat(w), tuple(map(kernel_view, slots)), norm_init))
