@@ -100,7 +100,8 @@ def launches(hlo_text: str) -> list[dict]:
   computation and of the loops and conditionals it calls (``count``: a loop's known trip count,
   else 1). ``kind``: ``fusion:<kLoop|kInput|kCustom|...>`` (``:<target>`` when the fused
   computation holds a custom call), ``custom:<target>``, or the opcode. ``bytes``: operands +
-  results (a fusion's: its fused computation's parameters + results)."""
+  results (a fusion's: its fused computation's parameters + results). ``transpose``: a fusion
+  whose result is a transpose (of an operand, a layout change)."""
   text = re.sub(r"/\*index=\d+\*/", "", hlo_text)
   computations, shapes = {}, {}
   for block in re.split(r"\n(?=\S)", text):
@@ -139,7 +140,9 @@ def launches(hlo_text: str) -> list[dict]:
         size += shape_bytes(shape)
         target = re.search(r'custom_call_target="([^"]+)"', attrs)
         kind = f"custom:{target.group(1)}" if op == "custom-call" and target else op
-      out.append({"name": iname, "kind": kind, "bytes": size, "count": count, "shape": shape})
+      root = re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", called[3]) if op == "fusion" else None
+      out.append({"name": iname, "kind": kind, "bytes": size, "count": count, "shape": shape,
+                  "transpose": bool(root) and root.group(1) == "transpose"})
 
   entry = next(n for n, c in computations.items() if c[0])
   walk(entry, 1)
@@ -155,7 +158,10 @@ def summary(hlo_text: str) -> dict:
     by_kind[r["kind"]]["launches"] += r["count"]
     by_kind[r["kind"]]["bytes"] += r["count"] * r["bytes"]
   copies = [r for r in rows if r["kind"] == "copy"]
+  transposes = [r for r in rows if r["transpose"]]
   return {"launches": sum(r["count"] for r in rows),
+          "transposes": sum(r["count"] for r in transposes),
+          "transpose_bytes": sum(r["count"] * r["bytes"] for r in transposes),
           "bytes": sum(r["count"] * r["bytes"] for r in rows),
           "copies": sum(r["count"] for r in copies),
           "copy_bytes": sum(r["count"] * r["bytes"] for r in copies),
@@ -246,14 +252,15 @@ def markdown(info: dict, rows: list[dict]) -> str:
          f"`{info['command']}`; {info['date']}; jax {info['jax']} (CUDA PJRT plugin, compile only, "
          "GEMM autotuning off). Bytes: each launch's operands + results, summed over launches (an "
          "upper bound on memory traffic).", "",
-         "| program | tree | launches | bytes GB | copies (GB) | temporaries GB | largest kinds (launches, GB) |",
-         "|---|---|---|---|---|---|---|"]
+         "| program | tree | launches | bytes GB | copies (GB) | transposes (GB) | temporaries GB | largest kinds (launches, GB) |",
+         "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     kinds = "; ".join(f"{k} {v['launches']}, {gb(v['bytes'])}"
                       for k, v in list(r["by_kind"].items())[:4])
     temp = "" if r.get("temp_bytes") is None else gb(r["temp_bytes"])
     out.append(f"| {r['program']} | {r.get('tree', 'this')} | {r['launches']} | {gb(r['bytes'])} | "
-               f"{r['copies']} ({gb(r['copy_bytes'])}) | {temp} | {kinds} |")
+               f"{r['copies']} ({gb(r['copy_bytes'])}) | {r['transposes']} ({gb(r['transpose_bytes'])}) | "
+               f"{temp} | {kinds} |")
   return "\n".join(out) + "\n"
 
 

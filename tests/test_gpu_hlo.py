@@ -19,6 +19,11 @@ _MODULE = """HloModule jit_f, entry_computation_layout={(f32[4,8]{1,0})->f32[4,8
   ROOT %add.0 = f32[4,8]{1,0} add(%param_0, %param_1)
 }
 
+%fused_transpose (param_0.1: f32[8,4]) -> f32[4,8] {
+  %param_0.1 = f32[8,4]{1,0} parameter(0)
+  ROOT %transpose.1 = f32[4,8]{1,0} transpose(%param_0.1), dimensions={1,0}
+}
+
 %body (arg: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
   %arg = (s32[], f32[4,8]{1,0}) parameter(0)
   %gte.0 = s32[] get-tuple-element(%arg), index=0
@@ -39,8 +44,10 @@ ENTRY %main (x: f32[4,8]) -> f32[4,8] {
   %copy.1 = f32[4,8]{1,0} copy(%x)
   %kernel = (f32[4,8]{1,0}, s8[16]{0}, s8[16]{0}, s8[16]{0}, s8[16]{0}, /*index=5*/s8[16]{0}) custom-call(%copy.1), custom_call_target="mosaic_gpu_v2"
   %gte.3 = f32[4,8]{1,0} get-tuple-element(%kernel), index=0
+  %flip = f32[8,4]{1,0} bitcast(%gte.3)
+  %input_transpose_fusion = f32[4,8]{1,0} fusion(%flip), kind=kInput, calls=%fused_transpose
   %zero = s32[] constant(0)
-  %init = (s32[], f32[4,8]{1,0}) tuple(%zero, %gte.3)
+  %init = (s32[], f32[4,8]{1,0}) tuple(%zero, %input_transpose_fusion)
   %while = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   ROOT %out = f32[4,8]{1,0} get-tuple-element(%while), index=1
 }
@@ -49,17 +56,19 @@ ENTRY %main (x: f32[4,8]) -> f32[4,8] {
 
 def test_launches_count_loop_trips_and_the_bytes_of_operands_and_results():
   rows = {r["name"]: r for r in gpu_hlo.launches(_MODULE)}
-  assert set(rows) == {"copy.1", "kernel", "loop_add_fusion"}
+  assert set(rows) == {"copy.1", "kernel", "input_transpose_fusion", "loop_add_fusion"}
+  assert rows["input_transpose_fusion"]["transpose"] and not rows["loop_add_fusion"]["transpose"]
   assert rows["copy.1"] == {"name": "copy.1", "kind": "copy", "bytes": 256, "count": 1,
-                            "shape": "f32[4,8]{1,0}"}
+                            "shape": "f32[4,8]{1,0}", "transpose": False}
   assert rows["kernel"]["kind"] == "custom:mosaic_gpu_v2"
   assert rows["kernel"]["bytes"] == 128 + 128 + 5 * 16  # operand + the tuple's elements
   assert rows["loop_add_fusion"]["kind"] == "fusion:kLoop"
   assert (rows["loop_add_fusion"]["bytes"], rows["loop_add_fusion"]["count"]) == (3 * 128, 3)
   s = gpu_hlo.summary(_MODULE)
-  assert (s["launches"], s["copies"], s["copy_bytes"]) == (5, 1, 256)
-  assert s["bytes"] == 256 + 336 + 3 * 384
+  assert (s["launches"], s["copies"], s["copy_bytes"]) == (6, 1, 256)
+  assert s["bytes"] == 256 + 336 + 256 + 3 * 384
   assert s["by_kind"]["fusion:kLoop"] == {"launches": 3, "bytes": 3 * 384}
+  assert (s["transposes"], s["transpose_bytes"]) == (1, 256)
   assert gpu_hlo.shape_bytes("(bf16[2,3]{1,0}, pred[5], f32[])") == 12 + 5 + 4
 
 
