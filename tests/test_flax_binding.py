@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import forge_jax
+from tests._jaxpr import eqns
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")  # tests/conftest.py
 # The default CPU emitter for the comparisons with optax, which hold to a few float32 ulps over
@@ -262,18 +263,6 @@ def test_unrolled_train_step_is_in_place():
   assert stats.alias_size_in_bytes == stats.argument_size_in_bytes - batch_bytes
 
 
-def _eqns(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' parameters."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _eqns(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _eqns(sub)
-
-
 def test_layers_below_wait_for_each_update():
   """Each unstacked FORGE layer's dX leaves its backward through one optimization barrier with
   the updated kernel, so the layers below (everything downstream of dX) run after the update and
@@ -286,7 +275,7 @@ def test_layers_below_wait_for_each_update():
   state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), opt)
   jaxpr = jax.make_jaxpr(lambda s, b: forge_jax.train_step(s, b, functools.partial(_mse, model.apply)))(
       state, batch)
-  barriers = [{tuple(v.aval.shape) for v in e.outvars} for e in _eqns(jaxpr.jaxpr)
+  barriers = [{tuple(v.aval.shape) for v in e.outvars} for e in eqns(jaxpr.jaxpr)
               if e.primitive.name == "optimization_barrier"]
   for kernel, x in [((8, 24), (16, 8)), ((24, 24), (16, 24)), ((24, 4), (16, 24))]:
     assert any({kernel, x} <= shapes for shapes in barriers), (kernel, x, barriers)

@@ -15,6 +15,7 @@ import pytest
 
 import forge_jax
 from forge_jax import _fused
+from tests._jaxpr import eqns
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
@@ -513,21 +514,9 @@ def test_guard_traces_the_model_once(kind):
     assert len(calls) == 1, (skip, len(calls))
     # lax.platform_dependent's conds (the "xla" route's order of writes on a CPU) are resolved
     # to one branch while lowering; any other cond would run as a conditional.
-    conds = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "cond"
+    conds = [e for e in eqns(jaxpr.jaxpr) if e.primitive.name == "cond"
              and e.params.get("branches_platforms") is None]
     assert not conds, (skip, conds)
-
-
-def _eqns(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' parameters."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _eqns(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _eqns(sub)
 
 
 @pytest.mark.parametrize("guard_first", [True, False], ids=["guard_first", "plain_first"])
