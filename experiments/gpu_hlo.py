@@ -20,9 +20,10 @@ For each program: the launches (top-level fusions and custom calls, a loop's bod
 per trip), the copies, and the bytes each launch's operands and results span, the sum of which
 bounds its memory traffic from above (a kernel that updates one layer of a stack in place counts
 the whole stack). XLA's GEMM autotuner needs a device, so it is off: GEMMs compile to XLA's
-default choices (on a GPU, cuBLAS where the autotuner prefers it); the rest is what a GPU
-compile makes of the program, and it is the same jax and XLA as the host's (not the GPU
-machine's). ``--baseline-tree DIR`` runs the same on another checkout's ``forge_jax`` and
+default choices (on a GPU, cuBLAS where the autotuner prefers it), and the models' attention
+is XLA's (``bench_models`` runs cuDNN's fused attention on a GPU, which needs a device to
+compile: XLA's materializes the attention scores and transposes them); the rest is what a GPU
+compile makes of the program, with the host's jax and XLA (not the GPU machine's). ``--baseline-tree DIR`` runs the same on another checkout's ``forge_jax`` and
 ``pallas_kernels`` (this tree's harness), side by side. Writes ``gpu_hlo.json`` and
 ``gpu_hlo.md`` (and each program's optimized HLO with ``--hlo``) to ``--out``.
 """
