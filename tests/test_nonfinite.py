@@ -269,6 +269,27 @@ def test_guarded_rule_lowers_for_cuda_in_the_mosaic_kernel():
     assert "mosaic_gpu" in text
 
 
+def test_int8_scales_reach_the_mosaic_kernel_untransposed():
+  """Block-major scales ([L, N // block, K]) are the kernel's own view (a reshape): lowered for
+  CUDA, a stacked int8 update has no transpose around the kernel (four per call when the
+  scales were stored [L, K, N // block])."""
+  from pallas_kernels import mosaic  # pylint: disable=g-import-not-at-top
+  from tests._lowering import skip_if_cuda_lowering_needs_a_gpu  # pylint: disable=g-import-not-at-top
+  rule = _adamw().rule
+  sds = jax.ShapeDtypeStruct
+  x, dy = sds((256, 256), BF16), sds((256, 512), BF16)
+  w = sds((3, 256, 512), BF16)
+  slots = tuple(numerics.QuantizedArray(sds((3, 256, 512), jnp.int8), sds((3, 8, 256), F32),
+                                        _INT8.codec(name)) for name in rule.slot_names)
+  cfg = mosaic.default_config(x, dy, w, slots, compute_grad_sq_norm=True, num_sms=132)
+  kernel = jax.jit(functools.partial(mosaic.fused_dw_update_mosaic, update_fn=_fused._RuleUpdate(rule, True),  # pylint: disable=protected-access
+                                     config=cfg, compute_grad_sq_norm=True))
+  with skip_if_cuda_lowering_needs_a_gpu():
+    text = kernel.trace(x, dy, w, slots, rule.scalars(jnp.int32(0)), layer=jnp.int32(1),
+                        seed=jnp.uint32(1), step=jnp.int32(2)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "stablehlo.transpose" not in text
+
+
 def test_xla_route_evaluates_the_guarded_rule_once_for_a_gpu():
   """The "xla" route with the guard, lowered for CUDA: the rule once, which XLA:GPU fuses into
   one pass updating W and the slots in place (two passes over the gradient, W and the slots
