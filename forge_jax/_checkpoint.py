@@ -13,6 +13,11 @@ from typing import Any
 import jax
 
 
+# Written with every checkpoint (orbax's custom metadata, committed with it): what a later
+# version needs to read it. Absent: written before 2026-12-05, int8 scales [..., K, N // block].
+FORMAT = {"int8_scales": "block_major"}
+
+
 class CheckpointReadError(ValueError):
   """A checkpoint whose files cannot be read back (corrupted, or cut short by a crash)."""
 
@@ -41,7 +46,7 @@ def save_train_state(directory: str | os.PathLike, state: Any, *, force: bool = 
   ocp = _ocp()
   path = os.path.abspath(os.fspath(directory))
   with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(path, state, force=force)
+    ckptr.save(path, state, force=force, custom_metadata={"forge_jax": FORMAT})
     ckptr.wait_until_finished()
   return path
 
@@ -79,7 +84,8 @@ def restore_train_state(directory: str | os.PathLike, like: Any) -> Any:
                   and ("skipped_steps",) not in stored)
     if no_skipped:
       abstract = abstract.replace(skipped_steps=None)
-    row_major = _row_major_scales(stored, abstract) if stored is not None else set()
+    old_scales = stored is not None and _format(ckptr, path).get("int8_scales") != "block_major"
+    row_major = _row_major_scales(stored, abstract) if old_scales else set()
     wanted = abstract
     if row_major:
       abstract = _map_paths(abstract, row_major, _swapped_struct)
@@ -102,14 +108,23 @@ def restore_train_state(directory: str | os.PathLike, like: Any) -> Any:
   return state
 
 
+def _format(ckptr, path: str) -> dict:
+  """The ``FORMAT`` a checkpoint was written with ({} before there was one)."""
+  try:
+    custom = getattr(ckptr.metadata(path), "custom_metadata", None) or {}
+  except Exception:  # pylint: disable=broad-except  (an orbax without this metadata API)
+    return {}
+  return dict(custom.get("forge_jax", {}))
+
+
 def _row_major_scales(stored: dict, abstract) -> set:
-  """Paths of the int8 scales ``abstract`` holds block-major (``[..., N // block, K]``) that the
-  checkpoint stores as forge-jax wrote them before, ``[..., K, N // block]``."""
+  """Paths of a matrix's int8 scales, which ``abstract`` holds block-major (``[..., N // block,
+  K]``), in a checkpoint written before: stored ``[..., K, N // block]`` (square ones too)."""
   out = set()
   for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
     names = _path_names(p)
     shape = tuple(getattr(leaf, "shape", ()))
-    if (names and names[-1] == "scale" and len(shape) >= 2 and shape[-1] != shape[-2]
+    if (names and names[-1] == "scale" and len(shape) >= 2
         and names in stored and tuple(stored[names][0]) == shape[:-2] + shape[:-3:-1]):
       out.add(names)
   return out

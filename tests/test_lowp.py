@@ -278,14 +278,38 @@ def test_train_step_with_sr_and_int8_states_scanned_and_unrolled_kernel_equals_x
   # Bit-exact resume: the int8 state checkpoints as int8.
   path = forge_jax.save_train_state(tmp_path / "ckpt", xla)
   _leaves_equal(forge_jax.restore_train_state(path, xla), xla)
-  # A checkpoint with the scales as forge-jax stored them before (row-major, [..., K, N // block])
-  # restores block-major.
+  old = _saved_before_block_major(tmp_path / "old", xla)
+  assert old.forge_state["Dense_0"]["kernel"].opt.mu.scale.shape == (64, 1)
+  _leaves_equal(forge_jax.restore_train_state(tmp_path / "old", xla), xla)
+
+
+def _saved_before_block_major(path, state):
+  """``state`` written as forge-jax wrote checkpoints before 2026-12-05: no format metadata, a
+  matrix's int8 scales [..., K, N // block]. Returns the state so written."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   is_scale = lambda p: getattr(p[-1], "name", None) == "scale"
   old = jax.tree_util.tree_map_with_path(
-      lambda p, a: jnp.swapaxes(a, -1, -2) if is_scale(p) and a.ndim >= 2 else a, xla)
-  assert old.forge_state["Dense_0"]["kernel"].opt.mu.scale.shape == (64, 1)
-  path = forge_jax.save_train_state(tmp_path / "old", old)
-  _leaves_equal(forge_jax.restore_train_state(path, xla), xla)
+      lambda p, a: jnp.swapaxes(a, -1, -2) if is_scale(p) and a.ndim >= 2 else a, state)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(str(path), old)
+    ckptr.wait_until_finished()
+  return old
+
+
+def test_checkpoint_from_before_block_major_scales_restores_square_scales_too(tmp_path):
+  """Square scales ([64, 64] of a 64x4096 weight) have the same shape in both layouts: the
+  format recorded with each checkpoint, not the shape, says they are to be transposed."""
+  opt = forge_jax.adamw(1e-3, precision=P(state_dtype="int8"))
+  model = forge_jax.Dense(4096, optimizer=opt, backend="xla", use_bias=False)
+  batch = {"x": jax.random.normal(jax.random.PRNGKey(1), (8, 64)), "y": jnp.zeros((8, 4096))}
+  state = forge_jax.TrainState.create(model.apply, model.init(jax.random.PRNGKey(0), batch["x"]), opt)
+  state, _ = forge_jax.train_step(state, batch, functools.partial(_mse, model.apply))
+  mu = state.forge_state["kernel"].opt.mu
+  assert mu.scale.shape == (64, 64) and not np.array_equal(mu.scale, mu.scale.T)
+  _saved_before_block_major(tmp_path / "old", state)
+  _leaves_equal(forge_jax.restore_train_state(tmp_path / "old", state), state)
+  _leaves_equal(forge_jax.restore_train_state(forge_jax.save_train_state(tmp_path / "new", state),
+                                              state), state)
 
 
 def test_dense_layers_draw_independent_rounding_bits():
