@@ -7,6 +7,7 @@ state (``apply_fn``, ``optimizer``) are not saved; ``like`` supplies them.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -46,6 +47,9 @@ def save_train_state(directory: str | os.PathLike, state: Any, *, force: bool = 
   ocp = _ocp()
   path = os.path.abspath(os.fspath(directory))
   with ocp.StandardCheckpointer() as ckptr:
+    if "custom_metadata" not in inspect.signature(ckptr.save).parameters:
+      raise ImportError("saving a TrainState records its format in orbax's custom metadata: "
+                        "pip install 'orbax-checkpoint>=0.11.2'")
     ckptr.save(path, state, force=force, custom_metadata={"forge_jax": FORMAT})
     ckptr.wait_until_finished()
   return path
