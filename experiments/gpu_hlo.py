@@ -97,7 +97,7 @@ def shape_bytes(shape: str) -> int:
 
 def launches(hlo_text: str) -> list[dict]:
   """The launches of a compiled module, in program order: one ``{"name", "kind", "bytes",
-  "count", "shape"}`` per top-level fusion, custom call, copy or other op of the entry
+  "count", "shape", "transpose"}`` per top-level fusion, custom call, copy or other op of the entry
   computation and of the loops and conditionals it calls (``count``: a loop's known trip count,
   else 1). ``kind``: ``fusion:<kLoop|kInput|kCustom|...>`` (``:<target>`` when the fused
   computation holds a custom call), ``custom:<target>``, or the opcode. ``bytes``: operands +
@@ -131,19 +131,21 @@ def launches(hlo_text: str) -> list[dict]:
             re.findall(r"(?:branch_computations=\{[^}]*\}|to_apply=%[\w.\-]+)", attrs))):
           walk(called, count)
         continue
+      transpose = False
       if op == "fusion":
-        called = computations[re.search(r"calls=%([\w.\-]+)", attrs).group(1)]
-        size = shape_bytes(called[1]) + shape_bytes(called[2])
-        target = re.search(r'custom_call_target="([^"]+)"', called[3])
+        _, params, results, body = computations[re.search(r"calls=%([\w.\-]+)", attrs).group(1)]
+        size = shape_bytes(params) + shape_bytes(results)
+        target = re.search(r'custom_call_target="([^"]+)"', body)
         kind = "fusion:" + re.search(r"kind=(\w+)", attrs).group(1) + (f":{target.group(1)}" if target else "")
+        root = re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", body)
+        transpose = bool(root) and root.group(1) == "transpose"
       else:
         size = sum(shape_bytes(shapes.get(o, "")) for o in re.findall(r"%([\w.\-]+)", operands))
         size += shape_bytes(shape)
         target = re.search(r'custom_call_target="([^"]+)"', attrs)
         kind = f"custom:{target.group(1)}" if op == "custom-call" and target else op
-      root = re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", called[3]) if op == "fusion" else None
       out.append({"name": iname, "kind": kind, "bytes": size, "count": count, "shape": shape,
-                  "transpose": bool(root) and root.group(1) == "transpose"})
+                  "transpose": transpose})
 
   entry = next(n for n, c in computations.items() if c[0])
   walk(entry, 1)
