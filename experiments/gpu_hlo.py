@@ -194,10 +194,9 @@ def layer_program(device, config: str, shape: str, impl: str):
   from experiments import _timing, bench_lowp, compile_cost  # pylint: disable=g-import-not-at-top
   t, k, n = (int(v) for v in shape.split("x"))
   w_dtype, precision = bench_lowp.CONFIGS[config]
-  backend = {"xla": "xla", "mosaic": "mosaic"}[impl]
   context = compile_cost._as_on_a_hopper_gpu() if impl == "mosaic" else contextlib.nullcontext()  # pylint: disable=protected-access
   with context:
-    update = _timing.layer_update(bench_lowp._optimizer(precision), backend, w_dtype, calls=1,  # pylint: disable=protected-access
+    update = _timing.layer_update(bench_lowp._optimizer(precision), impl, w_dtype, calls=1,  # pylint: disable=protected-access
                                   grad_norm=bench_lowp._with_norm(config),  # pylint: disable=protected-access
                                   applied=config.endswith(bench_lowp.APPLIED))
     carry = _on(device, update.carry_shapes(t, k, n))
