@@ -411,6 +411,41 @@ def check_tree(tree: pathlib.Path) -> pathlib.Path:
   return tree
 
 
+def drop_options(argv: Sequence[str], names: dict) -> list[str]:
+  """``argv`` without the options ``names`` maps to their number of values (``None``: every
+  value up to the next option), in either form, ``--name value`` or ``--name=value``: a
+  script's own command line for its run on a baseline tree."""
+  rest, skip = [], 0  # values still to drop; -1: up to the next option
+  for a in argv:
+    if a.startswith("--"):
+      name, skip = a.split("=")[0], 0
+      if name in names:
+        skip = 0 if "=" in a else (-1 if names[name] is None else names[name])
+        continue
+    elif skip:
+      skip -= skip > 0
+      continue
+    rest.append(a)
+  return rest
+
+
+def run_harness_on_tree(script: str, args: Sequence[str], out: pathlib.Path, tree: pathlib.Path,
+                        result: str) -> dict:
+  """:func:`run_on_tree` with another checkout's ``pallas_kernels`` and ``forge_jax`` under this
+  tree's ``experiments`` (the harness for both): a folder holding only a link to this
+  ``experiments/`` comes first on PYTHONPATH, then the tree."""
+  tree, out = check_tree(tree), out.resolve()
+  shim = out / "harness"
+  shim.mkdir(parents=True, exist_ok=True)
+  link = shim / "experiments"
+  harness = pathlib.Path(__file__).resolve().parent
+  if link.is_symlink() and link.resolve() != harness:  # left by a run from another checkout
+    link.unlink()
+  if not link.exists():
+    link.symlink_to(harness, target_is_directory=True)
+  return run_on_tree(script, args, out, tree, [shim, tree], result)
+
+
 def run_on_tree(script: str, args: Sequence[str], out: pathlib.Path, tree: pathlib.Path,
                 path: Sequence[pathlib.Path], result: str) -> dict:
   """Runs ``script`` with ``args --out out`` in a subprocess whose PYTHONPATH starts with

@@ -620,13 +620,7 @@ def run_baseline(tree: pathlib.Path, argv: Sequence[str], out: pathlib.Path) -> 
   """This script's run on another checkout: a subprocess with ``tree`` first on PYTHONPATH, so
   ``pallas_kernels`` and ``forge_jax`` are the tree's (this file is the harness for both)."""
   tree, out = _timing.check_tree(tree), out.resolve()
-  rest, skip = [], False
-  for a in argv:  # the same run without --baseline-tree / --out
-    if skip or a in ("--baseline-tree", "--out"):
-      skip = not skip
-      continue
-    if not a.startswith(("--baseline-tree=", "--out=")):
-      rest.append(a)
+  rest = _timing.drop_options(argv, {"--baseline-tree": 1, "--out": 1})  # the same run otherwise
   return _timing.run_on_tree(__file__, rest, out, tree, [tree], "bench_fused_dw.json")
 
 

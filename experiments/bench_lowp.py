@@ -390,28 +390,13 @@ def run_baseline(tree: pathlib.Path, argv: Sequence[str], configs: Optional[Sequ
                  out: pathlib.Path) -> dict:
   """This script's run on another checkout: a subprocess with the tree's ``pallas_kernels`` and
   ``forge_jax`` and this tree's ``experiments`` (the harness for both), for ``configs``."""
-  tree, out = _timing.check_tree(tree), out.resolve()
-  dropped = {"--baseline-tree", "--out", "--baseline-configs", "--mosaic-variants"}
-  dropped |= {"--configs"} if configs else set()
-  rest, skipping = [], False
-  for a in argv:  # the same run without the baseline's own options (and their values)
-    if a.startswith("--"):
-      skipping = a.split("=")[0] in dropped
-    if not skipping:
-      rest.append(a)
+  dropped = {"--baseline-tree": 1, "--out": 1, "--baseline-configs": None, "--mosaic-variants": None}
+  dropped |= {"--configs": None} if configs else {}
+  rest = _timing.drop_options(argv, dropped)  # the same run without the baseline's own options
   if configs:
     rest += ["--configs", *configs]
-  # This harness (experiments/, with the program _timing.layer_update times) over the tree's
-  # kernels: a folder holding only a link to this experiments/ comes before the tree.
-  shim = out / "harness"
-  shim.mkdir(parents=True, exist_ok=True)
-  link = shim / "experiments"
-  harness = pathlib.Path(__file__).resolve().parent
-  if link.is_symlink() and link.resolve() != harness:  # left by a run from another checkout
-    link.unlink()
-  if not link.exists():
-    link.symlink_to(harness, target_is_directory=True)
-  return _timing.run_on_tree(__file__, rest, out, tree, [shim, tree], "bench_lowp.json")
+  # This harness (with the program _timing.layer_update times) over the tree's kernels.
+  return _timing.run_harness_on_tree(__file__, rest, out, tree, "bench_lowp.json")
 
 
 def compare_markdown(info: dict, baseline: dict, rows: list[dict], tree: pathlib.Path) -> str:

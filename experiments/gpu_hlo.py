@@ -296,15 +296,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   hlo_dir = args.out / "hlo" if args.hlo else None
   rows = []
   if args.baseline_tree is not None:
-    tree = _timing.check_tree(args.baseline_tree)
-    rest = [a for a in argv if not a.startswith("--baseline-tree") and a != str(args.baseline_tree)]
-    rest = rest[:rest.index("--out")] + rest[rest.index("--out") + 2:] if "--out" in rest else rest
-    shim = args.out / "baseline" / "harness"  # this experiments/ over the tree's kernels
-    shim.mkdir(parents=True, exist_ok=True)
-    if not (shim / "experiments").exists():
-      (shim / "experiments").symlink_to(pathlib.Path(__file__).resolve().parent, target_is_directory=True)
-    base = _timing.run_on_tree(__file__, rest, args.out / "baseline", tree, [shim, tree], "gpu_hlo.json")
-    rows += [{**r, "tree": str(tree)} for r in base["rows"]]
+    rest = _timing.drop_options(argv, {"--baseline-tree": 1, "--out": 1})
+    base = _timing.run_harness_on_tree(__file__, rest, args.out / "baseline", args.baseline_tree,
+                                       "gpu_hlo.json")
+    rows += [{**r, "tree": str(args.baseline_tree.resolve())} for r in base["rows"]]
   if args.what == "layer":
     for config in args.configs.split(","):
       label = f"{args.impl} {config} {args.shape}"

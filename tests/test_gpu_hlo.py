@@ -92,3 +92,17 @@ def test_the_guard_costs_the_xla_route_no_pass_on_a_gpu(tmp_path):
   guarded, plain = json.loads((tmp_path / "gpu_hlo.json").read_text())["rows"]
   for key in ("launches", "bytes", "copies"):
     assert guarded[key] == plain[key], (key, guarded, plain)
+
+
+def test_baseline_runs_get_the_command_line_without_their_own_options(tmp_path):
+  """What the --baseline-tree scripts (gpu_hlo, bench_lowp, bench_fused_dw) hand the baseline's
+  run: every other option and positional argument, in order."""
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+  argv = ["layer", "--shape", "1x2x3", "--baseline-tree", "/t", "--configs", "a", "b",
+          "--out=o", "--hlo", "step"]
+  assert _timing.drop_options(argv, {"--baseline-tree": 1, "--out": 1}) == [
+      "layer", "--shape", "1x2x3", "--configs", "a", "b", "--hlo", "step"]
+  assert _timing.drop_options(argv, {"--configs": None, "--shape": 1}) == [
+      "layer", "--baseline-tree", "/t", "--out=o", "--hlo", "step"]
+  with pytest.raises(ValueError, match="no pallas_kernels"):
+    _timing.run_harness_on_tree("x.py", [], tmp_path / "out", tmp_path, "r.json")
