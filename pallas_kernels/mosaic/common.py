@@ -5,12 +5,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import contextlib
+
 import jax
 from jax import lax
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 MEMORY_REGISTERS = 40  # per thread of the memory warpgroup; the compute warpgroups get the rest
+
+
+def same_trace_context():
+  """The abstract-mesh context made explicit, for a call into a jitted kernel.
+
+  jit's trace cache keys on the abstract mesh in context, which is ``None`` where nothing set it
+  and an empty ``AbstractMesh`` inside some of jax's own transformations (a scan body's slicing,
+  a zero cotangent): the same kernel call, same shapes and config, then misses the cache and is
+  traced again. In a scanned Llama-3.1-8B step, 12 of the stacked GEMM's 20 traces were such
+  misses. Entering the mesh in context (the empty one where none is set) gives both the same key.
+  """
+  use = getattr(jax.sharding, "use_abstract_mesh", None)
+  get = getattr(jax.sharding, "get_abstract_mesh", None)
+  return use(get()) if use and get else contextlib.nullcontext()
 
 
 def compute_registers(num_compute_wgs: int) -> int:

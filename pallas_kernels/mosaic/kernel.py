@@ -440,7 +440,8 @@ def fused_dw_update_mosaic(
     hash(tuple(static.values()))
   except TypeError:  # e.g. a rule holding an array hyperparameter: lowered at every call site
     return _launch(x, dy, w, slots, scalars, layer, seed, step, apply, **static)
-  return _launch_cached(x, dy, w, slots, scalars, layer, seed, step, apply, **static)
+  with common.same_trace_context():
+    return _launch_cached(x, dy, w, slots, scalars, layer, seed, step, apply, **static)
 
 
 def _launch(x, dy, w, slots, scalars, layer, seed, step, apply, *, update_fn, cfg, compute_grad_sq_norm,

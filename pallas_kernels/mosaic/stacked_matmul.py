@@ -271,7 +271,6 @@ def problem(x, w_stack, transpose_w: bool, cfg: StackedMatmulConfig) -> Optional
   return None
 
 
-@functools.partial(jax.jit, static_argnames=("transpose_w", "config", "interpret"))
 def stacked_matmul(x: jax.Array, w_stack: jax.Array, layer: Any, *, transpose_w: bool = False,
                    config: Optional[StackedMatmulConfig] = None,
                    interpret: Union[bool, Any] = False) -> jax.Array:
@@ -292,6 +291,16 @@ def stacked_matmul(x: jax.Array, w_stack: jax.Array, layer: Any, *, transpose_w:
   Raises:
     ValueError: for operands or a config the kernel cannot take.
   """
+  layer = jnp.asarray(layer)
+  if jnp.issubdtype(layer.dtype, jnp.integer):
+    layer = layer.astype(jnp.int32)  # a Python int and an int32 array: one trace
+  with common.same_trace_context():  # one trace per shape and config, wherever it is called
+    return _stacked_matmul(x, w_stack, layer, transpose_w=transpose_w, config=config,
+                           interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_w", "config", "interpret"))
+def _stacked_matmul(x, w_stack, layer, *, transpose_w, config, interpret):
   n_out = w_stack.shape[1] if transpose_w else w_stack.shape[-1]
   cfg = config or default_config(x.shape[0], n_out)
   if why := problem(x, w_stack, transpose_w, cfg):
