@@ -25,6 +25,12 @@ guarded against non-finite gradient elements as forge_jax's layers run it, or ba
     PYTHONPATH=$PWD python -m experiments.kernel_tools mlir --out /tmp/mlir --states bfloat16
     PYTHONPATH=/tmp/old python experiments/kernel_tools.py mlir --out /tmp/mlir_old --states bfloat16
 
+``ptxas`` and ``sass`` also run without a GPU, with ``--compile-only``: the call is compiled for a
+compile-only H200 (jax's CUDA PJRT plugin, installed as ``experiments.gpu_hlo`` says, and the
+``nvidia-cuda-nvcc-cu12`` wheel's ptxas), and Mosaic GPU assembles its kernel as on a GPU host;
+``sass`` also needs an ``nvdisasm`` on PATH. The host's jax is not the GPU machine's: its SASS
+and register counts are close to, not equal to, what the GPU runs.
+
 Each writes ``kernel_<tool>.json`` and ``.md`` to ``--out``. ``run`` is the bare call the other
 tools wrap (``--interpret`` runs it under the Mosaic GPU interpreter, for a CPU).
 """
@@ -139,9 +145,17 @@ def _cuda_profiler(start: bool) -> None:
 
 def run(args, profile: Optional[tuple[int, str]] = None) -> dict[str, Any]:
   """Compiles and runs the call once, then once more (inside the CUDA profiler range with
-  ``--cuda-profiler-range``, for ncu); returns the config used."""
+  ``--cuda-profiler-range``, for ncu); returns the config used. With ``--compile-only``, compiles
+  it for a compile-only H200 (:func:`experiments.gpu_hlo.compile_only_device`) and runs nothing:
+  Mosaic GPU still writes the dumps its variables ask for (PTX, ptxas' report)."""
   import jax  # pylint: disable=g-import-not-at-top
 
+  if args.compile_only:
+    from experiments import gpu_hlo  # pylint: disable=g-import-not-at-top
+    device = gpu_hlo.compile_only_device()  # before any array: jax's backends start once
+    step, operands, cfg = kernel_call(args, profile)
+    step.trace(*gpu_hlo._on(device, operands)).lower().compile(gpu_hlo.COMPILE_OPTIONS)  # pylint: disable=protected-access
+    return dataclasses.asdict(cfg)
   step, (w, slots, *rest), cfg = kernel_call(args, profile)
   w, slots = jax.block_until_ready(step(w, slots, *rest))
   if args.cuda_profiler_range:
@@ -323,7 +337,8 @@ def summarize_ncu_raw(raw_csv: str) -> list[dict[str, Any]]:
 def _run_args(args) -> list[str]:
   out = ["--shape", args.shape, "--states", args.states, "--optimizer", args.optimizer]
   return (out + (["--config-json", args.config_json] if args.config_json else [])
-          + (["--no-guard"] if args.no_guard else []))
+          + (["--no-guard"] if args.no_guard else [])
+          + (["--compile-only"] if args.compile_only else []))
 
 
 def tool_profile(args, out: pathlib.Path) -> dict[str, Any]:
@@ -484,13 +499,11 @@ def tool_sass(args, out: pathlib.Path) -> dict[str, Any]:
                        f"{[f.name for f in dump.rglob('*')][:20]}")
   shutil.copy(ptx[-1], out / "kernel.ptx")  # the largest module: the fused kernel
   shutil.rmtree(dump)
-  for tool in ("ptxas", "nvdisasm"):
-    if shutil.which(tool) is None:
-      raise RuntimeError(f"{tool} is not on PATH (CUDA toolkit's bin folder)")
+  ptxas, nvdisasm = cuda_tool("ptxas"), cuda_tool("nvdisasm")
   arch = re.search(r"^\.target\s+(sm_\w+)", (out / "kernel.ptx").read_text(), re.M)
-  subprocess.run(["ptxas", "--opt-level", "3", "--gpu-name", arch.group(1) if arch else "sm_90a",
+  subprocess.run([ptxas, "--opt-level", "3", "--gpu-name", arch.group(1) if arch else "sm_90a",
                   "--output-file", str(out / "kernel.cubin"), str(out / "kernel.ptx")], check=True)
-  dis = subprocess.run(["nvdisasm", "-ndf", "-c", str(out / "kernel.cubin")], capture_output=True,
+  dis = subprocess.run([nvdisasm, "-ndf", "-c", str(out / "kernel.cubin")], capture_output=True,
                        text=True, check=True)
   (out / "kernel.cubin").unlink()
   sass = "\n".join(l for l in dis.stdout.splitlines() if _SASS_LINE.search(l) or _SASS_LABEL.match(l))
@@ -498,6 +511,22 @@ def tool_sass(args, out: pathlib.Path) -> dict[str, Any]:
     raise RuntimeError(f"no SASS in nvdisasm's output: {dis.stdout[-500:]}{dis.stderr[-500:]}")
   (out / "kernel.sass").write_text(sass + "\n")
   return {"sass": str(out / "kernel.sass"), "ptx": str(out / "kernel.ptx"), **parse_sass(sass)}
+
+
+def cuda_tool(name: str) -> str:
+  """The path of a CUDA toolkit program: from PATH, else beside the ``ptxas`` that Mosaic GPU
+  uses off a GPU host (the ``nvidia-cuda-nvcc-cu12`` wheel's ``bin`` folder)."""
+  if found := shutil.which(name):
+    return found
+  try:
+    import nvidia.cuda_nvcc  # pylint: disable=g-import-not-at-top
+    for folder in nvidia.cuda_nvcc.__path__:
+      if (path := pathlib.Path(folder) / "bin" / name).is_file():
+        return str(path)
+  except ImportError:
+    pass
+  raise RuntimeError(f"{name} is not on PATH (the CUDA toolkit's bin folder; pip's "
+                     f"nvidia-cuda-nvcc-cu12 has ptxas, not nvdisasm)")
 
 
 @contextlib.contextmanager
@@ -546,11 +575,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="the rule alone, without the per-element non-finite guard that "
                            "forge_jax's layers run (pallas_kernels.skip_non_finite)")
   parser.add_argument("--config-json", default=None, help="MosaicTileConfig fields over the default")
+  parser.add_argument("--compile-only", action="store_true",
+                      help="ptxas, sass: no GPU needed; the call is compiled for a compile-only "
+                           "H200 (jax's CUDA PJRT plugin, as experiments.gpu_hlo) and not run")
   parser.add_argument("--interpret", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--cuda-profiler-range", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if not re.fullmatch(r"\d+x\d+x\d+", args.shape):
     parser.error(f"--shape takes T x K x N, e.g. 1024x4096x4096; got {args.shape!r}")
+  if args.compile_only and args.tool not in ("run", "ptxas", "sass"):
+    parser.error(f"--compile-only is for ptxas and sass (what a compile tells); {args.tool} runs the kernel")
   if args.tool == "run":
     print(json.dumps(run(args)))
     return 0
@@ -561,6 +595,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   result = {"info": info, args.tool: TOOLS[args.tool](args, out)}
   _timing.write_json(out / f"kernel_{args.tool}.json", result)
   guard = ", no guard" if args.no_guard else ""
+  guard += ", compiled for a compile-only H200 (not run)" if args.compile_only else ""
   table = profile_table(result[args.tool]) if args.tool == "profile" else []
   lines = [f"# kernel_tools {args.tool}: {args.shape} {args.optimizer}, {args.states} states{guard}", "",
            f"`{info['command']}`; {info['date']}; {info['device']}; jax {info['jax']}.", "",

@@ -95,11 +95,31 @@ def test_arguments_are_checked(tmp_path):
   with pytest.raises(SystemExit):
     kernel_tools.main(["ptx", "--out", str(tmp_path)])
   args = ["--shape", "64x64x128", "--states", "int8", "--config-json", json.dumps({"tile_m": 64})]
+  with pytest.raises(SystemExit):  # a profile needs the kernel run
+    kernel_tools.main(["profile", "--compile-only", "--out", str(tmp_path)])
   ns = type("A", (), dict(shape="64x64x128", states="int8", optimizer="lion",
-                          config_json=json.dumps({"tile_m": 64}), no_guard=False))
+                          config_json=json.dumps({"tile_m": 64}), no_guard=False, compile_only=False))
   assert kernel_tools._run_args(ns) == args[:4] + ["--optimizer", "lion"] + args[4:]  # pylint: disable=protected-access
   ns.no_guard = True  # the run the tools wrap examines the same kernel
   assert kernel_tools._run_args(ns)[-1] == "--no-guard"  # pylint: disable=protected-access
+  ns.compile_only = True
+  assert kernel_tools._run_args(ns)[-2:] == ["--no-guard", "--compile-only"]  # pylint: disable=protected-access
+
+
+def _has_cuda_plugin() -> bool:
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ImportError:
+    return False
+
+
+@pytest.mark.skipif(not _has_cuda_plugin(), reason="jax's CUDA PJRT plugin is not installed")
+def test_ptxas_reports_the_kernel_compiled_without_a_gpu(tmp_path):
+  assert kernel_tools.main(["ptxas", "--compile-only", "--shape", "256x256x256", "--states", "int8",
+                            "--out", str(tmp_path)]) == 0
+  report = json.loads((tmp_path / "kernel_ptxas.json").read_text())["ptxas"]
+  assert 0 < report["registers"] <= 255, report
 
 
 def test_the_kernel_examined_is_the_guarded_one_unless_told(monkeypatch):
