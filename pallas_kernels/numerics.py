@@ -337,8 +337,11 @@ class QuantMap:
       return (c if self.signed else c + 127).astype(_F32) * factor
     mag = jnp.abs(c) if self.signed else c + 127
     m = self.mantissa_bits
-    x = lax.bitcast_convert_type((mag + self._base()) << (23 - m), _F32)
-    x = jnp.where(mag == 0, 0.0, x)
+    xbits = (mag + self._base()) << (23 - m)
+    # Code 0 stands for 0.0. Tested on the shifted bits, which code 0 alone gives, not on the
+    # code: on a GPU a test of the code reads the stored byte a second time, zero-extended (one
+    # more byte permute an element in the Mosaic kernel's SASS).
+    x = jnp.where(xbits == self._base() << (23 - m), 0.0, lax.bitcast_convert_type(xbits, _F32))
     if self.signed:
       x = jnp.where(c < 0, -x, x)
     return x * factor

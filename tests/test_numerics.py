@@ -210,6 +210,25 @@ def test_stochastic_codes_are_unbiased_and_within_one_step(qmap):
 
 
 @pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("mantissa_bits", range(1, 7))
+def test_every_float_code_decodes_to_its_minifloat(signed, mantissa_bits):
+  """Each stored byte of a float map decodes to the minifloat it names: code ``max_code`` is
+  1.0, each code below it a step of ``2**-m`` of its octave, code 0 is 0.0 (signed: the sign
+  is the code's)."""
+  qmap = nm.QuantMap("float", signed=signed, mantissa_bits=mantissa_bits)
+  stored = np.arange(-127, 128)  # unsigned maps store code - 127
+  mag = np.abs(stored) if signed else stored + 127
+  e, frac = np.divmod(mag + (127 << mantissa_bits) - qmap.max_code, 2**mantissa_bits)
+  want = np.where(mag == 0, 0.0, (1 + frac / 2**mantissa_bits) * 2.0 ** (e - 127))
+  want = np.where(stored < 0, -want, want) if signed else want
+  # Codes more than 126 octaves down (mantissa_bits=1) name subnormals: flushed, as XLA does.
+  want = np.where(np.abs(want) < np.finfo(np.float32).tiny, 0.0, want)
+  got = np.asarray(qmap.decode(jnp.asarray(stored, jnp.int8)), np.float64)
+  np.testing.assert_array_equal(got, want)
+  assert got[stored == stored.max()] == 1.0 and np.all(got[mag == 0] == 0)
+
+
+@pytest.mark.parametrize("signed", [True, False])
 def test_nearest_linear_codes_are_the_rounded_values(signed):
   """The nearest linear map's codes are ``rint(x * max_code / absmax)`` (ties to even; unsigned:
   offset by -127), never beyond max_code, for values on and next to every half step."""
