@@ -226,3 +226,22 @@ def test_sass_counts_opcodes_classes_and_the_largest_loop():
   assert outer["largest_loop_without_mma"] == loop
   assert kernel_tools.parse_sass("no code") == {
       "all": {"instructions": 0, "by_class": {}, "by_opcode": {}}, "loops": []}
+
+
+def _has_nvdisasm() -> bool:
+  try:
+    return bool(kernel_tools.cuda_tool("nvdisasm"))
+  except RuntimeError:
+    return False
+
+
+@pytest.mark.skipif(not (_has_cuda_plugin() and _has_nvdisasm()),
+                    reason="needs jax's CUDA PJRT plugin and nvdisasm")
+def test_guarded_bf16_epilogue_converts_in_pairs_and_does_not_spill(tmp_path):
+  """The non-finite guard's selects stay float32 selects ahead of the paired float32 -> bfloat16
+  conversions (no element-by-element F2F), and the epilogue's loop reads no spilled register."""
+  assert kernel_tools.main(["sass", "--compile-only", "--states", "bfloat16",
+                            "--out", str(tmp_path)]) == 0
+  loop = json.loads((tmp_path / "kernel_sass.json").read_text())["sass"]["largest_loop_without_mma"]
+  assert loop["by_opcode"].get("F2FP", 0) > 0 and not loop["by_opcode"].get("F2F"), loop
+  assert not loop["by_opcode"].get("LDL"), loop
