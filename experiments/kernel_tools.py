@@ -253,8 +253,10 @@ def parse_sass(text: str) -> dict[str, Any]:
   class for all of it, for its largest loop (the span from a label to the last backward branch to
   it: in the fused kernel, the persistent loop over tiles) and for its largest loop without a
   ``wgmma`` (``HGMMA``: in the fused kernel, the epilogue's loop over sub-tiles), and the sizes of
-  every loop."""
-  instructions, labels, branches = [], {}, []
+  every loop. A loop that picks with a switch (an indirect branch, ``BRX``, to blocks of register
+  moves that each end in a branch) runs one of those blocks an iteration: its ``executed`` counts
+  one, of average length, and ``switch_cases`` how many there are."""
+  instructions, labels, branches, moves = [], {}, [], []
   pending = []
   for line in text.splitlines():
     if (m := _SASS_LABEL.match(line)):
@@ -268,6 +270,7 @@ def parse_sass(text: str) -> dict[str, Any]:
     pending = []
     opcode = m.group(2)
     instructions.append(opcode)
+    moves.append(opcode in ("MOV", "BRA") or (opcode == "IMAD" and m.group(3).startswith(".MOV")))
     if opcode == "BRA" and (t := _SASS_TARGET.search(m.group(4))):
       branches.append((index, t.group(1)))
 
@@ -285,7 +288,20 @@ def parse_sass(text: str) -> dict[str, Any]:
     out["largest_loop"] = counts(instructions[spans[0][0]:spans[0][1] + 1])
   no_mma = [(start, end) for start, end in spans if "HGMMA" not in instructions[start:end + 1]]
   if no_mma:
-    out["largest_loop_without_mma"] = counts(instructions[no_mma[0][0]:no_mma[0][1] + 1])
+    start, end = no_mma[0]
+    out["largest_loop_without_mma"] = loop = counts(instructions[start:end + 1])
+    brx = [i for i in range(start, end + 1) if instructions[i].startswith("BRX")]
+    targets = dict(branches)
+    after = [i for i in range(brx[0] + 1, end + 1) if instructions[i] == "BRA"] if brx else []
+    join = labels.get(targets.get(after[0])) if after else None
+    if join is not None and brx[0] < join <= end:
+      # The switch's cases: the blocks between the indirect branch and the label their branches
+      # join at, each its moves (and a branch; the last one falls through).
+      starts = sorted({brx[0] + 1, join, *(i for i in labels.values() if brx[0] < i < join)})
+      cases = [b - a for a, b in zip(starts, starts[1:]) if all(moves[a:b])]
+      if cases and sum(cases) == join - brx[0] - 1:
+        loop.update(switch_cases=len(cases),
+                    executed=loop["instructions"] - sum(cases) + round(sum(cases) / len(cases)))
   return out
 
 

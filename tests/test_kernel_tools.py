@@ -228,6 +228,29 @@ def test_sass_counts_opcodes_classes_and_the_largest_loop():
       "all": {"instructions": 0, "by_class": {}, "by_opcode": {}}, "loops": []}
 
 
+def test_sass_loop_with_a_switch_counts_one_case_as_executed():
+  text = """.L_x_1:
+        /*0000*/                   LDS.64 R4, [R2+UR5] ;
+        /*0010*/                   BRXU UR8 -0x20 ;
+.L_x_2:
+        /*0020*/                   IMAD.MOV.U32 R10, RZ, RZ, R20 ;
+        /*0030*/                   MOV R11, R21 ;
+        /*0040*/                   BRA `(.L_x_4) ;
+.L_x_3:
+        /*0050*/                   IMAD.MOV.U32 R10, RZ, RZ, R22 ;
+        /*0060*/                   IMAD.MOV.U32 R11, RZ, RZ, R23 ;
+.L_x_4:
+        /*0070*/                   FFMA R6, R10, R11, R6 ;
+        /*0080*/                   IMAD R7, R10, R11, R7 ;
+        /*0090*/               @P1 BRA `(.L_x_1) ;
+"""
+  loop = kernel_tools.parse_sass(text)["largest_loop_without_mma"]
+  # 10 instructions; the cases (3 and 2 of them) run one at a time: 10 - 5 + round(2.5).
+  assert (loop["instructions"], loop["switch_cases"], loop["executed"]) == (10, 2, 7)
+  plain = kernel_tools.parse_sass(text.replace("BRXU UR8 -0x20", "NOP"))["largest_loop_without_mma"]
+  assert "executed" not in plain  # no indirect branch, no switch
+
+
 def _has_nvdisasm() -> bool:
   try:
     return bool(kernel_tools.cuda_tool("nvdisasm"))
