@@ -265,9 +265,8 @@ def _widen_bits(raw: Array) -> Array:
   select between the new value and this one then stays a float32 select ahead of the paired
   float32 -> bfloat16 conversion. Written as ``astype``, LLVM folds the select through the
   store's conversion (the old value's conversion back cancels), selects bfloat16 halves and
-  converts element by element: the guarded bf16 AdamW epilogue loop took 1,183 SASS
-  instructions a 64x64 sub-tile and spilled, against 1,106 and no spill this way (compiled for
-  an H200, jax 0.10.2; unguarded, ``astype`` is the shorter: 992 against 1,018)."""
+  converts element by element, and the guarded bf16 loop spilled
+  (experiments/results/cpu/epilogue_sass). Unguarded, ``astype`` compiles shorter."""
   if raw.dtype != jnp.bfloat16:
     return raw.astype(jnp.float32)
   bits = lax.bitcast_convert_type(raw, jnp.uint16).astype(jnp.uint32) << jnp.uint32(16)
@@ -280,11 +279,10 @@ def _pick(values: Sequence[Array], j) -> Array:
 
   Of more than two, a ``lax.switch`` (a uniform branch to one block of register moves): a blend
   costs a logic op an element per entry, every one of which runs, where a switch runs one move
-  an element. Compiled for an H200 (jax 0.10.2), the fp32 AdamW epilogue loop, eight 64x32
-  sub-tiles a 128x128 tile, runs about 590 instructions a sub-tile instead of 695; bf16 states
-  (four 64x64) about 1,040 instead of 1,106. Of two, a blend (an AND with an all-ones or all-zeros
-  mask each, then an OR), which the int8 loop on 128x64 tiles keeps: there the switch's moves
-  spilled registers."""
+  an element (the fp32 AdamW loop, eight 64x32 sub-tiles a tile: 592 instructions run a
+  sub-tile against 699; experiments/results/cpu/epilogue_sass). Of two, a blend (an AND with an
+  all-ones or all-zeros mask each, then an OR), which the int8 loop on 128x64 tiles keeps: there
+  the switch's moves spilled registers."""
   if len(values) > 2:
     return lax.switch(j, [functools.partial(lambda i, *vs: vs[i], i) for i in range(len(values))],
                       *values)
