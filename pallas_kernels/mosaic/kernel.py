@@ -227,11 +227,22 @@ class _Epilogue:
       new_w32, new_slots = apply_update(self.update_fn, g, w32, s32, scalar_leaves, rule=self.rule)
     with _region("epi_write"):
       bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
-      if plan.stochastic:
-        w_ref[...] = numerics.stochastic_round(new_w32, bits, w_ref.dtype)
-      else:
-        w_ref[...] = store_cast(new_w32, w_ref.dtype)
-      for i, (ref, new, codec) in enumerate(zip(s_refs, new_slots, plan.codecs)):
+      # The values that read the element bits are stored first (an SR weight after the states
+      # that do), so that the bits' registers are free sooner: with int8 states and an SR bf16
+      # weight at T=1024, compiled for an H200, 108 bytes of spills in W, m, v order, 24 in v,
+      # W, m (with a float32 weight, W first stays the better).
+      uses_bits = [c is not None and c.needs_bits for c in plan.codecs]
+      first = [i for i, b in enumerate(uses_bits) if b]
+      rest = [i for i, b in enumerate(uses_bits) if not b]
+      order = first + [None] + rest if plan.stochastic else [None] + first + rest
+      for i in order:
+        if i is None:
+          if plan.stochastic:
+            w_ref[...] = numerics.stochastic_round(new_w32, bits, w_ref.dtype)
+          else:
+            w_ref[...] = store_cast(new_w32, w_ref.dtype)
+          continue
+        ref, new, codec = s_refs[i], new_slots[i], plan.codecs[i]
         if codec is None:
           ref[...] = store_cast(new, ref.dtype)
         else:  # int8: codes and row scales, stochastic maps from the slot's 16 bits
