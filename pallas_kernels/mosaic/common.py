@@ -3,9 +3,8 @@ the register split and the interpreter's parameters."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
+from typing import Any
 
 import jax
 from jax import lax
