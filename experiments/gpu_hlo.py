@@ -23,7 +23,10 @@ the whole stack). XLA's GEMM autotuner needs a device, so it is off: GEMMs compi
 default choices (on a GPU, cuBLAS where the autotuner prefers it), and the models' attention
 is XLA's (``bench_models`` runs cuDNN's fused attention on a GPU, which needs a device to
 compile: XLA's materializes the attention scores and transposes them); the rest is what a GPU
-compile makes of the program, with the host's jax and XLA (not the GPU machine's). ``--baseline-tree DIR`` runs the same on another checkout's ``forge_jax`` and
+compile makes of the program, with the host's jax and XLA (not the GPU machine's). The Mosaic
+GPU kernels are compiled to SASS as well (Mosaic GPU runs ptxas, from the
+``nvidia-cuda-nvcc-cu12`` wheel here): ``experiments.kernel_tools ptxas|sass --compile-only``
+reads what they become. ``--baseline-tree DIR`` runs the same on another checkout's ``forge_jax`` and
 ``pallas_kernels`` (this tree's harness), side by side. Writes ``gpu_hlo.json`` and
 ``gpu_hlo.md`` (and each program's optimized HLO with ``--hlo``) to ``--out``.
 """
