@@ -55,7 +55,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 OPTIMIZERS = ("adamw", "lion", "sgd_momentum")
-STATES = ("float32", "bfloat16", "int8", "bf16_sr_int8")
+STATES = ("float32", "bfloat16", "bf16_sr", "int8", "bf16_sr_int8")
 PROFILE_SPACE = 512  # profiler ranges per warpgroup (a block's producer waits ~120 times at T=1024)
 _USED = re.compile(r"Used (\d+) registers")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -72,8 +72,9 @@ NCU_METRICS = {
 
 def problem(shape: str, states: str, optimizer: str, seed: int = 0):
   """``(x, dy, w, slots, scalars, rule)`` on the default device: random bf16 x/dy,
-  a weight (and states) of ``states`` storage (int8: float32 weight, int8 states; bf16_sr_int8:
-  bfloat16 weight rounded stochastically, int8 states)."""
+  a weight (and states) of ``states`` storage (int8: float32 weight, int8 states; bf16_sr:
+  bfloat16 weight rounded stochastically, bfloat16 states; bf16_sr_int8: the same weight, int8
+  states)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import forge_jax  # pylint: disable=g-import-not-at-top
@@ -88,7 +89,7 @@ def problem(shape: str, states: str, optimizer: str, seed: int = 0):
   kx, kd, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
   x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, (t, n), jnp.float32).astype(jnp.bfloat16)
-  w_dtype = jnp.bfloat16 if states in ("bfloat16", "bf16_sr_int8") else jnp.float32
+  w_dtype = jnp.bfloat16 if states in ("bfloat16", "bf16_sr", "bf16_sr_int8") else jnp.float32
   w = (0.02 * jax.random.normal(kw, (k, n), jnp.float32)).astype(w_dtype)
   state = opt.init(w)
   slots = tuple(state[1:])
@@ -116,7 +117,7 @@ def kernel_call(args, profile: Optional[tuple[int, str]] = None):
   # As forge_jax runs it: elements with a non-finite gradient skipped, unless --no-guard.
   update_fn = rule.update if args.no_guard else pallas_kernels.skip_non_finite(rule.update)
 
-  codec = numerics.StochasticRound() if args.states == "bf16_sr_int8" else None
+  codec = numerics.StochasticRound() if args.states.startswith("bf16_sr") else None
 
   def step(w, slots, x, dy, scalars):
     # The seed and step feed stochastic rounding (forge_jax's default int8 maps use it).
@@ -585,7 +586,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--shape", default="1024x4096x4096", help="T x K x N")
   parser.add_argument("--states", default="float32", choices=STATES,
                       help="weight and state storage (int8: float32 weight, int8 states; "
-                           "bf16_sr_int8: bfloat16 weight rounded stochastically, int8 states)")
+                           "bf16_sr: bfloat16 weight rounded stochastically, bfloat16 states; "
+                           "bf16_sr_int8: that weight, int8 states)")
   parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
   parser.add_argument("--no-guard", action="store_true",
                       help="the rule alone, without the per-element non-finite guard that "

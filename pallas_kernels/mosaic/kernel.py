@@ -227,14 +227,15 @@ class _Epilogue:
       new_w32, new_slots = apply_update(self.update_fn, g, w32, s32, scalar_leaves, rule=self.rule)
     with _region("epi_write"):
       bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
-      # The values that read the element bits are stored first (an SR weight after the states
-      # that do), so that the bits' registers are free sooner: with int8 states and an SR bf16
-      # weight at T=1024, compiled for an H200, 108 bytes of spills in W, m, v order, 24 in v,
-      # W, m (with a float32 weight, W first stays the better).
+      # The values that do not read the element bits are stored first, then those that do (an
+      # SR weight last), so that the states' registers are free before the bits' are taken:
+      # compiled for an H200 at T=1024, an SR bf16 weight spilled 212 bytes with bf16 states
+      # and 108 with int8 states in W, m, v order, 80 and none this way
+      # (experiments/results/cpu/epilogue_sass).
       uses_bits = [c is not None and c.needs_bits for c in plan.codecs]
-      first = [i for i, b in enumerate(uses_bits) if b]
+      with_bits = [i for i, b in enumerate(uses_bits) if b]
       rest = [i for i, b in enumerate(uses_bits) if not b]
-      order = first + [None] + rest if plan.stochastic else [None] + first + rest
+      order = rest + with_bits + [None] if plan.stochastic else [None] + rest + with_bits
       for i in order:
         if i is None:
           if plan.stochastic:
