@@ -228,10 +228,9 @@ class _Epilogue:
     with _region("epi_write"):
       bits = self._element_bits(row0 + r, col0 + c) if plan.needs_bits else None
       # The values that do not read the element bits are stored first, then those that do (an
-      # SR weight last), so that the states' registers are free before the bits' are taken:
-      # compiled for an H200 at T=1024, an SR bf16 weight spilled 212 bytes with bf16 states
-      # and 108 with int8 states in W, m, v order, 80 and none this way
-      # (experiments/results/cpu/epilogue_sass).
+      # SR weight last), so that the states' registers are free before the bits' are taken: in
+      # W, m, v order an SR bf16 weight's loop spilled the most (compiled for an H200 at T=1024,
+      # with int8 states 108 bytes then, none now: experiments/results/cpu/epilogue_sass).
       uses_bits = [c is not None and c.needs_bits for c in plan.codecs]
       with_bits = [i for i, b in enumerate(uses_bits) if b]
       rest = [i for i, b in enumerate(uses_bits) if not b]
