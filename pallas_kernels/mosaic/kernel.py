@@ -234,9 +234,9 @@ class _Epilogue:
       uses_bits = [c is not None and c.needs_bits for c in plan.codecs]
       with_bits = [i for i, b in enumerate(uses_bits) if b]
       rest = [i for i, b in enumerate(uses_bits) if not b]
-      order = rest + with_bits + [None] if plan.stochastic else [None] + rest + with_bits
+      order = rest + with_bits + ["w"] if plan.stochastic else ["w"] + rest + with_bits
       for i in order:
-        if i is None:
+        if i == "w":
           if plan.stochastic:
             w_ref[...] = numerics.stochastic_round(new_w32, bits, w_ref.dtype)
           else:
