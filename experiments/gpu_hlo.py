@@ -25,8 +25,8 @@ is XLA's (``bench_models`` runs cuDNN's fused attention on a GPU, which needs a 
 compile: XLA's materializes the attention scores and transposes them); the rest is what a GPU
 compile makes of the program, with the host's jax and XLA (not the GPU machine's). The Mosaic
 GPU kernels are compiled to SASS as well (Mosaic GPU runs ptxas, from the
-``nvidia-cuda-nvcc-cu12`` wheel here): ``experiments.kernel_tools ptxas|sass --compile-only``
-reads what they become. ``--baseline-tree DIR`` runs the same on another checkout's ``forge_jax`` and
+``nvidia-cuda-nvcc-cu12`` wheel here): ``--ptxas`` lists each kernel's registers and spills,
+and ``experiments.kernel_tools ptxas|sass --compile-only`` reads one kernel's SASS. ``--baseline-tree DIR`` runs the same on another checkout's ``forge_jax`` and
 ``pallas_kernels`` (this tree's harness), side by side. Writes ``gpu_hlo.json`` and
 ``gpu_hlo.md`` (and each program's optimized HLO with ``--hlo``) to ``--out``.
 """
@@ -241,6 +241,45 @@ def step_program(device, model_name: str, impl: str, layers: int, tokens: int):
     return traced.lower().compile(COMPILE_OPTIONS)
 
 
+@contextlib.contextmanager
+def _process_output_to(path: pathlib.Path):
+  """The process's stdout and stderr (file descriptors 1 and 2, where ptxas' report is printed
+  from C++) written to ``path`` inside the block."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = [os.dup(1), os.dup(2)]
+  with open(path, "w") as f:
+    os.dup2(f.fileno(), 1)
+    os.dup2(f.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os.dup2(saved[0], 1)
+      os.dup2(saved[1], 2)
+      for fd in saved:
+        os.close(fd)
+
+
+def compiled_with_ptxas(build, log: pathlib.Path):
+  """``(build(), per-kernel ptxas figures)``: ``build`` compiles a program; the Mosaic GPU kernels
+  it compiles report registers and spills (MOSAIC_GPU_DUMP_PTXAS; a process compiles each
+  distinct kernel once, so a kernel an earlier program compiled is not listed again)."""
+  from experiments import kernel_tools  # pylint: disable=g-import-not-at-top
+  previous = os.environ.get("MOSAIC_GPU_DUMP_PTXAS")
+  os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  try:
+    with _process_output_to(log):
+      compiled = build()
+  finally:
+    if previous is None:
+      del os.environ["MOSAIC_GPU_DUMP_PTXAS"]
+    else:
+      os.environ["MOSAIC_GPU_DUMP_PTXAS"] = previous
+  return compiled, kernel_tools.parse_ptxas_functions(log.read_text())
+
+
 def _row(label: str, compiled, hlo_dir: Optional[pathlib.Path]) -> dict:
   text = compiled.as_text()
   if hlo_dir is not None:
@@ -259,6 +298,7 @@ def markdown(info: dict, rows: list[dict]) -> str:
          "upper bound on memory traffic).", "",
          "| program | tree | launches | bytes GB | copies (GB) | transposes (GB) | temporaries GB | largest kinds (launches, GB) |",
          "|---|---|---|---|---|---|---|---|"]
+  ptxas = [r for r in rows if r.get("mosaic_ptxas") is not None]
   for r in rows:
     kinds = "; ".join(f"{k} {v['launches']}, {gb(v['bytes'])}"
                       for k, v in list(r["by_kind"].items())[:4])
@@ -266,6 +306,14 @@ def markdown(info: dict, rows: list[dict]) -> str:
     out.append(f"| {r['program']} | {r.get('tree', 'this')} | {r['launches']} | {gb(r['bytes'])} | "
                f"{r['copies']} ({gb(r['copy_bytes'])}) | {r['transposes']} ({gb(r['transpose_bytes'])}) | "
                f"{temp} | {kinds} |")
+  if ptxas:
+    out += ["", "Mosaic GPU kernels compiled for each program (ptxas; a kernel an earlier program "
+            "compiled is not listed again):", "",
+            "| program | kernel | registers | spill stores / loads (bytes) |", "|---|---|---|---|"]
+    for r in ptxas:
+      for k in r["mosaic_ptxas"]:
+        out.append(f"| {r['program']} | {k['function']} | {k['registers']} | "
+                   f"{k['spill_store_bytes']} / {k['spill_load_bytes']} |")
   return "\n".join(out) + "\n"
 
 
@@ -285,6 +333,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--baseline-tree", type=pathlib.Path, default=None, metavar="DIR",
                       help="also run on another checkout's forge_jax and pallas_kernels")
   parser.add_argument("--hlo", action="store_true", help="also write each optimized HLO module")
+  parser.add_argument("--ptxas", action="store_true",
+                      help="also each Mosaic GPU kernel's registers and spills, from ptxas")
   parser.add_argument("--out", type=pathlib.Path, required=True)
   args = parser.parse_args(argv)
   args.out = args.out.resolve()  # the baseline's run starts in its tree
@@ -304,15 +354,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                        "gpu_hlo.json")
     rows += [{**r, "tree": str(args.baseline_tree.resolve())} for r in base["rows"]]
   if args.what == "layer":
-    for config in args.configs.split(","):
-      label = f"{args.impl} {config} {args.shape}"
-      rows.append(_row(label, layer_program(device, config, args.shape, args.impl), hlo_dir))
-      _timing.log(f"{label}: {rows[-1]['launches']} launches, {rows[-1]['bytes'] / 1e9:.3f} GB")
+    programs = [(f"{args.impl} {config} {args.shape}",
+                 functools.partial(layer_program, device, config, args.shape, args.impl))
+                for config in args.configs.split(",")]
   else:
-    for impl in args.impls.split(","):
-      label = f"{impl} {args.model} {args.layers} layers 1x{args.tokens}"
-      rows.append(_row(label, step_program(device, args.model, impl, args.layers, args.tokens), hlo_dir))
-      _timing.log(f"{label}: {rows[-1]['launches']} launches, {rows[-1]['bytes'] / 1e9:.3f} GB")
+    programs = [(f"{impl} {args.model} {args.layers} layers 1x{args.tokens}",
+                 functools.partial(step_program, device, args.model, impl, args.layers, args.tokens))
+                for impl in args.impls.split(",")]
+  for i, (label, build) in enumerate(programs):
+    kernels = None
+    if args.ptxas:
+      compiled, kernels = compiled_with_ptxas(build, args.out / f"ptxas_{i}.log")
+    else:
+      compiled = build()
+    rows.append(_row(label, compiled, hlo_dir))
+    if kernels is not None:
+      rows[-1]["mosaic_ptxas"] = kernels
+    _timing.log(f"{label}: {rows[-1]['launches']} launches, {rows[-1]['bytes'] / 1e9:.3f} GB")
   info = {"command": "python -m experiments.gpu_hlo " + " ".join(argv),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "jax": jax.__version__}

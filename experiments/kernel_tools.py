@@ -206,6 +206,24 @@ def profile_table(summary: dict) -> list[str]:
   return rows if regions else []
 
 
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+
+
+def parse_ptxas_functions(text: str) -> list[dict[str, Any]]:
+  """ptxas ``-v`` figures per compiled function, in the order ptxas reports them: name,
+  registers, stack frame and spill bytes (a function's lines follow its "Compiling entry
+  function" line)."""
+  starts = [(m.start(), m.group(1)) for m in _ENTRY.finditer(text)]
+  out = []
+  for (start, name), (end, _) in zip(starts, starts[1:] + [(len(text), "")]):
+    part = text[start:end]
+    regs, frame = _USED.search(part), _FRAME.search(part)
+    out.append({"function": name, "registers": int(regs.group(1)) if regs else None,
+                **dict(zip(("stack_frame_bytes", "spill_store_bytes", "spill_load_bytes"),
+                           (int(g) for g in frame.groups()) if frame else (None,) * 3))})
+  return out
+
+
 def parse_ptxas(text: str) -> dict[str, Any]:
   """ptxas ``-v`` figures in a process's output, maxima over its functions (None if absent)."""
   regs = [int(m.group(1)) for m in _USED.finditer(text)]

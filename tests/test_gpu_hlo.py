@@ -94,6 +94,18 @@ def test_the_guard_costs_the_xla_route_no_pass_on_a_gpu(tmp_path):
     assert guarded[key] == plain[key], (key, guarded, plain)
 
 
+@_PLUGIN
+def test_ptxas_lists_the_mosaic_kernels_registers_and_spills(tmp_path):
+  """``--ptxas``: the Mosaic kernel a layer program compiles, with its registers and spills."""
+  assert gpu_hlo.main(["layer", "--impl", "mosaic", "--shape", "256x256x256", "--configs",
+                       "bf16_rtn_bf16", "--ptxas", "--out", str(tmp_path)]) == 0
+  import json  # pylint: disable=g-import-not-at-top
+  (row,) = json.loads((tmp_path / "gpu_hlo.json").read_text())["rows"]
+  (kernel,) = row["mosaic_ptxas"]
+  assert 0 < kernel["registers"] <= 255 and kernel["spill_store_bytes"] is not None, kernel
+  assert "| spill stores / loads (bytes) |" in (tmp_path / "gpu_hlo.md").read_text()
+
+
 def test_baseline_runs_get_the_command_line_without_their_own_options(tmp_path):
   """What the --baseline-tree scripts (gpu_hlo, bench_lowp, bench_fused_dw) hand the baseline's
   run: every other option and positional argument, in order."""

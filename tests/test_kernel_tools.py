@@ -42,6 +42,17 @@ def test_ptxas_report_parsing():
       "registers": 168, "stack_frame_bytes": 8, "spill_store_bytes": 4, "spill_load_bytes": 4,
       "functions": 2}
   assert kernel_tools.parse_ptxas("no report")["registers"] is None
+  two = ("ptxas info    : Compiling entry function 'a_kernel' for 'sm_90a'\n"
+         "ptxas info    : Function properties for a_kernel\n"
+         "    8 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads\n"
+         "ptxas info    : Used 168 registers, used 16 barriers\n"
+         "ptxas info    : Compiling entry function 'b_kernel' for 'sm_90a'\n"
+         "ptxas info    : Used 4 registers, used 1 barriers\n")
+  assert kernel_tools.parse_ptxas_functions(two) == [
+      {"function": "a_kernel", "registers": 168, "stack_frame_bytes": 8,
+       "spill_store_bytes": 12, "spill_load_bytes": 8},
+      {"function": "b_kernel", "registers": 4, "stack_frame_bytes": None,
+       "spill_store_bytes": None, "spill_load_bytes": None}]
 
 
 def test_ncu_runs_one_profiled_call_and_summarizes_the_raw_page(tmp_path):
