@@ -307,13 +307,17 @@ def markdown(info: dict, rows: list[dict]) -> str:
                f"{r['copies']} ({gb(r['copy_bytes'])}) | {r['transposes']} ({gb(r['transpose_bytes'])}) | "
                f"{temp} | {kinds} |")
   if ptxas:
-    out += ["", "Mosaic GPU kernels compiled for each program (ptxas; a kernel an earlier program "
-            "compiled is not listed again):", "",
-            "| program | kernel | registers | spill stores / loads (bytes) |", "|---|---|---|---|"]
+    out += ["", "The Mosaic GPU kernels each program compiled (ptxas; a process compiles a kernel "
+            "once, so one an earlier program of its tree compiled is not counted again; each "
+            "kernel in the JSON's `mosaic_ptxas`):", "",
+            "| program | tree | kernels | spilling | spill stores per spilling kernel (bytes) | most registers |",
+            "|---|---|---|---|---|---|"]
     for r in ptxas:
-      for k in r["mosaic_ptxas"]:
-        out.append(f"| {r['program']} | {k['function']} | {k['registers']} | "
-                   f"{k['spill_store_bytes']} / {k['spill_load_bytes']} |")
+      ks = r["mosaic_ptxas"]
+      spills = sorted(k["spill_store_bytes"] for k in ks if k["spill_store_bytes"])
+      out.append(f"| {r['program']} | {r.get('tree', 'this')} | {len(ks)} | {len(spills)} | "
+                 f"{', '.join(map(str, spills)) or '-'} | "
+                 f"{max((k['registers'] or 0 for k in ks), default='-')} |")
   return "\n".join(out) + "\n"
 
 

@@ -103,7 +103,7 @@ def test_ptxas_lists_the_mosaic_kernels_registers_and_spills(tmp_path):
   (row,) = json.loads((tmp_path / "gpu_hlo.json").read_text())["rows"]
   (kernel,) = row["mosaic_ptxas"]
   assert 0 < kernel["registers"] <= 255 and kernel["spill_store_bytes"] is not None, kernel
-  assert "| spill stores / loads (bytes) |" in (tmp_path / "gpu_hlo.md").read_text()
+  assert "| spill stores per spilling kernel (bytes) |" in (tmp_path / "gpu_hlo.md").read_text()
 
 
 def test_baseline_runs_get_the_command_line_without_their_own_options(tmp_path):
