@@ -186,7 +186,7 @@ def compile_only_device():
   return topology._make_compile_only_devices()[0]  # pylint: disable=protected-access
 
 
-def _on(device, tree):
+def on_device(device, tree):
   import jax  # pylint: disable=g-import-not-at-top
   sharding = jax.sharding.SingleDeviceSharding(device)
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
@@ -202,7 +202,7 @@ def layer_program(device, config: str, shape: str, impl: str):
     update = _timing.layer_update(bench_lowp._optimizer(precision), impl, w_dtype, calls=1,  # pylint: disable=protected-access
                                   grad_norm=bench_lowp._with_norm(config),  # pylint: disable=protected-access
                                   applied=config.endswith(bench_lowp.APPLIED))
-    carry = _on(device, update.carry_shapes(t, k, n))
+    carry = on_device(device, update.carry_shapes(t, k, n))
     return update.run.trace(carry).lower().compile(COMPILE_OPTIONS)
 
 
@@ -218,7 +218,7 @@ def step_program(device, model_name: str, impl: str, layers: int, tokens: int):
   base, scan = bench_models.parse_impl(impl)
   base, backend = bench_models.forge_backend(base)
   forge = base.startswith("forge")
-  data = _on(device, jax.ShapeDtypeStruct((1, tokens + 1), jnp.int32))
+  data = on_device(device, jax.ShapeDtypeStruct((1, tokens + 1), jnp.int32))
   init_tokens = jnp.zeros((1, tokens), jnp.int32)
   with compile_cost._as_on_a_hopper_gpu():  # pylint: disable=protected-access
     cfg = models.get_config(model_name, linear="forge" if forge else "flax", remat="none",
@@ -230,14 +230,14 @@ def step_program(device, model_name: str, impl: str, layers: int, tokens: int):
       tx, step = bench_models.optax_baseline(base, loss)
       state = jax.eval_shape(lambda: (lambda p: (p, tx.init(p)))(
           model.init(jax.random.PRNGKey(1), init_tokens)["params"]))
-      return step.lower(_on(device, state), data).compile(COMPILE_OPTIONS)
+      return step.lower(on_device(device, state), data).compile(COMPILE_OPTIONS)
     opt = bench_models._forge_optimizer(base)  # pylint: disable=protected-access
     model = models.CausalLM(cfg, optimizer=opt)
     loss = functools.partial(bench_models._loss, model.apply, kind="lean")  # pylint: disable=protected-access
     state = jax.eval_shape(lambda: forge_jax.TrainState.create(
         model.apply, model.init(jax.random.PRNGKey(1), init_tokens), opt))
     traced = _train._train_step_jit.trace(  # pylint: disable=protected-access
-        _on(device, state), data, loss, False, bench_models.skips_nonfinite(base))
+        on_device(device, state), data, loss, False, bench_models.skips_nonfinite(base))
     return traced.lower().compile(COMPILE_OPTIONS)
 
 
@@ -266,17 +266,10 @@ def compiled_with_ptxas(build, log: pathlib.Path):
   """``(build(), per-kernel ptxas figures)``: ``build`` compiles a program; the Mosaic GPU kernels
   it compiles report registers and spills (MOSAIC_GPU_DUMP_PTXAS; a process compiles each
   distinct kernel once, so a kernel an earlier program compiled is not listed again)."""
+  from unittest import mock  # pylint: disable=g-import-not-at-top
   from experiments import kernel_tools  # pylint: disable=g-import-not-at-top
-  previous = os.environ.get("MOSAIC_GPU_DUMP_PTXAS")
-  os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-  try:
-    with _process_output_to(log):
-      compiled = build()
-  finally:
-    if previous is None:
-      del os.environ["MOSAIC_GPU_DUMP_PTXAS"]
-    else:
-      os.environ["MOSAIC_GPU_DUMP_PTXAS"] = previous
+  with mock.patch.dict(os.environ, {"MOSAIC_GPU_DUMP_PTXAS": "1"}), _process_output_to(log):
+    compiled = build()
   return compiled, kernel_tools.parse_ptxas_functions(log.read_text())
 
 

@@ -155,7 +155,7 @@ def run(args, profile: Optional[tuple[int, str]] = None) -> dict[str, Any]:
     from experiments import gpu_hlo  # pylint: disable=g-import-not-at-top
     device = gpu_hlo.compile_only_device()  # before any array: jax's backends start once
     step, operands, cfg = kernel_call(args, profile)
-    step.trace(*gpu_hlo._on(device, operands)).lower().compile(gpu_hlo.COMPILE_OPTIONS)  # pylint: disable=protected-access
+    step.trace(*gpu_hlo.on_device(device, operands)).lower().compile(gpu_hlo.COMPILE_OPTIONS)
     return dataclasses.asdict(cfg)
   step, (w, slots, *rest), cfg = kernel_call(args, profile)
   w, slots = jax.block_until_ready(step(w, slots, *rest))

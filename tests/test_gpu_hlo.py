@@ -82,12 +82,24 @@ def _has_cuda_plugin() -> bool:
 _PLUGIN = pytest.mark.skipif(not _has_cuda_plugin(), reason="jax's CUDA PJRT plugin is not installed")
 
 
+def _gpu_hlo(*args) -> None:
+  """``python -m experiments.gpu_hlo ARGS`` in a new process: the compile-only CUDA device must
+  come up before any other jax backend, which a test process has started already."""
+  import os  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[1]
+  proc = subprocess.run([sys.executable, "-m", "experiments.gpu_hlo", *args], cwd=root,
+                        env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @_PLUGIN
 def test_the_guard_costs_the_xla_route_no_pass_on_a_gpu(tmp_path):
   """Compiled for an H200: the "xla" route's guarded update launches and moves what the
   unguarded one does (one multi-output fusion for the rule)."""
-  assert gpu_hlo.main(["layer", "--shape", "256x512x512", "--configs", "fp32,fp32_noguard",
-                       "--out", str(tmp_path)]) == 0
+  _gpu_hlo("layer", "--shape", "256x512x512", "--configs", "fp32,fp32_noguard", "--out", str(tmp_path))
   import json  # pylint: disable=g-import-not-at-top
   guarded, plain = json.loads((tmp_path / "gpu_hlo.json").read_text())["rows"]
   for key in ("launches", "bytes", "copies"):
@@ -97,8 +109,8 @@ def test_the_guard_costs_the_xla_route_no_pass_on_a_gpu(tmp_path):
 @_PLUGIN
 def test_ptxas_lists_the_mosaic_kernels_registers_and_spills(tmp_path):
   """``--ptxas``: the Mosaic kernel a layer program compiles, with its registers and spills."""
-  assert gpu_hlo.main(["layer", "--impl", "mosaic", "--shape", "256x256x256", "--configs",
-                       "bf16_rtn_bf16", "--ptxas", "--out", str(tmp_path)]) == 0
+  _gpu_hlo("layer", "--impl", "mosaic", "--shape", "256x256x256", "--configs", "bf16_rtn_bf16",
+           "--ptxas", "--out", str(tmp_path))
   import json  # pylint: disable=g-import-not-at-top
   (row,) = json.loads((tmp_path / "gpu_hlo.json").read_text())["rows"]
   (kernel,) = row["mosaic_ptxas"]

@@ -20,8 +20,8 @@ def same_trace_context():
   jit's trace cache keys on the abstract mesh in context, which is ``None`` where nothing set it
   and an empty ``AbstractMesh`` inside some of jax's own transformations (a scan body's slicing,
   a zero cotangent): the same kernel call, same shapes and config, then misses the cache and is
-  traced again. In a scanned Llama-3.1-8B step, 12 of the stacked GEMM's 20 traces were such
-  misses. Entering the mesh in context (the empty one where none is set) gives both the same key.
+  traced again (a scanned model's stacked GEMM was, from both kinds of call site). Entering the
+  mesh in context (the empty one where none is set) gives both the same key.
   """
   use = getattr(jax.sharding, "use_abstract_mesh", None)
   get = getattr(jax.sharding, "get_abstract_mesh", None)
