@@ -37,9 +37,9 @@ def _custom_call_configs(lowered) -> list:
   return found
 
 
-def _lower_stacked_matmul(k: int):
-  x = jax.ShapeDtypeStruct((128, 256), BF16)
-  w = jax.ShapeDtypeStruct((2, 256, k), BF16)
+def _lower_stacked_matmul(k: int, k_in: int = 256):
+  x = jax.ShapeDtypeStruct((128, k_in), BF16)
+  w = jax.ShapeDtypeStruct((2, k_in, k), BF16)
   fn = lambda x, w: stacked_matmul.stacked_matmul(x, w, jnp.int32(1))
   with skip_if_cuda_lowering_needs_a_gpu():
     return jax.jit(fn).trace(x, w).lower(lowering_platforms=("cuda",))
@@ -73,14 +73,16 @@ def test_each_lowering_hands_its_new_kernels_to_the_pool_once(monkeypatch):
   monkeypatch.setattr(pc, "_compile_quietly", lambda h, m: compiled.append(h))
   monkeypatch.setattr(pc.jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(pc, "_submitted", set(pc._known_kernels()))  # earlier tests' kernels
-  _lower_stacked_matmul(256)
+  # Shapes no other test lowers: a kernel an earlier test lowered in this process is known
+  # already (and its lowering cached), so it would never count as new here.
+  _lower_stacked_matmul(256, k_in=640)
   pc.wait()
   assert len(compiled) == 1 and compiled[0] in pc._known_kernels()
-  _lower_stacked_matmul(256)  # the same kernel again: nothing new
+  _lower_stacked_matmul(256, k_in=640)  # the same kernel again: nothing new
   pc.wait()
   assert len(compiled) == 1
   monkeypatch.setattr(pc, "_enabled", False)
-  _lower_stacked_matmul(384)
+  _lower_stacked_matmul(384, k_in=640)
   pc.wait()
   assert len(compiled) == 1
   monkeypatch.setattr(pc, "_enabled", True)
