@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from pallas_kernels.mosaic import parallel_compile as pc
 from pallas_kernels.mosaic import stacked_matmul
