@@ -231,17 +231,15 @@ class _Epilogue:
       # SR weight last), so that the states' registers are free before the bits' are taken: in
       # W, m, v order an SR bf16 weight's loop spilled the most (compiled for an H200 at T=1024,
       # with int8 states 108 bytes then, none now: experiments/results/cpu/epilogue_sass).
-      uses_bits = [c is not None and c.needs_bits for c in plan.codecs]
-      with_bits = [i for i, b in enumerate(uses_bits) if b]
-      rest = [i for i, b in enumerate(uses_bits) if not b]
-      order = rest + with_bits + ["w"] if plan.stochastic else ["w"] + rest + with_bits
-      for i in order:
-        if i == "w":
-          if plan.stochastic:
-            w_ref[...] = numerics.stochastic_round(new_w32, bits, w_ref.dtype)
-          else:
-            w_ref[...] = store_cast(new_w32, w_ref.dtype)
-          continue
+      def store_w():
+        w_ref[...] = (numerics.stochastic_round(new_w32, bits, w_ref.dtype) if plan.stochastic
+                      else store_cast(new_w32, w_ref.dtype))
+
+      if not plan.stochastic:
+        store_w()
+      # A stable sort: the slots that read no bits keep their order ahead of those that do.
+      for i in sorted(range(len(plan.codecs)),
+                      key=lambda i: plan.codecs[i] is not None and plan.codecs[i].needs_bits):
         ref, new, codec = s_refs[i], new_slots[i], plan.codecs[i]
         if codec is None:
           ref[...] = store_cast(new, ref.dtype)
@@ -249,6 +247,8 @@ class _Epilogue:
           codes, scale = codec.encode_block_rows(
               new, numerics.value_bits(bits, 1 + i) if codec.needs_bits else None)
           ref[0][...], ref[1][...] = codes.astype(ref[0].dtype), scale
+      if plan.stochastic:
+        store_w()
     with _region("epi_store"):
       plgpu.commit_smem()
 
