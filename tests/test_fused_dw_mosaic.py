@@ -709,6 +709,30 @@ def test_int8_epilogue_loop_matches_reference():
   assert not ok and "epi_l2_lookahead=2 must be 0" in why
 
 
+@pytest.mark.parametrize("staged", [64, 128])
+def test_int8_epilogue_with_staged_accumulator_is_bit_identical(staged):
+  """The looped epilogue reading some sub-tiles' gradients back from shared memory
+  (``epi_acc_staged``: the tile's last 64 columns, or all of it) updates W and the int8
+  states bit for bit as the one picking every sub-tile from registers, the grad norm too."""
+  rule = _rules()["adamw"]
+  x, dy, w, slots = _inputs(11, 64, 64, 256, rule, w_dtype=BF16)
+  slots = _int8_slots(rule, slots, stochastic=True)
+  run = lambda cfg: jax.jit(functools.partial(
+      mosaic.fused_dw_update_mosaic, update_fn=pallas_kernels.skip_non_finite(
+          functools.partial(rule.update, decay=True)), config=cfg, interpret=True,
+      compute_grad_sq_norm=True, weight_codec=nm.StochasticRound()))(
+          x, dy, w, slots, rule.scalars(jnp.int32(3)), seed=jnp.uint32(5), step=jnp.int32(2))
+  (w0, s0, n0), (w1, s1, n1) = run(INT8), run(dataclasses.replace(INT8, epi_acc_staged=staged))
+  for a, b in zip(jax.tree.leaves((w0, s0, n0)), jax.tree.leaves((w1, s1, n1))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ok, why = mosaic.supports(x, dy, w, slots, dataclasses.replace(INT8, epi_acc_staged=32))
+  assert not ok and "epi_acc_staged=32 must be a multiple of epi_n=64" in why
+  x2, dy2, w2, s2 = _inputs(11, 64, 64, 256, rule)
+  ok, why = mosaic.supports(x2, dy2, w2, s2, dataclasses.replace(SMALL, epi_acc_staged=16,
+                                                                  epi_l2_lookahead=2))
+  assert not ok and "does not run: set it to 0" in why
+
+
 def test_int8_slots_refusals():
   rule = _rules()["adamw"]
   x, dy, w, slots = _inputs(9, 64, 64, 128, rule)

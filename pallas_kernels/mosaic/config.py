@@ -46,6 +46,9 @@ class MosaicTileConfig:
       without ``epi_l2_lookahead``, run the sub-tiles as a loop over one copy of their code
       (docs/mosaic_kernel.md); the others unroll them.
     epi_slots: depth of each compute warpgroup's epilogue ring.
+    epi_acc_staged: columns of the accumulator, the tile's last ones, that a looped epilogue
+      stores to shared memory (float32) before its loop and reads back per sub-tile, so that
+      their registers are free in the loop (0: none; a multiple of ``epi_n``).
     epi_l2_lookahead: TMA-prefetch into L2 the sub-tile this many beyond the ring (0: off; float
       states only; it keeps the epilogue unrolled).
     mma_in_flight: keep one ``wgmma`` in flight across main-loop steps.
@@ -67,6 +70,7 @@ class MosaicTileConfig:
   epi_m: int = 64
   epi_n: int = 32
   epi_slots: int = 2
+  epi_acc_staged: int = 0
   epi_l2_lookahead: int = 0
   mma_in_flight: bool = True
   no_auto_barriers: bool = True
@@ -136,6 +140,7 @@ def smem_bytes(cfg: MosaicTileConfig, in_dtype, w_dtype, slot_dtypes, with_norm:
   per_sub = cfg.epi_m * cfg.epi_n * sum(jnp.dtype(d).itemsize for d in (w_dtype, *slot_dtypes))
   per_sub += num_quantized * cfg.epi_m * 4
   total = cfg.max_concurrent_steps * stage + NUM_COMPUTE_WGS * ring_depth(cfg) * per_sub
+  total += NUM_COMPUTE_WGS * cfg.tile_m * cfg.epi_acc_staged * 4
   return total + (NUM_COMPUTE_WGS * cfg.tile_m * 4 if with_norm else 0)
 
 
@@ -159,6 +164,9 @@ def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
       (cfg.epi_n % 16 == 0 and cfg.tile_n % cfg.epi_n == 0,
        f"epi_n={cfg.epi_n} must be a multiple of 16 dividing tile_n={cfg.tile_n}"),
       (cfg.epi_slots >= 1, f"epi_slots={cfg.epi_slots} must be >= 1"),
+      (0 <= cfg.epi_acc_staged <= cfg.tile_n and cfg.epi_acc_staged % cfg.epi_n == 0,
+       f"epi_acc_staged={cfg.epi_acc_staged} must be a multiple of epi_n={cfg.epi_n} in "
+       f"[0, tile_n={cfg.tile_n}]"),
       (cfg.max_concurrent_steps >= 2,
        f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 2 (one stage per warpgroup)"),
       (cfg.epi_l2_lookahead >= 0, f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"),
@@ -229,6 +237,10 @@ def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> Optional[str]:
     if cfg.epi_n * jnp.dtype(dt).itemsize % 32:  # no 32-, 64- or 128-byte swizzle
       return f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"
   (t, k), n = x.shape, dy.shape[1]
+  if cfg.epi_acc_staged and not (any(map(quantized, slots)) or
+                                 (t <= SHORT_T and not cfg.epi_l2_lookahead)):
+    return (f"epi_acc_staged={cfg.epi_acc_staged} stages sub-tiles for the looped epilogue, "
+            f"which T={t} with float states does not run: set it to 0")
   for dim, size, field in (("T", t, "tile_t"), ("K", k, "tile_m"), ("N", n, "tile_n")):
     if size % getattr(cfg, field):
       return f"{dim}={size} must be a multiple of {field}={getattr(cfg, field)}"
