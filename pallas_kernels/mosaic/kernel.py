@@ -200,9 +200,9 @@ class _Epilogue:
     grads = [acc[r:r + cfg.epi_m, c:c + cfg.epi_n] for r, c in plan.sub_tiles]
     row_sums = {}  # row offset -> the gradient's squares summed along N
     if plan.loop:
-      if plan.with_norm:  # before the loop: then the staged sub-tiles' registers are free in it
-        row_sums[0] = jnp.sum(grad_sq_terms(acc), axis=1)
       staged = plan.staged_sub_tiles
+      if plan.with_norm and staged:  # before the loop: the staged registers are free in it
+        row_sums[0] = jnp.sum(grad_sq_terms(acc), axis=1)
       for s, i in enumerate(staged):  # each thread stores, and later reads, its own elements
         self.acc_smem[self.wg_idx, s] = grads[i]
       in_registers = [(i, g) for i, g in enumerate(grads) if i not in staged]
@@ -212,12 +212,16 @@ class _Epilogue:
       # back from shared memory if it was staged there.
       @pl.loop(0, len(plan.sub_tiles))
       def _sub_tile(j):
-        g = _pick([g for _, g in in_registers], j, [i for i, _ in in_registers]) if in_registers else None
+        g = (None if not in_registers else _pick(grads, j) if not staged else
+             _pick([g for _, g in in_registers], j, [i for i, _ in in_registers]))
         if staged:
           s = plan.staged_index(j)
           g_staged = self.acc_smem[self.wg_idx, jnp.maximum(s, 0)]
           g = g_staged if g is None else _pick([g, g_staged], (s >= 0).astype(jnp.int32))
         self._sub_tile(j, g, row0, col0, scalar_leaves)
+
+      if plan.with_norm and not staged:
+        row_sums[0] = jnp.sum(grad_sq_terms(acc), axis=1)
     else:
       for j, (r, c) in enumerate(plan.sub_tiles):
         self._sub_tile(j, grads[j], row0, col0, scalar_leaves)
