@@ -623,14 +623,18 @@ def test_default_table_rows_for_odd_shapes_and_int8():
 @pytest.mark.parametrize("w_dtype", [F32, BF16])
 def test_int8_default_tiles_follow_the_sweeps(w_dtype):
   """int8 states: 128x64 tiles and 4 stages at short T (the epilogue bounds), 128x128 tiles
-  and 3 stages at long T (the main loop bounds; 0.90-0.97x the 128x64 tiles at T=4096)."""
+  and 3 stages at long T (the main loop bounds; 0.90-0.97x the 128x64 tiles at T=4096), there
+  with half the accumulator staged in shared memory and one ring slot (no spills in the loop)."""
   w, precision = _sds((4096, 4096), w_dtype), forge_jax.Precision(state_dtype="int8")
   q = [nm.QuantizedArray(_sds((4096, 4096), jnp.int8), _sds((64, 4096), F32), precision.codec(name))
        for name in ("mu", "nu")]
   pick = lambda t: mosaic.default_config(_sds((t, 4096), BF16), _sds((t, 4096), BF16), w, q,
                                          compute_grad_sq_norm=True, num_sms=132)
-  picks = [(pick(t).tile_n, pick(t).max_concurrent_steps) for t in (1024, 2048, 4096)]
-  assert picks == [(64, 4), (64, 4), (128, 3)]
+  picks = [(pick(t).tile_n, pick(t).max_concurrent_steps, pick(t).epi_slots, pick(t).epi_acc_staged)
+           for t in (1024, 2048, 4096)]
+  assert picks == [(64, 4, 2, 0), (64, 4, 2, 0), (128, 3, 1, 64)]
+  x = _sds((4096, 4096), BF16)
+  assert mosaic.supports(x, x, w, q, pick(4096), compute_grad_sq_norm=True) == (True, "")
 
 
 @pytest.mark.parametrize("state_dtype", [F32, BF16])
