@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -92,6 +96,49 @@ def test_resume_from_a_checkpoint_is_bit_exact(impl, straight, cache, tmp_path):
   assert [(r["step"], r["loss"], r["grad_norm"]) for r in a] == \
          [(r["step"], r["loss"], r["grad_norm"]) for r in b]
   for x, y in zip(jax.tree.leaves(_final_state(straight[impl], cache)),
+                  jax.tree.leaves(_final_state(out, cache)), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# A training CLI that SIGKILLs itself while orbax writes one checkpoint: after the arrays are in
+# the temporary directory, before the rename that commits it (orbax's atomic save).
+_KILLED_DURING_WRITE = """
+import os, signal, sys
+from orbax.checkpoint import path as ocp_path
+from experiments import train
+temporary = ocp_path.atomicity.AtomicRenameTemporaryPath
+finalize = temporary.finalize
+async def killed(self):
+  if os.path.basename(str(self.get())).startswith(sys.argv[1] + "."):
+    os.kill(os.getpid(), signal.SIGKILL)
+  return await finalize(self)
+temporary.finalize = killed
+sys.exit(train.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.usefixtures("fast_subprocess_compiles")
+def test_a_run_killed_while_writing_a_checkpoint_resumes_bit_for_bit(straight, cache, tmp_path):
+  """SIGKILL during the write of step 8's checkpoint leaves orbax's temporary directory
+  beside step 4's; --resume continues from step 4 and ends as the run that was never killed."""
+  out = tmp_path / "forge"
+  argv = _argv("forge", out, cache)
+  argv[argv.index("--ckpt-every") + 1] = "4"
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+  killed = subprocess.run([sys.executable, "-c", _KILLED_DURING_WRITE, "step_00000008", *argv],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  left = sorted(p.name for p in (out / "ckpt").iterdir())
+  assert left[0] == "step_00000004" and len(left) == 2, left
+  assert left[1].startswith("step_00000008.orbax-checkpoint-tmp"), left
+  assert [r["step"] for r in _train_records(out)] == list(range(1, 9))
+  resumed = train.run(train.parse_args(argv + ["--resume"]))
+  assert resumed["complete"] and resumed["resumed_from"] == 4
+  a, b = _train_records(straight["forge"]), _train_records(out)
+  assert [(r["step"], r["loss"], r["grad_norm"]) for r in a] == \
+         [(r["step"], r["loss"], r["grad_norm"]) for r in b]
+  for x, y in zip(jax.tree.leaves(_final_state(straight["forge"], cache)),
                   jax.tree.leaves(_final_state(out, cache)), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
