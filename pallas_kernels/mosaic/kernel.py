@@ -212,9 +212,11 @@ class _Epilogue:
       # back from shared memory if it was staged there.
       @pl.loop(0, len(plan.sub_tiles))
       def _sub_tile(j):
-        g = (None if not in_registers else _pick(grads, j) if not staged else
-             _pick([g for _, g in in_registers], j, [i for i, _ in in_registers]))
-        if staged:
+        if not staged:
+          g = _pick(grads, j)
+        else:
+          g = (_pick([g for _, g in in_registers], j, [i for i, _ in in_registers])
+               if in_registers else None)
           s = plan.staged_index(j)
           g_staged = self.acc_smem[self.wg_idx, jnp.maximum(s, 0)]
           g = g_staged if g is None else _pick([g, g_staged], (s >= 0).astype(jnp.int32))
