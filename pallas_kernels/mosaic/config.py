@@ -223,6 +223,17 @@ def supports(x: Any, dy: Any, w: Any, slots: Sequence[Any],
   return cfg is not None, why
 
 
+def epilogue_loops(cfg: MosaicTileConfig, t: int, quantized_states: bool) -> bool:
+  """Whether the epilogue's sub-tiles run as a loop over one copy of their code: always for
+  int8 states (their straight-line code did not fit the instruction cache), and for float
+  states at short T without L2 prefetch (0.95-0.98x the straight-line epilogue per layer at
+  T=1024 on the H200, half its compile time; docs/mosaic_kernel.md). Long T keeps the
+  straight-line epilogue (as a loop, bf16 states took 1.00-1.05x its time at T = 4096 and
+  16384); an L2-prefetching config picks its prefetches per sub-tile in Python, which a loop
+  cannot trace."""
+  return quantized_states or (t <= SHORT_T and not cfg.epi_l2_lookahead)
+
+
 def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> Optional[str]:
   """Why ``cfg`` cannot tile these (checked) operands, or None."""
   if (problem := config_problem(cfg)) is not None:
@@ -240,8 +251,7 @@ def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> Optional[str]:
     if cfg.epi_n * jnp.dtype(dt).itemsize % 32:  # no 32-, 64- or 128-byte swizzle
       return f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"
   (t, k), n = x.shape, dy.shape[1]
-  if cfg.epi_acc_staged and not (any(map(quantized, slots)) or
-                                 (t <= SHORT_T and not cfg.epi_l2_lookahead)):
+  if cfg.epi_acc_staged and not epilogue_loops(cfg, t, any(map(quantized, slots))):
     return (f"epi_acc_staged={cfg.epi_acc_staged} stages sub-tiles for the looped epilogue, "
             f"which T={t} with float states does not run: set it to 0")
   for dim, size, field in (("T", t, "tile_t"), ("K", k, "tile_m"), ("N", n, "tile_n")):

@@ -52,16 +52,8 @@ class _Plan:
 
   @property
   def loop(self) -> bool:
-    """Whether the epilogue's sub-tiles run as a loop over one copy of their code: always for
-    int8 states (their straight-line code did not fit the instruction cache), and for float
-    states at short T without L2 prefetch (0.95-0.98x the straight-line epilogue per layer at
-    T=1024 on the H200, half its compile time; docs/mosaic_kernel.md). Long T keeps the
-    straight-line epilogue (as a loop, bf16 states took 1.00-1.05x its time at T = 4096 and
-    16384); an L2-prefetching config picks its prefetches per sub-tile in Python, which a loop
-    cannot trace."""
-    if any(c is not None for c in self.codecs):
-      return True
-    return self.t <= mcfg.SHORT_T and not self.cfg.epi_l2_lookahead
+    """Whether the epilogue's sub-tiles run as a loop (:func:`pallas_kernels.mosaic.config.epilogue_loops`)."""
+    return mcfg.epilogue_loops(self.cfg, self.t, any(c is not None for c in self.codecs))
 
   @property
   def staged_sub_tiles(self) -> tuple[int, ...]:
