@@ -35,7 +35,7 @@ projections on the H200::
       --shapes 4096x4096 4096x1024 4096x14336 14336x4096 --optimizers adamw \
       --impls xla_gemm xla_gemm_optax mosaic --state-dtype bfloat16 --baseline-tree /tmp/old
 
-``--auto-table`` measures the table ``backend="auto"`` reads (``forge_jax/auto_table.json``,
+``--auto-table`` measures the table ``backend="auto"`` reads (one per GPU in ``forge_jax/``,
 :mod:`forge_jax._auto`): for each shape class of the presets' block projections (Qwen3
 0.6B-32B, Llama-3.1-8B: 27 distinct (K, N), grouped by the nearest whole octave of K*N and of
 N/K into 20 classes, one representative each), T in {512, 1024, 4096, 16384} and the storage
@@ -56,8 +56,9 @@ call is split over several (e.g. ``--tokens 512 1024`` first, then the whole pla
 
     PYTHONPATH=$PWD python -m experiments.bench_fused_dw --auto-table --time-limit 500 --out $OUT
 
-writes ``auto_table.json`` (copy it to ``forge_jax/``), ``auto_table.md`` and every row with its
-errors in ``auto_table_rows.json``. ``--compare-lowp LOWP.json ... --out DIR`` then writes
+writes ``auto_table.json`` (for ``"auto"`` to read it, set ``FORGE_JAX_AUTO_TABLE`` to its path,
+or ship it in ``forge_jax/`` as :data:`forge_jax._auto.DEVICE_TABLES` says), ``auto_table.md`` and
+every row with its errors in ``auto_table_rows.json``. ``--compare-lowp LOWP.json ... --out DIR`` then writes
 ``DIR/auto_vs_lowp.md``: each case both measured, the table's ms beside ``bench_lowp``'s (the same
 program, so the ratios should be run-to-run noise; ``--before ROWS LOWP`` adds an earlier pair).
 

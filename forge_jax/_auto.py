@@ -1,10 +1,13 @@
 """What ``backend="auto"`` runs on a Hopper GPU: the Mosaic kernel or XLA's dot + fused update.
 
-The choice comes from a table of measurements, ``forge_jax/auto_table.json``, written by
-``python -m experiments.bench_fused_dw --auto-table`` (one GPU call; see that script). Each
-entry is one measured case: tokens ``t``, weight shape ``k`` x ``n``, the storage
-configuration (weight dtype, state format, stochastic rounding of the weight), the two
-device times and the faster backend.
+The choice comes from a table of measurements written by
+``python -m experiments.bench_fused_dw --auto-table`` (see that script). Each entry is one
+measured case: tokens ``t``, weight shape ``k`` x ``n``, the storage configuration (weight
+dtype, state format, stochastic rounding of the weight), the two device times and the faster
+backend. The package ships one table per GPU it was measured on (:data:`DEVICE_TABLES`: an
+H100 reads ``auto_table_h100.json``, any other GPU the H200's ``auto_table.json``); the
+environment variable ``FORGE_JAX_AUTO_TABLE`` names a table to read instead (one measured on
+your own GPU).
 
 A layer is looked up by its storage configuration (exact match), then its token count (the
 nearest measured ``t`` in octaves), then its shape (the nearest measured ``k`` x ``n`` at that
@@ -21,12 +24,18 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
 from typing import Any, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 
-TABLE_PATH = pathlib.Path(__file__).with_name("auto_table.json")
+TABLE_PATH = pathlib.Path(__file__).with_name("auto_table.json")  # measured on an H200
+# (marker in the device kind, table): the first whose marker the device's kind contains, else
+# TABLE_PATH. Kinds as jax reports them, e.g. "NVIDIA H100 80GB HBM3", "NVIDIA H200".
+DEVICE_TABLES = (("H100", TABLE_PATH.with_name("auto_table_h100.json")),)
+TABLE_ENV = "FORGE_JAX_AUTO_TABLE"
 CHOICES = ("mosaic", "xla")
 # A token count this many octaves beyond the smallest or largest measured one is outside the table.
 T_RADIUS = 1.0
@@ -121,14 +130,33 @@ def read_table(path: pathlib.Path) -> Table:
   return Table.from_json(payload, str(path))
 
 
-@functools.lru_cache(maxsize=1)
-def _shipped() -> Table:
-  return read_table(TABLE_PATH)
+def table_path(device_kind: str) -> pathlib.Path:
+  """The table for a device of this kind: ``$FORGE_JAX_AUTO_TABLE`` if set, else the shipped one
+  measured on that kind of GPU (:data:`DEVICE_TABLES`), else the H200's."""
+  override = os.environ.get(TABLE_ENV)
+  if override:
+    return pathlib.Path(override)
+  for marker, path in DEVICE_TABLES:
+    if marker.upper() in device_kind.upper():
+      return path
+  return TABLE_PATH
+
+
+@functools.lru_cache(maxsize=None)
+def _read_cached(path: pathlib.Path) -> Table:
+  return read_table(path)
 
 
 def table() -> Table:
-  """The table "auto" reads (the one shipped in the package, read once)."""
-  return _shipped()
+  """The table "auto" reads on this process's default device (each file read once)."""
+  device = jax.devices()[0]
+  path = table_path(getattr(device, "device_kind", "") or "")
+  try:
+    return _read_cached(path)
+  except ValueError as e:
+    if os.environ.get(TABLE_ENV):
+      raise ValueError(f"{e} (set by {TABLE_ENV}; unset it to use the shipped table)") from e
+    raise
 
 
 def state_format(slots: Sequence[Any]) -> str:

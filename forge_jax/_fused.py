@@ -19,7 +19,7 @@ optimizer's elementwise rule to each tile as soon as it is complete:
   as it sees fit (the default on CPU, and the baseline in benchmarks);
 * ``"auto"``: on a Hopper GPU, the faster of the Mosaic kernel and ``"xla"`` for the
   layer's tokens, shape, weight dtype, state format and rounding, from the
-  measured table ``forge_jax/auto_table.json`` (:mod:`forge_jax._auto`). Off
+  measured table of this GPU (:mod:`forge_jax._auto`). Off
   the table: the Mosaic kernel. Where it cannot run (not a Hopper GPU, shapes or
   dtypes off its tiling), the Triton kernel for float states with weights rounded
   to nearest, ``"xla"`` for int8 states and stochastically rounded weights,
@@ -399,7 +399,7 @@ def fused_linear_update(
     backend: ``"auto"``, ``"xla"``, ``"pallas"``, ``"interpret"``,
       ``"mosaic"`` or ``"mosaic_interpret"`` (see the module docstring;
       ``"auto"`` picks the faster of the Mosaic kernel and ``"xla"`` on a GPU
-      from the measured table ``forge_jax/auto_table.json``, and ``"xla"``
+      from the measured table of that GPU (``forge_jax._auto``), and ``"xla"``
       off GPUs).
     layer: int32 scalar index into stacked ``w`` and slots. The returned
       ``count`` is then left unchanged: advance it once per step, after the

@@ -145,12 +145,20 @@ def test_state_format():
   assert _auto.state_format(opt.rule.slots_of(opt.init(f32))) == "int8"
 
 
-def test_committed_table_covers_every_preset_layer():
-  """The shipped table parses, says where it comes from, and has an entry near every block
-  projection of the presets at every measured T and storage configuration; unmeasured, it is the
-  rule without a table."""
-  table = _auto.read_table(_auto.TABLE_PATH)
+SHIPPED_TABLES = [(_auto.TABLE_PATH, "NVIDIA H200")] + [
+    (path, {"H100": "NVIDIA H100 80GB HBM3"}[marker]) for marker, path in _auto.DEVICE_TABLES]
+
+
+@pytest.mark.parametrize("path, device", SHIPPED_TABLES, ids=lambda v: getattr(v, "name", v))
+def test_committed_table_covers_every_preset_layer(path, device):
+  """Each shipped table parses, was measured on the GPU it is read on, and has an entry near every
+  block projection of the presets at every measured T and storage configuration; unmeasured, it
+  is the rule without a table."""
+  table = _auto.read_table(path)
   assert {"measured", "device", "date", "jax", "commit"} <= set(table.provenance)
+  assert _auto.table_path(device) == path
+  if table.provenance["measured"]:
+    assert table.provenance["device"] == device
   shapes = bench_fused_dw.preset_shapes()
   assert len(shapes) == 27
   for t in bench_fused_dw.AUTO_TOKENS:
@@ -164,6 +172,26 @@ def test_committed_table_covers_every_preset_layer():
   if table.provenance["measured"]:  # each entry the faster of its two times (the kernel on a tie)
     for e in table.entries:
       assert e.choice == ("mosaic" if e.kernel_ms <= e.xla_ms else "xla"), e
+
+
+def test_auto_reads_the_table_of_its_gpu_or_the_one_it_is_given(monkeypatch, tmp_path):
+  """An H100 of any make reads the H100 table, other GPUs the H200's; FORGE_JAX_AUTO_TABLE wins
+  over both, and a table it names that cannot be read says so and how to go back."""
+  monkeypatch.delenv(_auto.TABLE_ENV, raising=False)
+  h100 = dict(_auto.DEVICE_TABLES)["H100"]
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL"):
+    assert _auto.table_path(kind) == h100
+  for kind in ("NVIDIA H200", "NVIDIA GH200 480GB", ""):
+    assert _auto.table_path(kind) == _auto.TABLE_PATH
+  mine = tmp_path / "mine.json"
+  mine.write_text(_table((1024, 64, 64, "float32", "float32", False, "xla"),
+                         measured=True).dumps())
+  monkeypatch.setenv(_auto.TABLE_ENV, str(mine))
+  assert _auto.table_path("NVIDIA H100 80GB HBM3") == mine
+  assert _auto.table().choose(1024, 64, 64, "float32", "float32", sr=False) == "xla"
+  monkeypatch.setenv(_auto.TABLE_ENV, str(tmp_path / "missing.json"))
+  with pytest.raises(ValueError, match=r"missing\.json.*FORGE_JAX_AUTO_TABLE.*unset it"):
+    _auto.table()
 
 
 def test_shape_classes_lie_within_the_lookup_radius():
