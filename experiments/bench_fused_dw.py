@@ -991,6 +991,8 @@ def auto_table_run(args) -> int:
   _write_text(folder / "auto_table.json", table.dumps())
   _timing.write_json(folder / "auto_table_rows.json", {"info": info, "rows": all_rows})
   _timing.write_table(folder / "auto_table.md", auto_markdown(info, all_rows), folder / "auto_table.json")
+  for worker_rows in folder.glob("auto_rows_*.jsonl"):  # all in auto_table_rows.json now
+    worker_rows.unlink()
   return 0
 
 

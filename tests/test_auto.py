@@ -215,6 +215,7 @@ def test_auto_table_script_dry_run(tmp_path):
   assert entry.kernel_ms > 0 and entry.xla_ms > 0
   assert entry.choice == ("mosaic" if entry.kernel_ms <= entry.xla_ms else "xla")
   assert "| 32 | 64x128" in (out / "auto_table.md").read_text()
+  assert sorted(p.name for p in out.iterdir()) == ["auto_table.json", "auto_table.md", "auto_table_rows.json"]
 
 
 def test_auto_table_script_merges_an_earlier_run(tmp_path):
