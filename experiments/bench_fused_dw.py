@@ -52,7 +52,11 @@ its estimate; ``--time-limit`` starts no case that would end past it (the Llama-
 come first, then the class farthest from those measured); ``--merge ROWS.json`` keeps the cases an
 earlier run on the same device and jax measured and measures the rest, so a plan longer than one
 call is split over several (e.g. ``--tokens 512 1024`` first, then the whole plan with ``--merge``);
-``--dry-run`` runs it on CPU with the interpreted Triton kernel in seconds. On the H200::
+``--dry-run`` runs it on CPU with the interpreted Triton kernel in seconds. The table measures
+one representative per class; ``--regret TABLE ROWS...`` checks it on other shapes: measure them
+(``--auto-table --shapes 3072x1024 5120x1024 ...``, the classes' other members), then
+``--regret forge_jax/auto_table_h100.json $OUT/members/auto_table_rows.json --out $OUT/members``
+writes ``auto_regret.md``: each case's time under the table's pick over the faster backend's. On the H200::
 
     PYTHONPATH=$PWD python -m experiments.bench_fused_dw --auto-table --time-limit 500 --out $OUT
 
@@ -569,12 +573,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   auto.add_argument("--before", type=pathlib.Path, nargs=2, default=None, metavar=("ROWS", "LOWP"),
                     help="with --compare-lowp: an earlier auto_table_rows.json and bench_lowp.json, as "
                     "two more columns each")
+  auto.add_argument("--regret", type=pathlib.Path, nargs="+", default=None, metavar=("TABLE", "ROWS"),
+                    help="TABLE (an auto_table.json) and auto_table_rows.json files measured on other "
+                    "shapes (e.g. --auto-table --shapes with the classes' other members): write "
+                    "auto_regret.md in --out, each case's time under TABLE's choice against the "
+                    "faster backend's, and exit")
   auto.add_argument("--rule-table", type=pathlib.Path, default=None, metavar="PATH",
                     help="write the unmeasured table of the rule without one to PATH and exit")
   args = parser.parse_args(argv)
   args.argv = argv
   if args.rule_table is not None:
     _write_text(args.rule_table, rule_table().dumps())
+    return 0
+  if args.regret:
+    if len(args.regret) < 2:
+      parser.error("--regret takes a table and at least one auto_table_rows.json")
+    folder = _timing.out_dir(args.out)
+    text, _ = auto_regret(args.regret[0], args.regret[1:])
+    (folder / "auto_regret.md").write_text(text)
+    _timing.log("\n" + text + f"\nwrote {folder / 'auto_regret.md'}")
     return 0
   if args.compare_lowp:
     folder = _timing.out_dir(args.out)
@@ -1126,6 +1143,51 @@ def auto_markdown(info: dict, rows: list[dict]) -> str:
 # AUTO_CONFIGS name -> bench_lowp.CONFIGS name: the same weight dtype and Precision.
 LOWP_CONFIGS = {"fp32": "fp32", "fp32_int8": "fp32_int8", "bf16": "bf16_rtn_bf16",
                 "bf16_int8": "bf16_rtn_int8", "bf16_sr": "bf16_sr_bf16", "bf16_sr_int8": "bf16_sr_int8"}
+
+
+def auto_regret(table_path: pathlib.Path, rows_paths: Sequence[pathlib.Path],
+                limit: float = 1.03) -> tuple[str, list[dict]]:
+  """What ``"auto"`` reading the table at ``table_path`` costs on measured cases it was not
+  built from: for each case of ``rows_paths`` (``auto_table_rows.json``) with both times, the
+  backend the table picks (off the table: the kernel, ``"auto"``'s rule) and its time over the
+  faster one's. Returns the markdown and the cases, worst first."""
+  from forge_jax import _auto  # pylint: disable=g-import-not-at-top
+
+  table = _auto.read_table(table_path)
+  cases = []
+  for path in rows_paths:
+    for r in json.loads(pathlib.Path(path).read_text())["rows"]:
+      kernel_ms = r.get("kernel_row", {}).get("ms")
+      xla_ms = r.get("xla_row", {}).get("ms")
+      if kernel_ms is None or xla_ms is None:
+        continue
+      entry = table.lookup(r["t"], r["k"], r["n"], r["weight"], r["states"], r["sr"])
+      pick = entry.choice if entry is not None else "mosaic"
+      cases.append(dict(t=r["t"], k=r["k"], n=r["n"], config=r["config"], kernel_ms=kernel_ms,
+                        xla_ms=xla_ms, pick=pick,
+                        entry=None if entry is None else f"{entry.t}x{entry.k}x{entry.n}",
+                        regret=(kernel_ms if pick == "mosaic" else xla_ms) / min(kernel_ms, xla_ms)))
+  cases.sort(key=lambda c: (-c["regret"], c["t"], c["k"], c["n"], c["config"]))
+  over = [c for c in cases if c["regret"] > limit]
+  out = [f"# What \"auto\" reading `{table_path}` costs on other measured cases", "",
+         f"Cases: {', '.join(f'`{p}`' for p in rows_paths)}. For each, the backend the table picks "
+         "(by its nearest entry; off the table, the kernel) and its time over the faster backend's.", ""]
+  if not cases:
+    return "\n".join(out + ["No case with both times."]) + "\n", cases
+  by_t = {}
+  for c in cases:
+    by_t.setdefault(c["t"], []).append(c["regret"])
+  out += [f"{len(cases)} cases; {len(over)} more than {limit:.2f}x the faster backend; worst "
+          f"{cases[0]['regret']:.3f}x.", "", "| T | cases | median | max | over |", "|---|---|---|---|---|"]
+  for t in sorted(by_t):
+    v = sorted(by_t[t])
+    out.append(f"| {t} | {len(v)} | {v[len(v) // 2]:.3f} | {v[-1]:.3f} | {sum(x > limit for x in v)} |")
+  out += ["", "| T | K x N | config | kernel ms | xla ms | entry read | picks | time / faster |",
+          "|---|---|---|---|---|---|---|---|"]
+  for c in cases:
+    out.append(f"| {c['t']} | {c['k']}x{c['n']} | {c['config']} | {c['kernel_ms']:.4f} | "
+               f"{c['xla_ms']:.4f} | {c['entry'] or 'off the table'} | {c['pick']} | {c['regret']:.3f} |")
+  return "\n".join(out) + "\n", cases
 
 
 def compare_lowp(rows_path: pathlib.Path, lowp_paths: Sequence[pathlib.Path],

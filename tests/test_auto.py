@@ -352,3 +352,29 @@ def test_layer_update_refuses_to_time_a_mosaic_fallback():
                                 calls=1)
   with pytest.raises(ValueError, match="backend='mosaic_interpret' cannot run this layer .*K=40"):
     update.run.lower(update.carry_shapes(64, 40, 256))
+
+
+def test_regret_prices_the_tables_pick_on_other_shapes(tmp_path):
+  """--regret: each measured case's time under the table's pick (its nearest entry; off the
+  table, the kernel) over the faster backend's."""
+  table = _table((1024, 4096, 1024, "bfloat16", "bfloat16", False, "xla"),
+                 (1024, 4096, 4096, "bfloat16", "bfloat16", False, "mosaic"), measured=True)
+  (tmp_path / "table.json").write_text(table.dumps())
+
+  def row(t, k, n, kernel_ms, xla_ms):
+    return dict(t=t, k=k, n=n, weight="bfloat16", states="bfloat16", sr=False, config="bf16",
+                kernel_row={"ms": kernel_ms}, xla_row={"ms": xla_ms})
+
+  rows = [row(1024, 5120, 1024, 0.02, 0.03),  # nearest 4096x1024: XLA, 1.5x the kernel
+          row(1024, 4096, 12288, 0.40, 0.42),  # 2.2 octaves from every entry: off the table
+          row(1024, 4096, 4096, 0.11, 0.10),  # the kernel, 1.1x XLA
+          dict(row(1024, 4096, 4096, 0.1, 0.1), xla_row={"status": "error"})]  # no time: left out
+  (tmp_path / "rows.json").write_text(json.dumps({"info": {}, "rows": rows}))
+  text, cases = bench_fused_dw.auto_regret(tmp_path / "table.json", [tmp_path / "rows.json"])
+  assert [(c["k"], c["n"], c["pick"], round(c["regret"], 3)) for c in cases] == [
+      (5120, 1024, "xla", 1.5), (4096, 4096, "mosaic", 1.1), (4096, 12288, "mosaic", 1.0)]
+  assert cases[0]["entry"] == "1024x4096x1024" and cases[2]["entry"] is None
+  assert "3 cases; 2 more than 1.03x the faster backend; worst 1.500x." in text
+  assert bench_fused_dw.main(["--regret", str(tmp_path / "table.json"), str(tmp_path / "rows.json"),
+                              "--out", str(tmp_path / "out")]) == 0
+  assert (tmp_path / "out" / "auto_regret.md").read_text() == text
