@@ -534,7 +534,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
   parser.add_argument("--tokens", type=int, nargs="+", default=None, help=f"T values (default {TOKENS})")
-  parser.add_argument("--shapes", type=_parse_kn, nargs="+", default=None, help="KxN shapes")
+  parser.add_argument("--shapes", type=_parse_kn, nargs="+", default=None,
+                      help="KxN shapes (with --auto-table: each one measured, in place of the presets' classes)")
   parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
   parser.add_argument("--impls", nargs="+", default=None, choices=list(IMPLEMENTATIONS),
                       help="default: all (without the GPU-only ones when interpreting)")
@@ -950,7 +951,9 @@ def auto_table_run(args) -> int:
   workers = args.workers or (1 if interpret else 8)
   if workers < 1:
     raise ValueError(f"--workers={workers} must be >= 1")
-  classes = shape_classes(shapes, first)
+  # The presets' shapes by class, one representative each; shapes given by --shapes each measured.
+  classes = (shape_classes(shapes, first) if args.shapes is None
+             else [(tuple(kn), [tuple(kn)]) for kn in dict.fromkeys(map(tuple, shapes))])
   plan = auto_plan(classes, tokens, configs)
   folder = _timing.out_dir(args.out)
   merged, earlier = merged_rows(args.merge or (), plan)

@@ -218,6 +218,15 @@ def test_auto_table_script_dry_run(tmp_path):
   assert sorted(p.name for p in out.iterdir()) == ["auto_table.json", "auto_table.md", "auto_table_rows.json"]
 
 
+def test_auto_table_script_measures_each_shape_it_is_given(tmp_path):
+  """--shapes: every shape measured, even two of one class (the presets are measured by class)."""
+  assert bench_fused_dw._class_key(64, 128) == bench_fused_dw._class_key(64, 96)
+  assert bench_fused_dw.main(["--auto-table", "--dry-run", "--configs", "bf16", "--shapes", "64x128",
+                              "64x96", "--tokens", "32", "--out", str(tmp_path)]) == 0
+  table = _auto.read_table(tmp_path / "auto_table.json")
+  assert sorted((e.k, e.n) for e in table.entries) == [(64, 96), (64, 128)]
+
+
 def test_auto_table_script_merges_an_earlier_run(tmp_path):
   """--merge: the earlier run's measured cases are kept as measured (not timed again), the
   rest measured; a run on another device or jax is refused."""
