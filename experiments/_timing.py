@@ -344,7 +344,20 @@ def run_info(module: str, argv: Sequence[str]) -> dict[str, Any]:
       "triton": triton_version,
       "python": platform.python_version(),
       "host": platform.node(),
+      "auto_table": _auto_table_used(getattr(device, "device_kind", "")) if device.platform == "gpu" else None,
   }
+
+
+def _auto_table_used(device_kind: str) -> str:
+  """Which measured table ``backend="auto"`` reads on this GPU, and where it comes from."""
+  from forge_jax import _auto  # pylint: disable=g-import-not-at-top
+
+  path = _auto.table_path(device_kind)
+  try:
+    prov = _auto.read_table(path).provenance
+  except ValueError as e:
+    return f"{path} (unreadable: {e})"
+  return f"{path.name} ({prov.get('device')}, {str(prov.get('date'))[:10]}, commit {str(prov.get('commit'))[:7]})"
 
 
 def write_json(path: pathlib.Path, payload: Any) -> None:

@@ -367,6 +367,10 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
          "layers": cfg.num_layers, "scan": scan, "attention": attention, "remat": remat, "loss_fn": loss,
          "forge_backend": backend if linear == "forge" else None, "params_b": cfg.num_params / 1e9,
          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+  if linear == "forge" and backend == "auto" and jax.devices()[0].platform == "gpu":
+    from experiments import _timing  # pylint: disable=g-import-not-at-top
+
+    row["auto_table"] = _timing._auto_table_used(row["device"])  # pylint: disable=protected-access
   opt = _forge_optimizer(base)
   if "stacked" in settings:  # this worker's limit for the stacked GEMM (one row per process)
     from forge_jax import _fused  # pylint: disable=g-import-not-at-top
@@ -813,7 +817,8 @@ def _settings(meta) -> list[str]:
   budget = meta.get("time_budget_s")
   lines = [
       f"Command: `{meta['command']}`  ",
-      f"Date: {meta['date']}; device {meta['device']}; jax {meta['jax']}.  ",
+      f"Date: {meta['date']}; device {meta['device']}; jax {meta['jax']}"
+      + (f"; FORGE's `\"auto\"` read {meta['auto_table']}" if meta.get("auto_table") else "") + ".  ",
       f"Settings: dtype {meta['dtype']} (compute; "
       + (f"weights and optimizer states {meta['master_dtype']}" if meta.get("master_dtype") else
          "also weights and optimizer states")
@@ -1073,6 +1078,7 @@ def _table(args, impls, meta, runner):
     rows.append(runner.run(model_name, impl, batch, tokens))
     print(json.dumps(rows[-1]), flush=True)
     meta.update(device=runner.device_name(), elapsed_s=runner.elapsed(), limit_gib=runner.limit)
+    meta["auto_table"] = meta.get("auto_table") or rows[-1].get("auto_table")
     _write(paths["json"], json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = markdown(rows, meta)
     _write(paths["md"], md)

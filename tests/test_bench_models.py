@@ -233,6 +233,16 @@ def test_a_worker_that_dies_after_compiling_keeps_its_plan():
   assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in bench_models.markdown([oom], {**meta, "mem_fraction": 0.95})
   assert "allocated on demand" in md
   assert "whole limit preallocated" in bench_models.markdown([oom], {**meta, "preallocate": True})
+  assert "Date: d; device H200; jax 0.11.2.  " in md  # no FORGE row reported a table
+  table = {**meta, "auto_table": "auto_table_h100.json (NVIDIA H100 80GB HBM3, 2026-12-05, commit 20a7f1d)"}
+  assert ("jax 0.11.2; FORGE's `\"auto\"` read auto_table_h100.json (NVIDIA H100 80GB HBM3, "
+          "2026-12-05, commit 20a7f1d).") in bench_models.markdown([oom], table)
+
+
+def test_runs_say_which_auto_table_a_gpu_reads():
+  from experiments import _timing
+  assert _timing._auto_table_used("NVIDIA H100 80GB HBM3").startswith("auto_table_h100.json (NVIDIA H100")
+  assert _timing._auto_table_used("NVIDIA H200").startswith("auto_table.json (NVIDIA H200, 2026-12-03")
 
 
 def test_mem_fraction_reaches_the_workers():
