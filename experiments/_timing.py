@@ -344,11 +344,11 @@ def run_info(module: str, argv: Sequence[str]) -> dict[str, Any]:
       "triton": triton_version,
       "python": platform.python_version(),
       "host": platform.node(),
-      "auto_table": _auto_table_used(getattr(device, "device_kind", "")) if device.platform == "gpu" else None,
+      "auto_table": auto_table_used(getattr(device, "device_kind", "")) if device.platform == "gpu" else None,
   }
 
 
-def _auto_table_used(device_kind: str) -> str:
+def auto_table_used(device_kind: str) -> str:
   """Which measured table ``backend="auto"`` reads on this GPU, and where it comes from."""
   from forge_jax import _auto  # pylint: disable=g-import-not-at-top
 

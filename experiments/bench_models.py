@@ -370,7 +370,7 @@ def build_step(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   if linear == "forge" and backend == "auto" and jax.devices()[0].platform == "gpu":
     from experiments import _timing  # pylint: disable=g-import-not-at-top
 
-    row["auto_table"] = _timing._auto_table_used(row["device"])  # pylint: disable=protected-access
+    row["auto_table"] = _timing.auto_table_used(row["device"])
   opt = _forge_optimizer(base)
   if "stacked" in settings:  # this worker's limit for the stacked GEMM (one row per process)
     from forge_jax import _fused  # pylint: disable=g-import-not-at-top

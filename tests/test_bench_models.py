@@ -241,8 +241,12 @@ def test_a_worker_that_dies_after_compiling_keeps_its_plan():
 
 def test_runs_say_which_auto_table_a_gpu_reads():
   from experiments import _timing
-  assert _timing._auto_table_used("NVIDIA H100 80GB HBM3").startswith("auto_table_h100.json (NVIDIA H100")
-  assert _timing._auto_table_used("NVIDIA H200").startswith("auto_table.json (NVIDIA H200, 2026-12-03")
+  from forge_jax import _auto
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+    path = _auto.table_path(kind)
+    prov = _auto.read_table(path).provenance
+    said = _timing.auto_table_used(kind)
+    assert said.startswith(f"{path.name} ({prov['device']}, {prov['date'][:10]}, commit "), said
 
 
 def test_mem_fraction_reaches_the_workers():
