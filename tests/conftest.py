@@ -57,8 +57,8 @@ def pytest_configure(config):
   On a GPU host the workers share the GPU: each allocates on demand
   (``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless set) instead of taking jax's default 75% of
   the device's memory at start-up, which leaves the other worker a quarter. (On an H100 the GPU
-  tests under two preallocating workers failed and crashed both workers, 2026-12-05; in one
-  process they passed. That this setting cures it is not yet checked on a GPU.)
+  tests under two preallocating workers failed and crashed both workers; allocating on demand,
+  they pass: experiments/results/h100/2026-12-05_20a7f1d/README.md.)
   """
   del config
   worker = os.environ.get("PYTEST_XDIST_WORKER", "")
