@@ -86,8 +86,8 @@ _PLAIN = dict(mma_in_flight=False, no_auto_barriers=False)
 SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the main loop, bounds)
 # THE default table: default_config takes the first row whose conditions the call meets and
 # that ``supports`` accepts. Conditions: "float" (no int8 state) or "int8"; "short" / "long" T;
-# "two_byte" (weight and every state in 2 bytes); "small_grid" (128x128 tiles give the SMs at
-# most 1.5 each). The measurements behind each row: docs/mosaic_kernel.md, "The defaults, and why".
+# "two_byte" (weight and every state in 2 bytes); "two_byte_w" (the weight in 2 bytes);
+# "small_grid" (128x128 tiles give the SMs at most 1.5 each). The measurements behind each row: docs/mosaic_kernel.md, "The defaults, and why".
 _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
     (frozenset(when.split()), cfg) for when, cfg in (
         ("float small_grid", _Cfg(tile_m=64, max_concurrent_steps=6)),
@@ -107,8 +107,11 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         ("float", _Cfg(tile_m=64, epi_n=16, **_PLAIN)),  # K a multiple of 64 only
         ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16, **_PLAIN)),
         # int8: epi_n is replaced by the quantization block (one block per sub-tile row).
-        # Half the accumulator staged in shared memory: no spills in the loop (H100, T=4096:
-        # 0.91-0.94x the unstaged row; at T=1024 it lost on 4096x14336 with an fp32 weight).
+        # 128x128 tiles, 4 stages and one ring slot: at long T for every weight, at short T
+        # under a 2-byte weight (H100: 0.87-0.92x the 3-stage rows at T=4096, 0.90-0.94x the
+        # 128x64 tiles at T=1024 with a bf16 weight; an fp32 weight lost there, 1.10-1.24x).
+        ("int8 long", _Cfg(epi_n=64, epi_slots=1)),
+        ("int8 short two_byte_w", _Cfg(epi_n=64, epi_slots=1)),
         ("int8 long", _Cfg(max_concurrent_steps=3, epi_n=64, epi_slots=1, epi_acc_staged=64)),
         ("int8 long", _Cfg(max_concurrent_steps=3, epi_n=64)),
         ("int8", _Cfg(tile_n=64, epi_n=64)),
@@ -277,6 +280,8 @@ def default_config(x: Any, dy: Any, w: Any, slots: Sequence[Any], *,
   traits = {"int8" if quant_blocks else "float", "short" if t <= SHORT_T else "long"}
   if all(jnp.dtype(stored_dtype(a)).itemsize <= 2 for a in (w, *slots)):
     traits.add("two_byte")
+  if jnp.dtype(w.dtype).itemsize <= 2:
+    traits.add("two_byte_w")
   if -(-k // 128) * -(-n // 128) <= _SMALL_GRID_WAVES * grid_sms:
     traits.add("small_grid")
   candidates = [cfg for when, cfg in _DEFAULTS if when <= traits]
