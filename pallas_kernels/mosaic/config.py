@@ -46,9 +46,6 @@ class MosaicTileConfig:
       without ``epi_l2_lookahead``, run the sub-tiles as a loop over one copy of their code
       (docs/mosaic_kernel.md); the others unroll them.
     epi_slots: depth of each compute warpgroup's epilogue ring.
-    epi_acc_staged: columns of the accumulator, the tile's last ones, that a looped epilogue
-      stores to shared memory (float32) before its loop and reads back per sub-tile, so that
-      their registers are free in the loop (0: none; a multiple of ``epi_n``).
     epi_l2_lookahead: TMA-prefetch into L2 the sub-tile this many beyond the ring (0: off; float
       states only; it keeps the epilogue unrolled).
     mma_in_flight: keep one ``wgmma`` in flight across main-loop steps.
@@ -70,7 +67,6 @@ class MosaicTileConfig:
   epi_m: int = 64
   epi_n: int = 32
   epi_slots: int = 2
-  epi_acc_staged: int = 0
   epi_l2_lookahead: int = 0
   mma_in_flight: bool = True
   no_auto_barriers: bool = True
@@ -108,11 +104,11 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         ("float", _Cfg(tile_m=64, tile_n=64, epi_n=16, **_PLAIN)),
         # int8: epi_n is replaced by the quantization block (one block per sub-tile row).
         # 128x128 tiles, 4 stages and one ring slot: at long T for every weight, at short T
-        # under a 2-byte weight (H100: 0.87-0.92x the 3-stage rows at T=4096, 0.90-0.94x the
-        # 128x64 tiles at T=1024 with a bf16 weight; an fp32 weight lost there, 1.10-1.24x).
+        # under a 2-byte weight (H100: 0.84-0.97x 3 stages with half the accumulator staged in
+        # shared memory at T=4096, 0.86-0.88x at 16384; 0.90-1.00x the 128x64 tiles at T=1024
+        # under a bf16 weight, where an fp32 weight lost, 1.08-1.25x).
         ("int8 long", _Cfg(epi_n=64, epi_slots=1)),
         ("int8 short two_byte_w", _Cfg(epi_n=64, epi_slots=1)),
-        ("int8 long", _Cfg(max_concurrent_steps=3, epi_n=64, epi_slots=1, epi_acc_staged=64)),
         ("int8 long", _Cfg(max_concurrent_steps=3, epi_n=64)),
         ("int8", _Cfg(tile_n=64, epi_n=64)),
         ("int8", _Cfg(tile_n=64, max_concurrent_steps=3, epi_n=64)),
@@ -146,7 +142,6 @@ def smem_bytes(cfg: MosaicTileConfig, in_dtype, w_dtype, slot_dtypes, with_norm:
   per_sub = cfg.epi_m * cfg.epi_n * sum(jnp.dtype(d).itemsize for d in (w_dtype, *slot_dtypes))
   per_sub += num_quantized * cfg.epi_m * 4
   total = cfg.max_concurrent_steps * stage + NUM_COMPUTE_WGS * ring_depth(cfg) * per_sub
-  total += NUM_COMPUTE_WGS * cfg.tile_m * cfg.epi_acc_staged * 4
   return total + (NUM_COMPUTE_WGS * cfg.tile_m * 4 if with_norm else 0)
 
 
@@ -170,9 +165,6 @@ def config_problem(cfg: MosaicTileConfig) -> Optional[str]:
       (cfg.epi_n % 16 == 0 and cfg.tile_n % cfg.epi_n == 0,
        f"epi_n={cfg.epi_n} must be a multiple of 16 dividing tile_n={cfg.tile_n}"),
       (cfg.epi_slots >= 1, f"epi_slots={cfg.epi_slots} must be >= 1"),
-      (0 <= cfg.epi_acc_staged <= cfg.tile_n and cfg.epi_acc_staged % cfg.epi_n == 0,
-       f"epi_acc_staged={cfg.epi_acc_staged} must be a multiple of epi_n={cfg.epi_n} in "
-       f"[0, tile_n={cfg.tile_n}]"),
       (cfg.max_concurrent_steps >= 2,
        f"max_concurrent_steps={cfg.max_concurrent_steps} must be >= 2 (one stage per warpgroup)"),
       (cfg.epi_l2_lookahead >= 0, f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be >= 0"),
@@ -254,9 +246,6 @@ def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> Optional[str]:
     if cfg.epi_n * jnp.dtype(dt).itemsize % 32:  # no 32-, 64- or 128-byte swizzle
       return f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"
   (t, k), n = x.shape, dy.shape[1]
-  if cfg.epi_acc_staged and not epilogue_loops(cfg, t, any(map(quantized, slots))):
-    return (f"epi_acc_staged={cfg.epi_acc_staged} stages sub-tiles for the looped epilogue, "
-            f"which T={t} with float states does not run: set it to 0")
   for dim, size, field in (("T", t, "tile_t"), ("K", k, "tile_m"), ("N", n, "tile_n")):
     if size % getattr(cfg, field):
       return f"{dim}={size} must be a multiple of {field}={getattr(cfg, field)}"

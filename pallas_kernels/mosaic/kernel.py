@@ -56,21 +56,6 @@ class _Plan:
     return mcfg.epilogue_loops(self.cfg, self.t, any(c is not None for c in self.codecs))
 
   @property
-  def staged_sub_tiles(self) -> tuple[int, ...]:
-    """The sub-tiles (indices into :attr:`sub_tiles`) whose gradient the looped epilogue reads
-    back from shared memory: those in the tile's last ``cfg.epi_acc_staged`` columns."""
-    c = self.cfg
-    return tuple(i for i, (_, col) in enumerate(self.sub_tiles) if col >= c.tile_n - c.epi_acc_staged)
-
-  def staged_index(self, j):
-    """Sub-tile ``j``'s (an int32 scalar) place in the staged buffer, or a negative number."""
-    c = self.cfg
-    cols, staged_cols = c.tile_n // c.epi_n, c.epi_acc_staged // c.epi_n
-    row, col = lax.div(j, jnp.int32(cols)), lax.rem(j, jnp.int32(cols))
-    first = cols - staged_cols
-    return jnp.where(col >= first, row * staged_cols + col - first, -1)
-
-  @property
   def needs_bits(self) -> bool:
     return self.stochastic or any(c is not None and c.needs_bits for c in self.codecs)
 
@@ -109,7 +94,6 @@ class _Epilogue:
   ring_ready: Any
   norm_smem: Any
   wg_idx: Any
-  acc_smem: Any = None  # the accumulator's staged sub-tiles (cfg.epi_acc_staged), per warpgroup
 
   def _offsets(self, j):
     """(row, col) offset of sub-tile ``j`` within its tile: ints for a static ``j``, int32
@@ -192,29 +176,13 @@ class _Epilogue:
     grads = [acc[r:r + cfg.epi_m, c:c + cfg.epi_n] for r, c in plan.sub_tiles]
     row_sums = {}  # row offset -> the gradient's squares summed along N
     if plan.loop:
-      staged = plan.staged_sub_tiles
-      if plan.with_norm and staged:  # before the loop: the staged registers are free in it
-        row_sums[0] = jnp.sum(grad_sq_terms(acc), axis=1)
-      for s, i in enumerate(staged):  # each thread stores, and later reads, its own elements
-        self.acc_smem[self.wg_idx, s] = grads[i]
-      in_registers = [(i, g) for i, g in enumerate(grads) if i not in staged]
-
       # One copy of the sub-tile code, run once per sub-tile: a sub-tile's gradient is picked
-      # from the accumulator's static slices (registers cannot be indexed: _pick), or read
-      # back from shared memory if it was staged there.
+      # from the accumulator's static slices (registers cannot be indexed: _pick).
       @pl.loop(0, len(plan.sub_tiles))
       def _sub_tile(j):
-        if not staged:
-          g = _pick(grads, j)
-        else:
-          g = (_pick([g for _, g in in_registers], j, [i for i, _ in in_registers])
-               if in_registers else None)
-          s = plan.staged_index(j)
-          g_staged = self.acc_smem[self.wg_idx, jnp.maximum(s, 0)]
-          g = g_staged if g is None else _pick([g, g_staged], (s >= 0).astype(jnp.int32))
-        self._sub_tile(j, g, row0, col0, scalar_leaves)
+        self._sub_tile(j, _pick(grads, j), row0, col0, scalar_leaves)
 
-      if plan.with_norm and not staged:
+      if plan.with_norm:
         row_sums[0] = jnp.sum(grad_sq_terms(acc), axis=1)
     else:
       for j, (r, c) in enumerate(plan.sub_tiles):
@@ -308,10 +276,9 @@ def _widen_bits(raw: Array) -> Array:
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _pick(values: Sequence[Array], j, indices: Optional[Sequence[int]] = None) -> Array:
-  """``values[k]`` where ``indices[k] == j`` (``indices``: ``0, 1, ...``) for an int32 scalar
-  ``j``: float32 arrays of one shape and layout, bit for bit (NaNs and infinities of the other
-  entries stay out); a ``j`` in no index gets ``values[0]``.
+def _pick(values: Sequence[Array], j) -> Array:
+  """``values[j]`` for an int32 scalar ``j``: float32 arrays of one shape and layout, bit for
+  bit (NaNs and infinities of the other entries stay out).
 
   Of more than two, a ``lax.switch`` (a uniform branch to one block of register moves): a blend
   costs a logic op an element per entry, every one of which runs, where a switch runs one move
@@ -319,9 +286,6 @@ def _pick(values: Sequence[Array], j, indices: Optional[Sequence[int]] = None) -
   sub-tile against 699; experiments/results/cpu/epilogue_sass). Of two, a blend (an AND with an
   all-ones or all-zeros mask each, then an OR), which the int8 loop on 128x64 tiles keeps: there
   the switch's moves spilled registers."""
-  if indices is not None:  # j's place among the indices (0 where it has none)
-    j = sum((j == i).astype(jnp.int32) * k for k, i in enumerate(indices) if k)
-    j = jnp.int32(0) if isinstance(j, int) else j
   if len(values) > 2:
     return lax.switch(j, [functools.partial(lambda i, *vs: vs[i], i) for i in range(len(values))],
                       *values)
@@ -361,15 +325,12 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
       ring_ready=plgpu.Barrier(num_arrivals=1 + len(plan.codecs) + sum(c is not None for c in plan.codecs),
                                num_barriers=_WGS * plan.depth),
       norm_smem=plgpu.SMEM((_WGS, tile_m), jnp.float32) if plan.with_norm else None,
-      acc_smem=(plgpu.SMEM((_WGS, len(plan.staged_sub_tiles), cfg.epi_m, cfg.epi_n), jnp.float32,
-                           transforms=common.mma_transforms(cfg.epi_n, jnp.float32))
-                if plan.staged_sub_tiles else None),
       xt_smem=(plgpu.SMEM((_WGS, tile_m, tile_t), in_dtype, transforms=in_transforms)
                if plan.interpreting else None),
       collective_axes="wg",
   )
   def _scope(x_stages, dy_stages, stage_ready, stage_free, w_ring, slot_rings, ring_ready,
-             norm_smem, acc_smem, xt_smem):
+             norm_smem, xt_smem):
     wg_idx = lax.axis_index("wg")
     block = lax.axis_index("sm")
     # This block's tiles: block, block + num_sms, ... of the snake order.
@@ -411,7 +372,7 @@ def _fused_kernel(x_gmem, dy_gmem, sc_gmem, layer_gmem, w_gmem, slot_gmems, norm
     def _compute_warpgroup():
       plgpu.set_max_registers(common.compute_registers(_WGS), action="increase")
       epi = _Epilogue(plan, rule, update_fn, sc_gmem, layer_gmem, w_gmem, slot_gmems,
-                      norm_gmem, w_ring, slot_rings, ring_ready, norm_smem, wg_idx, acc_smem)
+                      norm_gmem, w_ring, slot_rings, ring_ready, norm_smem, wg_idx)
       xt = xt_smem.at[wg_idx] if plan.interpreting else None
 
       @pl.loop(0, lax.div(num_local - wg_idx + (_WGS - 1), _WGS))
