@@ -51,7 +51,9 @@ at a time holds it for its first launches and timing); ``--estimate-only`` print
 its estimate; ``--time-limit`` starts no case that would end past it (the Llama-3.1-8B classes
 come first, then the class farthest from those measured); ``--merge ROWS.json`` keeps the cases an
 earlier run on the same device and jax measured and measures the rest, so a plan longer than one
-call is split over several (e.g. ``--tokens 512 1024`` first, then the whole plan with ``--merge``);
+call is split over several (e.g. ``--tokens 512 1024`` first, then the whole plan with ``--merge``),
+and ``--remeasure CONFIG...`` drops the named configurations' earlier rows, so that a kernel
+change to one storage (e.g. int8) is measured again while the other rows are kept;
 ``--dry-run`` runs it on CPU with the interpreted Triton kernel in seconds. The table measures
 one representative per class; ``--regret TABLE ROWS...`` checks it on other shapes: measure them
 (``--auto-table --shapes 3072x1024 5120x1024 ...``, the classes' other members), then
@@ -562,6 +564,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   auto.add_argument("--merge", type=pathlib.Path, nargs="+", default=None, metavar="ROWS",
                     help="auto_table_rows.json of earlier runs (same device and jax): their measured "
                     "cases are kept, not measured again; the table written holds both")
+  auto.add_argument("--remeasure", nargs="+", default=(), choices=list(AUTO_CONFIGS), metavar="CONFIG",
+                    help="with --merge: these configurations are measured again, their earlier "
+                    "rows dropped (e.g. the int8 ones after an int8 kernel change)")
   auto.add_argument("--workers", type=int, default=None,
                     help="processes that compile side by side, taking turns on the device (default: 8 "
                     "on a GPU, 1 interpreted)")
@@ -956,7 +961,9 @@ def auto_table_run(args) -> int:
              else [(tuple(kn), [tuple(kn)]) for kn in dict.fromkeys(map(tuple, shapes))])
   plan = auto_plan(classes, tokens, configs)
   folder = _timing.out_dir(args.out)
-  merged, earlier = merged_rows(args.merge or (), plan)
+  if args.remeasure and not args.merge:
+    raise SystemExit("--remeasure drops configurations from --merge's rows: pass --merge ROWS too")
+  merged, earlier = merged_rows(args.merge or (), plan, remeasure=args.remeasure)
   if args.worker is not None:  # one of the processes below
     index, deadline = args.worker, args.deadline
     rows_path = folder / f"auto_rows_{index}.jsonl"
@@ -1016,10 +1023,12 @@ def auto_table_run(args) -> int:
   return 0
 
 
-def merged_rows(paths: Sequence[pathlib.Path], plan) -> tuple[dict[int, dict], list[dict]]:
+def merged_rows(paths: Sequence[pathlib.Path], plan,
+                remeasure: Sequence[str] = ()) -> tuple[dict[int, dict], list[dict]]:
   """``({plan index: row}, [each run's provenance])``: the cases of ``plan`` measured in the
   earlier runs whose ``auto_table_rows.json`` are ``paths`` (a later file's row wins), each
-  row marked with its run's commit and date."""
+  row marked with its run's commit and date; rows of the configurations in ``remeasure`` are
+  left out (measured again)."""
   index = {(t, tuple(rep), config): i for i, (rep, _, t, config) in enumerate(plan)}
   merged, earlier = {}, []
   for path in paths:
@@ -1030,7 +1039,7 @@ def merged_rows(paths: Sequence[pathlib.Path], plan) -> tuple[dict[int, dict], l
     taken = 0
     for row in payload["rows"]:
       i = index.get((row["t"], (row["k"], row["n"]), row["config"]))
-      if i is not None and row.get("choice") is not None:
+      if i is not None and row.get("choice") is not None and row["config"] not in remeasure:
         merged[i] = dict(row, measured_in={"commit": run["commit"], "date": run["date"]})
         taken += 1
     earlier.append(dict(run, cases=taken))

@@ -250,6 +250,22 @@ def test_auto_table_script_merges_an_earlier_run(tmp_path):
                          "--merge", str(tmp_path / "other.json")])
 
 
+def test_auto_table_script_remeasures_the_configurations_named(tmp_path):
+  """--merge with --remeasure: the named configurations' earlier rows are dropped and measured
+  again, the others kept; without --merge it is refused."""
+  base = ["--auto-table", "--dry-run", "--configs", "bf16", "bf16_int8", "--shapes", "64x128",
+          "--tokens", "32"]
+  assert bench_fused_dw.main([*base, "--commit", "abc123", "--out", str(tmp_path / "a")]) == 0
+  earlier = str(tmp_path / "a" / "auto_table_rows.json")
+  assert bench_fused_dw.main([*base, "--commit", "def456", "--out", str(tmp_path / "b"),
+                              "--merge", earlier, "--remeasure", "bf16_int8"]) == 0
+  rows = {r["config"]: r for r in json.loads((tmp_path / "b" / "auto_table_rows.json").read_text())["rows"]}
+  assert rows["bf16"]["measured_in"]["commit"] == "abc123"
+  assert "measured_in" not in rows["bf16_int8"] and rows["bf16_int8"]["kernel_row"]["ms"] > 0
+  with pytest.raises(SystemExit, match="pass --merge"):
+    bench_fused_dw.main([*base, "--out", str(tmp_path / "c"), "--remeasure", "bf16_int8"])
+
+
 def test_auto_table_script_time_limit_writes_what_it_has(tmp_path):
   assert bench_fused_dw.main(["--auto-table", "--dry-run", "--time-limit", "0", "--out", str(tmp_path)]) == 0
   assert _auto.read_table(tmp_path / "auto_table.json").entries == ()
