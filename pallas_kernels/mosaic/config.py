@@ -83,7 +83,8 @@ SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the main
 # THE default table: default_config takes the first row whose conditions the call meets and
 # that ``supports`` accepts. Conditions: "float" (no int8 state) or "int8"; "short" / "long" T;
 # "two_byte" (weight and every state in 2 bytes); "two_byte_w" (the weight in 2 bytes);
-# "small_grid" (128x128 tiles give the SMs at most 1.5 each). The measurements behind each row: docs/mosaic_kernel.md, "The defaults, and why".
+# "small_grid" (128x128 tiles give the SMs at most 1.5 each). The measurements behind each row:
+# docs/mosaic_kernel.md, "The defaults, and why".
 _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
     (frozenset(when.split()), cfg) for when, cfg in (
         ("float small_grid", _Cfg(tile_m=64, max_concurrent_steps=6)),
