@@ -1,6 +1,6 @@
 """Reproduces the measurements behind ``experiments/RESULTS.md``, one suite per GPU call.
 
-    python -m experiments.reproduce --suite kernels|models|capacity|convergence --out DIR
+    python -m experiments.reproduce --suite front|kernels|models|capacity|convergence --out DIR
     python -m experiments.reproduce --suite models --part 1/2 --out DIR   # half of the rows
     python -m experiments.reproduce --suite models --dry-run              # commands and estimate
 
@@ -8,6 +8,12 @@ Each suite is sized for one 10-minute call on one H200 with 16 CPU cores (the mo
 two parts, ``--part 1/2`` and ``--part 2/2``). It runs the repository's own tools as
 subprocesses, each with a time limit, so a hang costs that step, not the call:
 
+* ``front``: the README's first figures: Llama-3.1-8B at 1x1024 in bf16 without remat, eight
+  rows side by side in one ``experiments.bench_models`` run (optax.adamw and optax +
+  ``clip_by_global_norm(1.0)`` unrolled; FORGE unrolled and scanned, each with and without the
+  non-finite guard; FORGE with int8 states and stochastically rounded bf16 weights, unrolled and
+  scanned), then ``experiments.compile_cost``: the scanned and the unrolled FORGE step's compile
+  seconds, each twice in a fresh process.
 * ``kernels``: ``experiments.check_mosaic_gpu --quick`` (the Mosaic kernel against its
   reference on the real shapes) and ``experiments.bench_fused_dw`` (per-layer fused dW +
   update against XLA), each at its own defaults.
@@ -52,7 +58,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SUITES = ("kernels", "models", "capacity", "convergence")
+SUITES = ("front", "kernels", "models", "capacity", "convergence")
 CALL_S = 600  # one device call
 BUDGET_S = 560  # what a suite plans to use of it: start-up and copying results take the rest
 
@@ -66,6 +72,13 @@ HEADLINE_ROWS = (
     "optax_unrolled", "optax_clip_unrolled", "forge_unrolled",
     "optax_unrolled:remat=none:master=float32:mem=0.95",
 )
+# The front suite's rows (README, first bullets): remat none, side by side in one run.
+FRONT_ROWS = tuple(f"{row}:remat=none" for row in (
+    "optax_unrolled", "optax_clip_unrolled", "forge_unrolled", "forge_noguard_unrolled",
+    "forge", "forge_noguard", "forge_int8_sr_unrolled", "forge_int8_sr"))
+# Seconds on an H100 (16 CPU cores), 2026-12-05: the eight rows in one call 232-347 s, the
+# compile ratio (four fresh processes) about 100 s.
+FRONT_S = {"rows": 350.0, "compile": 110.0}
 # Seconds on the H200 (16 CPU cores), from earlier runs: compiling a Llama-3.1-8B step at 1x1024
 # (unrolled 97-143 s, scanned 20-40 s), and a timed row whose step comes from the cache (start-up,
 # init, 3 warm-up and 3 x 5 timed steps).
@@ -136,6 +149,24 @@ def models_steps(out: pathlib.Path, part, args) -> list[Step]:
   return [Step(tag, argv, estimate, BUDGET_S, env={"BENCH_TAG": tag})]
 
 
+def front_steps(out: pathlib.Path, part, args) -> list[Step]:
+  del part
+  compile_limit = 150
+  rows_limit = BUDGET_S - compile_limit
+  rows = ["experiments.bench_models", "--out", str(out), "--models", args.model, "--batch", "1",
+          "--tokens", str(args.tokens), "--dtype", "bfloat16", "--remat", "none",
+          "--impls", ",".join(FRONT_ROWS), "--mem-fraction", "0.9", "--steps", "10",
+          "--precompile", str(len(FRONT_ROWS)), "--compile-cache", args.compile_cache,
+          "--timeout", str(rows_limit - 30), "--time-budget", str(rows_limit - 20)]
+  import models  # pylint: disable=g-import-not-at-top
+  layers = models.get_config(args.model).num_layers  # the whole model, as the rows run it
+  compile_cost = ["experiments.compile_cost", "--out", str(out / "compile_cost"), "--model", args.model,
+                  "--layers", str(layers), "--tokens", str(args.tokens), "--impls", "forge,forge_unrolled", "--attention", "auto",
+                  "--compile", "--fresh", "--repeats", "2"]
+  return [Step("front", rows, FRONT_S["rows"], rows_limit, env={"BENCH_TAG": "front"}),
+          Step("compile_cost", compile_cost, FRONT_S["compile"], compile_limit)]
+
+
 def kernels_steps(out: pathlib.Path, part, args) -> list[Step]:
   del part, args
   # Only --out: the kernel tools' own defaults define what they measure.
@@ -169,7 +200,7 @@ def convergence_steps(out: pathlib.Path, part, args) -> list[Step]:
                                "--warmup", "50"], 480, BUDGET_S)]
 
 
-BUILDERS = {"kernels": kernels_steps, "models": models_steps, "capacity": capacity_steps,
+BUILDERS = {"front": front_steps, "kernels": kernels_steps, "models": models_steps, "capacity": capacity_steps,
             "convergence": convergence_steps}
 
 
@@ -234,10 +265,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--dry-run", action="store_true",
                       help="print the commands and the estimated time; run nothing")
   parser.add_argument("--model", default=MODEL,
-                      help="the models and capacity suites' model (a tiny preset to try it on a CPU)")
-  parser.add_argument("--tokens", type=int, default=1024, help="tokens per sequence (models, capacity)")
+                      help="the front, models and capacity suites' model (a tiny preset to try it on a CPU)")
+  parser.add_argument("--tokens", type=int, default=1024, help="tokens per sequence (front, models, capacity)")
   parser.add_argument("--compile-cache", default=os.path.join("/tmp", "forge_jax_compile_cache"),
-                      help="jax's persistent compilation cache for the models suite (kept out of --out)")
+                      help="jax's persistent compilation cache for the front and models suites (kept out of --out)")
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   try:

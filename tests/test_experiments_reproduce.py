@@ -57,6 +57,38 @@ def test_headline_rows_are_the_brief():
   assert settings["forge_int8_sr"] == {scanned_full, unrolled_none, scanned_none}
 
 
+def test_front_suite_is_the_readmes_rows_in_one_run_then_the_compile_ratio(tmp_path):
+  """The README's first figures: eight Llama-3.1-8B 1x1024 bf16 rows without remat in one
+  bench_models run (optax and optax + clip unrolled; FORGE unrolled and scanned, guard on and
+  off; FORGE int8 + SR unrolled and scanned), then compile_cost on the whole model, both within
+  one call."""
+  record = reproduce.main(["--suite", "front", "--dry-run", "--out", str(tmp_path)])
+  rows_step, compile_step = record["steps"]
+  argv = shlex.split(rows_step["command"])
+  value = lambda flag, a=argv: a[a.index(flag) + 1]
+  assert argv[3] == "experiments.bench_models"
+  assert (value("--models"), value("--batch"), value("--tokens"), value("--dtype"), value("--remat")) == (
+      "llama-3.1-8b", "1", "1024", "bfloat16", "none")
+  settings = set()
+  for spec in value("--impls").split(","):
+    base, scan = bench_models.parse_impl(spec)
+    assert bench_models.row_settings(spec)["remat"] == "none", spec
+    settings.add((base, scan))
+  assert settings == {("optax", False), ("optax_clip", False), ("forge", False), ("forge", True),
+                      ("forge_noguard", False), ("forge_noguard", True), ("forge_int8_sr", False),
+                      ("forge_int8_sr", True)}
+  assert int(value("--precompile")) == 8 and float(value("--time-budget")) < rows_step["timeout_s"]
+  cargv = shlex.split(compile_step["command"])
+  cvalue = lambda flag: cargv[cargv.index(flag) + 1]
+  assert cargv[2] == "experiments.compile_cost" and "--fresh" in cargv and "--compile" in cargv
+  assert (cvalue("--layers"), cvalue("--impls"), cvalue("--repeats")) == ("32", "forge,forge_unrolled", "2")
+  from experiments import compile_cost  # pylint: disable=g-import-not-at-top
+  for flag in (a for a in cargv + argv if a.startswith("--")):
+    assert f'"{flag}"' in inspect.getsource(compile_cost) + inspect.getsource(bench_models), flag
+  assert sum(s["timeout_s"] for s in record["steps"]) <= reproduce.BUDGET_S
+  assert record["estimate_s"] <= reproduce.BUDGET_S
+
+
 def test_other_suites_call_the_tools_by_module_and_cli(tmp_path):
   kernels = reproduce.main(["--suite", "kernels", "--dry-run", "--out", str(tmp_path)])
   modules = [shlex.split(s["command"])[2] for s in kernels["steps"]]
