@@ -1,6 +1,6 @@
 """Reproduces the measurements behind ``experiments/RESULTS.md``, one suite per GPU call.
 
-    python -m experiments.reproduce --suite front|kernels|models|capacity|convergence --out DIR
+    python -m experiments.reproduce --suite front|kernels|lowp|models|capacity|convergence --out DIR
     python -m experiments.reproduce --suite models --part 1/2 --out DIR   # half of the rows
     python -m experiments.reproduce --suite models --dry-run              # commands and estimate
 
@@ -17,6 +17,10 @@ subprocesses, each with a time limit, so a hang costs that step, not the call:
 * ``kernels``: ``experiments.check_mosaic_gpu --quick`` (the Mosaic kernel against its
   reference on the real shapes) and ``experiments.bench_fused_dw`` (per-layer fused dW +
   update against XLA), each at its own defaults.
+* ``lowp``: ``experiments.bench_lowp``, the kernel per storage on the four Llama-3.1-8B block
+  shapes at T = 1024 and 4096 (fp32 weights with fp32, bf16 or int8 states; bf16 weights,
+  rounded to nearest or stochastically, with bf16 or int8 states): int8 states against float
+  ones under the same weight.
 * ``models``: the headline table, Llama-3.1-8B at 1x1024 in bf16: optax.adamw, optax +
   ``clip_by_global_norm(1.0)``, FORGE (nearest and stochastic rounding) and FORGE with int8
   states (stochastically rounded bf16 weights), each scanned (remat full) and unrolled (remat
@@ -58,7 +62,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SUITES = ("front", "kernels", "models", "capacity", "convergence")
+SUITES = ("front", "kernels", "lowp", "models", "capacity", "convergence")
 CALL_S = 600  # one device call
 BUDGET_S = 560  # what a suite plans to use of it: start-up and copying results take the rest
 
@@ -76,6 +80,11 @@ HEADLINE_ROWS = (
 FRONT_ROWS = tuple(f"{row}:remat=none" for row in (
     "optax_unrolled", "optax_clip_unrolled", "forge_unrolled", "forge_noguard_unrolled",
     "forge", "forge_noguard", "forge_int8_sr_unrolled", "forge_int8_sr"))
+# The lowp suite: Llama-3.1-8B's block projections (K x N) and the storages
+# that compare int8 states with float ones under each weight (H100, 2026-12-05: 56 cases, ~130 s).
+LLAMA_BLOCK_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "4096x1024")
+LOWP_CONFIGS = ("fp32", "fp32_bf16", "fp32_int8", "bf16_rtn_bf16", "bf16_rtn_int8", "bf16_sr_bf16",
+                "bf16_sr_int8")
 # Seconds on an H100 (16 CPU cores), 2026-12-05: the eight rows in one call 232-347 s, the
 # compile ratio (four fresh processes) about 100 s.
 FRONT_S = {"rows": 350.0, "compile": 110.0}
@@ -176,6 +185,13 @@ def kernels_steps(out: pathlib.Path, part, args) -> list[Step]:
                120, 300)]
 
 
+def lowp_steps(out: pathlib.Path, part, args) -> list[Step]:
+  del part, args
+  return [Step("bench_lowp", ["experiments.bench_lowp", "--out", str(out / "bench_lowp"),
+                              "--tokens", "1024", "4096", "--shapes", *LLAMA_BLOCK_SHAPES,
+                              "--configs", *LOWP_CONFIGS, "--impls", "mosaic"], 130, 300)]
+
+
 def capacity_steps(out: pathlib.Path, part, args) -> list[Step]:
   del part
   steps = []
@@ -200,7 +216,7 @@ def convergence_steps(out: pathlib.Path, part, args) -> list[Step]:
                                "--warmup", "50"], 480, BUDGET_S)]
 
 
-BUILDERS = {"front": front_steps, "kernels": kernels_steps, "models": models_steps, "capacity": capacity_steps,
+BUILDERS = {"front": front_steps, "kernels": kernels_steps, "lowp": lowp_steps, "models": models_steps, "capacity": capacity_steps,
             "convergence": convergence_steps}
 
 

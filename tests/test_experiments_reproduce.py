@@ -97,6 +97,14 @@ def test_other_suites_call_the_tools_by_module_and_cli(tmp_path):
   for step, module in zip(kernels["steps"], (check_mosaic_gpu, bench_fused_dw)):
     for flag in (a for a in shlex.split(step["command"]) if a.startswith("--")):
       assert f'"{flag}"' in inspect.getsource(module), (flag, module.__name__)  # a flag their CLI has
+  (lowp,) = reproduce.main(["--suite", "lowp", "--dry-run", "--out", str(tmp_path)])["steps"]
+  argv = shlex.split(lowp["command"])
+  assert argv[2] == "experiments.bench_lowp" and argv[argv.index("--impls") + 1] == "mosaic"
+  configs = argv[argv.index("--configs") + 1:argv.index("--impls")]
+  assert {c for c in configs if c.endswith("_int8")} == {"fp32_int8", "bf16_rtn_int8", "bf16_sr_int8"}
+  from experiments import bench_lowp  # pylint: disable=g-import-not-at-top
+  for flag in (a for a in argv if a.startswith("--")):
+    assert f'"{flag}"' in inspect.getsource(bench_lowp), flag
   capacity = reproduce.main(["--suite", "capacity", "--dry-run", "--out", str(tmp_path)])
   assert sum(s["timeout_s"] for s in capacity["steps"]) <= reproduce.BUDGET_S
   for step in capacity["steps"]:
