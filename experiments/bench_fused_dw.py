@@ -690,19 +690,22 @@ FIRST_CALL_S = {"mosaic": {"fp32": 3.3, "bf16": 4.3, "bf16_sr": 5.9, "fp32_int8"
 AUTO_SMOKE_SHAPES = ((64, 128), (128, 64))
 
 
+def block_shapes(model: str) -> list[tuple[int, int]]:
+  """Distinct (K, N) of a model preset's seven block projections: q, k/v, o, gate/up, down."""
+  import models  # pylint: disable=g-import-not-at-top
+
+  cfg = models.get_config(model)
+  d, f = cfg.hidden_size, cfg.intermediate_size
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  return list(dict.fromkeys(((d, q), (d, kv), (q, d), (d, f), (f, d))))
+
+
 def preset_shapes() -> list[tuple[int, int]]:
   """Distinct (K, N) of the seven block projections over the model presets (the tiny ones aside)."""
   import models  # pylint: disable=g-import-not-at-top
 
-  shapes = {}
-  for name, cfg in models.PRESETS.items():
-    if name.startswith("tiny"):
-      continue
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    for kn in ((d, q), (d, kv), (q, d), (d, f), (f, d)):  # q, k/v, o, gate/up, down
-      shapes.setdefault(kn, name)
-  return list(shapes)
+  names = [name for name in models.PRESETS if not name.startswith("tiny")]
+  return list(dict.fromkeys(kn for name in names for kn in block_shapes(name)))
 
 
 def _class_key(k: int, n: int) -> tuple[int, int]:
@@ -950,7 +953,7 @@ def auto_table_run(args) -> int:
     timing = dict(warmup=1, iters=2, repeats=1)
   else:
     tokens, shapes = args.tokens or AUTO_TOKENS, args.shapes or preset_shapes()
-    first = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]  # Llama-3.1-8B
+    first = block_shapes("llama-3.1-8b")
     # The warm-up dispatch picks the dispatches per repeat (the checked one compiled and warmed).
     timing = dict(warmup=1, iters=None, repeats=3, target_repeat_ms=10.0)
   workers = args.workers or (1 if interpret else 8)

@@ -17,8 +17,8 @@ subprocesses, each with a time limit, so a hang costs that step, not the call:
 * ``kernels``: ``experiments.check_mosaic_gpu --quick`` (the Mosaic kernel against its
   reference on the real shapes) and ``experiments.bench_fused_dw`` (per-layer fused dW +
   update against XLA), each at its own defaults.
-* ``lowp``: ``experiments.bench_lowp``, the kernel per storage on the four Llama-3.1-8B block
-  shapes at T = 1024 and 4096 (fp32 weights with fp32, bf16 or int8 states; bf16 weights,
+* ``lowp``: ``experiments.bench_lowp``, the kernel per storage on the model's block shapes
+  (Llama-3.1-8B's four) at T = 1024 and 4096 (fp32 weights with fp32, bf16 or int8 states; bf16 weights,
   rounded to nearest or stochastically, with bf16 or int8 states): int8 states against float
   ones under the same weight.
 * ``models``: the headline table, Llama-3.1-8B at 1x1024 in bf16: optax.adamw, optax +
@@ -80,9 +80,8 @@ HEADLINE_ROWS = (
 FRONT_ROWS = tuple(f"{row}:remat=none" for row in (
     "optax_unrolled", "optax_clip_unrolled", "forge_unrolled", "forge_noguard_unrolled",
     "forge", "forge_noguard", "forge_int8_sr_unrolled", "forge_int8_sr"))
-# The lowp suite: Llama-3.1-8B's block projections (K x N) and the storages
-# that compare int8 states with float ones under each weight (H100, 2026-12-05: 56 cases, ~130 s).
-LLAMA_BLOCK_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "4096x1024")
+# The lowp suite's storages: int8 states against float ones under each weight (H100,
+# 2026-12-05: Llama-3.1-8B's four block shapes at two T, 56 cases, ~130 s).
 LOWP_CONFIGS = ("fp32", "fp32_bf16", "fp32_int8", "bf16_rtn_bf16", "bf16_rtn_int8", "bf16_sr_bf16",
                 "bf16_sr_int8")
 # Seconds on an H100 (16 CPU cores), 2026-12-05: the eight rows in one call 232-347 s, the
@@ -160,6 +159,7 @@ def models_steps(out: pathlib.Path, part, args) -> list[Step]:
 
 def front_steps(out: pathlib.Path, part, args) -> list[Step]:
   del part
+  import models  # pylint: disable=g-import-not-at-top
   compile_limit = 150
   rows_limit = BUDGET_S - compile_limit
   rows = ["experiments.bench_models", "--out", str(out), "--models", args.model, "--batch", "1",
@@ -167,11 +167,11 @@ def front_steps(out: pathlib.Path, part, args) -> list[Step]:
           "--impls", ",".join(FRONT_ROWS), "--mem-fraction", "0.9", "--steps", "10",
           "--precompile", str(len(FRONT_ROWS)), "--compile-cache", args.compile_cache,
           "--timeout", str(rows_limit - 30), "--time-budget", str(rows_limit - 20)]
-  import models  # pylint: disable=g-import-not-at-top
   layers = models.get_config(args.model).num_layers  # the whole model, as the rows run it
   compile_cost = ["experiments.compile_cost", "--out", str(out / "compile_cost"), "--model", args.model,
-                  "--layers", str(layers), "--tokens", str(args.tokens), "--impls", "forge,forge_unrolled", "--attention", "auto",
-                  "--compile", "--fresh", "--repeats", "2"]
+                  "--layers", str(layers), "--tokens", str(args.tokens),
+                  "--impls", "forge,forge_unrolled", "--attention", "auto", "--compile", "--fresh",
+                  "--repeats", "2"]
   return [Step("front", rows, FRONT_S["rows"], rows_limit, env={"BENCH_TAG": "front"}),
           Step("compile_cost", compile_cost, FRONT_S["compile"], compile_limit)]
 
@@ -186,9 +186,11 @@ def kernels_steps(out: pathlib.Path, part, args) -> list[Step]:
 
 
 def lowp_steps(out: pathlib.Path, part, args) -> list[Step]:
-  del part, args
+  del part
+  from experiments import bench_fused_dw  # pylint: disable=g-import-not-at-top
+  shapes = [f"{k}x{n}" for k, n in bench_fused_dw.block_shapes(args.model)]
   return [Step("bench_lowp", ["experiments.bench_lowp", "--out", str(out / "bench_lowp"),
-                              "--tokens", "1024", "4096", "--shapes", *LLAMA_BLOCK_SHAPES,
+                              "--tokens", "1024", "4096", "--shapes", *shapes,
                               "--configs", *LOWP_CONFIGS, "--impls", "mosaic"], 130, 300)]
 
 
@@ -216,8 +218,8 @@ def convergence_steps(out: pathlib.Path, part, args) -> list[Step]:
                                "--warmup", "50"], 480, BUDGET_S)]
 
 
-BUILDERS = {"front": front_steps, "kernels": kernels_steps, "lowp": lowp_steps, "models": models_steps, "capacity": capacity_steps,
-            "convergence": convergence_steps}
+BUILDERS = {"front": front_steps, "kernels": kernels_steps, "lowp": lowp_steps,
+            "models": models_steps, "capacity": capacity_steps, "convergence": convergence_steps}
 
 
 def versions() -> dict:
@@ -281,10 +283,13 @@ def main(argv=None) -> dict:
   parser.add_argument("--dry-run", action="store_true",
                       help="print the commands and the estimated time; run nothing")
   parser.add_argument("--model", default=MODEL,
-                      help="the front, models and capacity suites' model (a tiny preset to try it on a CPU)")
-  parser.add_argument("--tokens", type=int, default=1024, help="tokens per sequence (front, models, capacity)")
+                      help="the front, lowp, models and capacity suites' model (a tiny preset to "
+                      "try it on a CPU)")
+  parser.add_argument("--tokens", type=int, default=1024,
+                      help="tokens per sequence (front, models, capacity)")
   parser.add_argument("--compile-cache", default=os.path.join("/tmp", "forge_jax_compile_cache"),
-                      help="jax's persistent compilation cache for the front and models suites (kept out of --out)")
+                      help="jax's persistent compilation cache for the front and models suites "
+                      "(kept out of --out)")
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   try:

@@ -102,6 +102,8 @@ def test_other_suites_call_the_tools_by_module_and_cli(tmp_path):
   assert argv[2] == "experiments.bench_lowp" and argv[argv.index("--impls") + 1] == "mosaic"
   configs = argv[argv.index("--configs") + 1:argv.index("--impls")]
   assert {c for c in configs if c.endswith("_int8")} == {"fp32_int8", "bf16_rtn_int8", "bf16_sr_int8"}
+  shapes = argv[argv.index("--shapes") + 1:argv.index("--configs")]
+  assert shapes == ["4096x4096", "4096x1024", "4096x14336", "14336x4096"]  # Llama-3.1-8B's block
   from experiments import bench_lowp  # pylint: disable=g-import-not-at-top
   for flag in (a for a in argv if a.startswith("--")):
     assert f'"{flag}"' in inspect.getsource(bench_lowp), flag
