@@ -11,7 +11,7 @@ of ``models`` with random weights on random tokens:
   ``--master-dtype float32`` keeps weights and states in float32 and computes
   in ``--dtype``), attention kernel and activation checkpointing (``--remat``:
   ``full``, every block recomputed from its input, the default; ``none``; or a
-  ``jax.checkpoint_policies`` name) in every row, unless the row says otherwise
+  ``jax.checkpoint_policies`` name, or ``save_all_but_elementwise``) in every row, unless the row says otherwise
   (below);
 * implementations (``--impls``, a comma list):
 
@@ -1134,9 +1134,9 @@ def main(argv=None):
                       help="weights and optimizer states in this dtype (e.g. float32 master weights "
                            "with --dtype bfloat16 compute); a row's :master= overrides it")
   parser.add_argument("--remat", default=REMAT,
-                      help="activation checkpointing of each block: none, full or a "
-                           "jax.checkpoint_policies name (passed to the model config, which "
-                           "validates it); a row's :remat= overrides it")
+                      help="activation checkpointing of each block: none, full, a "
+                           "jax.checkpoint_policies name or save_all_but_elementwise (passed to "
+                           "the model config, which validates it); a row's :remat= overrides it")
   parser.add_argument("--attention", default="auto")
   parser.add_argument("--unrolled", action="store_true",
                       help=f"append {UNROLLED} to every implementation")

@@ -206,8 +206,8 @@ def layer_program(device, config: str, shape: str, impl: str):
     return update.run.trace(carry).lower().compile(COMPILE_OPTIONS)
 
 
-def step_program(device, model_name: str, impl: str, layers: int, tokens: int):
-  """A ``bench_models`` row's compiled training step (bf16, remat none, lean loss)."""
+def step_program(device, model_name: str, impl: str, layers: int, tokens: int, remat: str = "none"):
+  """A ``bench_models`` row's compiled training step (bf16, lean loss, ``remat``)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import forge_jax  # pylint: disable=g-import-not-at-top
@@ -221,7 +221,7 @@ def step_program(device, model_name: str, impl: str, layers: int, tokens: int):
   data = on_device(device, jax.ShapeDtypeStruct((1, tokens + 1), jnp.int32))
   init_tokens = jnp.zeros((1, tokens), jnp.int32)
   with compile_cost._as_on_a_hopper_gpu():  # pylint: disable=protected-access
-    cfg = models.get_config(model_name, linear="forge" if forge else "flax", remat="none",
+    cfg = models.get_config(model_name, linear="forge" if forge else "flax", remat=remat,
                             scan_layers=scan, forge_backend=backend, param_dtype="bfloat16",
                             dtype="bfloat16", attention="xla", num_layers=layers)
     if not forge:
@@ -325,6 +325,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--model", default="llama-3.1-8b", help="step: a models preset")
   parser.add_argument("--layers", type=int, default=3, help="step: the model cut to this many layers")
   parser.add_argument("--tokens", type=int, default=1024, help="step: tokens (batch 1)")
+  parser.add_argument("--remat", default="none",
+                      help="step: the blocks' activation checkpointing (a models remat choice)")
   parser.add_argument("--impls", default="forge_unrolled,optax_unrolled",
                       help="step: bench_models implementations")
   parser.add_argument("--baseline-tree", type=pathlib.Path, default=None, metavar="DIR",
@@ -355,8 +357,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  functools.partial(layer_program, device, config, args.shape, args.impl))
                 for config in args.configs.split(",")]
   else:
-    programs = [(f"{impl} {args.model} {args.layers} layers 1x{args.tokens}",
-                 functools.partial(step_program, device, args.model, impl, args.layers, args.tokens))
+    programs = [(f"{impl} {args.model} {args.layers} layers 1x{args.tokens} remat {args.remat}",
+                 functools.partial(step_program, device, args.model, impl, args.layers, args.tokens,
+                                   args.remat))
                 for impl in args.impls.split(",")]
   for i, (label, build) in enumerate(programs):
     kernels = None

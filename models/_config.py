@@ -34,7 +34,10 @@ REMAT_POLICIES = (
 # ModelConfig.remat_names, chosen among the activations the blocks name (models._layers).
 REMAT_NAMED_POLICIES = ("save_only_these_names", "save_anything_except_these_names")
 CHECKPOINT_NAMES = ("attention_out", "mlp_hidden")
-REMAT_CHOICES = ("none", "full") + REMAT_POLICIES + REMAT_NAMED_POLICIES
+# forge_jax's own policies (forge_jax.save_all_but_elementwise: what a scanned stack without remat
+# saves, here for unrolled blocks too).
+FORGE_REMAT_POLICIES = ("save_all_but_elementwise",)
+REMAT_CHOICES = ("none", "full") + REMAT_POLICIES + FORGE_REMAT_POLICIES + REMAT_NAMED_POLICIES
 # Module names of the linear layers inside one decoder block (HF's names).
 BLOCK_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -93,7 +96,10 @@ class ModelConfig:
     remat: activation checkpointing of each block: ``"none"`` (save every activation the
       backward needs; scanned, elementwise ones are recomputed:
       ``forge_jax.save_all_but_elementwise``), ``"full"``
-      (save nothing, recompute all) or a ``jax.checkpoint_policies`` name;
+      (save nothing, recompute all), a ``jax.checkpoint_policies`` name, or
+      ``"save_all_but_elementwise"`` (``forge_jax.save_all_but_elementwise``: every
+      activation but elementwise and layout ones, which the backward recomputes; what a
+      scanned ``"none"`` saves, here for unrolled blocks too);
       ``"save_only_these_names"`` and ``"save_anything_except_these_names"``
       take their names from ``remat_names``.
     remat_names: the named activations (``"attention_out"``, ``"mlp_hidden"``)

@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models._config import FORGE_REMAT_POLICIES
 from models._config import ModelConfig
 from models._layers import TENSOR_PARALLEL_LAYOUT
 from models._layers import Attention, Mlp, RopeBxLxH2, _constrain, _norm, dense
@@ -66,9 +67,13 @@ class _ScanBody(nn.Module):
 
 
 def _remat_policy(cfg: ModelConfig) -> Any:
-  """The ``jax.checkpoint_policies`` policy ``cfg.remat`` names (``None`` for none and full)."""
+  """The policy ``cfg.remat`` names (``None`` for none and full): from ``jax.checkpoint_policies``,
+  or forge_jax's ``save_all_but_elementwise``."""
   if cfg.remat in ("none", "full"):
     return None
+  if cfg.remat in FORGE_REMAT_POLICIES:
+    import forge_jax  # pylint: disable=g-import-not-at-top
+    return getattr(forge_jax, cfg.remat)
   policy = getattr(jax.checkpoint_policies, cfg.remat)
   return policy(*cfg.remat_names) if cfg.remat_names else policy
 

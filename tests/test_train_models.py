@@ -294,6 +294,34 @@ def test_scanned_forge_equals_unrolled_forge_and_optax_at_every_remat(remat, nam
   assert all(in_loops[k] <= n for k, n in allowed.items()), (in_loops, allowed)
 
 
+def _checkpoint_policies(jaxpr):
+  """The ``policy`` of every ``jax.checkpoint`` in ``jaxpr``, nested ones included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("checkpoint", "remat2"):  # the name differs across jax versions
+      found.append(eqn.params["policy"])
+    for p in eqn.params.values():
+      inner = getattr(p, "jaxpr", p)
+      if hasattr(inner, "eqns"):
+        found += _checkpoint_policies(inner)
+  return found
+
+
+def test_unrolled_save_all_but_elementwise_trains_like_remat_none():
+  """``remat="save_all_but_elementwise"`` on unrolled blocks (what a scanned stack without remat
+  saves) changes what the forward keeps, not the values: the same losses, weights and states as
+  unrolled remat none to float32 rounding, with every block under forge_jax's policy."""
+  cfg, opt, batches, variables, (losses_u, state_u), _ = _references()
+  unrolled = dataclasses.replace(cfg, scan_layers=False, remat="save_all_but_elementwise")
+  unrolled_vars = {k: _unstacked(v, cfg.num_layers) for k, v in variables.items()}
+  losses, state, jaxpr, _ = _train(unrolled, jax.tree.map(jnp.copy, unrolled_vars), opt, batches)
+  np.testing.assert_allclose(losses, losses_u, rtol=1e-6)
+  for ours, theirs in [(state.params, state_u.params), (state.forge_state, state_u.forge_state)]:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, theirs)
+  policies = _checkpoint_policies(jaxpr.jaxpr)
+  assert len(policies) >= cfg.num_layers, policies
+  assert all(p is forge_jax.save_all_but_elementwise for p in policies), policies
+
 def _hlo_shape(a):
   """``a``'s shape as HLO prints it, e.g. ``f32[2,64,160]``."""
   return f"{a.dtype.name.replace('float', 'f')}[{','.join(map(str, a.shape))}]"
