@@ -10,9 +10,9 @@ of ``models`` with random weights on random tokens:
   states in that dtype, except the int8 states of ``forge_int8*``;
   ``--master-dtype float32`` keeps weights and states in float32 and computes
   in ``--dtype``), attention kernel and activation checkpointing (``--remat``:
-  ``full``, every block recomputed from its input, the default; ``none``; or a
-  ``jax.checkpoint_policies`` name, or ``save_all_but_elementwise``) in every row, unless the row says otherwise
-  (below);
+  ``full``, every block recomputed from its input, the default; ``none``; a
+  ``jax.checkpoint_policies`` name; or ``save_all_but_elementwise``) in every row, unless the
+  row says otherwise (below);
 * implementations (``--impls``, a comma list):
 
   - ``optax``: optax.adamw, a donated ``jax.jit`` step (the baseline);

@@ -167,18 +167,21 @@ def _unstacked(tree, num_layers):
   return flax.traverse_util.unflatten_dict(out)
 
 
-def _forward_scan_outputs(jaxpr, length):
-  """Output avals of the first scan of ``length`` steps in program order (the forward pass)."""
+def _all_eqns(jaxpr):
+  """Every equation of ``jaxpr`` in program order, each followed by those of its sub-jaxprs."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan" and eqn.params["length"] == length:
-      return [v.aval for v in eqn.outvars]
+    yield eqn
     for p in eqn.params.values():
       inner = getattr(p, "jaxpr", p)
       if hasattr(inner, "eqns"):
-        found = _forward_scan_outputs(inner, length)
-        if found is not None:
-          return found
-  return None
+        yield from _all_eqns(inner)
+
+
+def _forward_scan_outputs(jaxpr, length):
+  """Output avals of the first scan of ``length`` steps in program order (the forward pass)."""
+  scan = next((e for e in _all_eqns(jaxpr)
+               if e.primitive.name == "scan" and e.params["length"] == length), None)
+  return None if scan is None else [v.aval for v in scan.outvars]
 
 
 def _train(cfg, variables, opt, batches):
@@ -294,19 +297,6 @@ def test_scanned_forge_equals_unrolled_forge_and_optax_at_every_remat(remat, nam
   assert all(in_loops[k] <= n for k, n in allowed.items()), (in_loops, allowed)
 
 
-def _checkpoint_policies(jaxpr):
-  """The ``policy`` of every ``jax.checkpoint`` in ``jaxpr``, nested ones included."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("checkpoint", "remat2"):  # the name differs across jax versions
-      found.append(eqn.params["policy"])
-    for p in eqn.params.values():
-      inner = getattr(p, "jaxpr", p)
-      if hasattr(inner, "eqns"):
-        found += _checkpoint_policies(inner)
-  return found
-
-
 def test_unrolled_save_all_but_elementwise_trains_like_remat_none():
   """``remat="save_all_but_elementwise"`` on unrolled blocks (what a scanned stack without remat
   saves) changes what the forward keeps, not the values: the same losses, weights and states as
@@ -318,9 +308,11 @@ def test_unrolled_save_all_but_elementwise_trains_like_remat_none():
   np.testing.assert_allclose(losses, losses_u, rtol=1e-6)
   for ours, theirs in [(state.params, state_u.params), (state.forge_state, state_u.forge_state)]:
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, theirs)
-  policies = _checkpoint_policies(jaxpr.jaxpr)
+  # jax.checkpoint's primitive is named "remat2" (a jaxpr prints it as "checkpoint").
+  policies = [e.params["policy"] for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "remat2"]
   assert len(policies) >= cfg.num_layers, policies
   assert all(p is forge_jax.save_all_but_elementwise for p in policies), policies
+
 
 def _hlo_shape(a):
   """``a``'s shape as HLO prints it, e.g. ``f32[2,64,160]``."""
