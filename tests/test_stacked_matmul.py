@@ -184,9 +184,13 @@ def test_one_trace_per_shape_whatever_mesh_context_or_layer_type(monkeypatch):
   assert len(traces) == 2
 
 
-def test_bench_smoke_times_checks_and_reports_every_program(tmp_path):
+def test_bench_smoke_times_checks_and_reports_every_program_and_tiling(tmp_path):
+  """Every program and direction timed and checked; ``--config`` with two tilings (one with
+  both warpgroups on a 128x64 tile) gives one checked ``stacked`` row per tiling and direction,
+  named by its tile, side by side."""
   from experiments import bench_stacked_matmul as bench  # pylint: disable=g-import-not-at-top
-  assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+  assert bench.main(["--smoke", "--tokens", "128", "--config", "64,64,64,2", "64,64,64,2,m,64",
+                     "--out", str(tmp_path)]) == 0
   result = json.loads((tmp_path / "bench_stacked_matmul.json").read_text())
   rows = result["rows"]
   assert {(r["impl"], r["direction"]) for r in rows} == {
@@ -195,24 +199,12 @@ def test_bench_smoke_times_checks_and_reports_every_program(tmp_path):
     assert row["status"] == "ok" and row["ms"] > 0 and row["sum_ok"], row
     if row["impl"] == "stacked":
       assert row["layer_ok"] and set(row["layer_rel_err"]) == {"0", "1"}, row
-  table = (tmp_path / "bench_stacked_matmul.md").read_text()
-  assert table.count("| ok |") == 2 and "FAILED" not in table
-  assert result["info"]["command"].startswith("python -m experiments.bench_stacked_matmul --smoke")
-
-
-def test_bench_times_several_tilings_side_by_side(tmp_path):
-  """``--config`` with two tilings (one with both warpgroups on a 128x64 tile): one checked
-  ``stacked`` row per tiling and direction, named by its tile."""
-  from experiments import bench_stacked_matmul as bench  # pylint: disable=g-import-not-at-top
-  assert bench.main(["--smoke", "--impls", "xla_scan", "stacked", "--tokens", "128", "--layers", "1",
-                     "--config", "64,64,64,2", "64,64,64,2,m,64", "--out", str(tmp_path)]) == 0
-  rows = json.loads((tmp_path / "bench_stacked_matmul.json").read_text())["rows"]
   stacked = [r for r in rows if r["impl"] == "stacked"]
   assert sorted((r["direction"], r["tile"]) for r in stacked) == sorted(
       (d, t) for d in bench.DIRECTIONS for t in ("64x64x64/2", "64x64x64/2/m/e64"))
-  assert all(r["status"] == "ok" and r["layer_ok"] and r["sum_ok"] for r in stacked), stacked
   table = (tmp_path / "bench_stacked_matmul.md").read_text()
-  assert table.count("| ok |") == 4 and "| 64x64x64/2/m/e64 |" in table
+  assert table.count("| ok |") == 4 and "| 64x64x64/2/m/e64 |" in table and "FAILED" not in table
+  assert result["info"]["command"].startswith("python -m experiments.bench_stacked_matmul --smoke")
 
 
 def test_bench_flags_a_kernel_that_reads_the_wrong_layer(tmp_path, monkeypatch):
