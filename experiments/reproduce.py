@@ -12,8 +12,9 @@ subprocesses, each with a time limit, so a hang costs that step, not the call:
   side in one ``experiments.bench_models`` run, eight without remat (optax.adamw and optax +
   ``clip_by_global_norm(1.0)`` unrolled; FORGE unrolled and scanned, each with and without the
   non-finite guard; FORGE with int8 states and stochastically rounded bf16 weights, unrolled and
-  scanned) and the unrolled int8 row again with ``remat="save_all_but_elementwise"``, then ``experiments.compile_cost``: the scanned and the unrolled FORGE step's compile
-  seconds, each twice in a fresh process.
+  scanned) and the unrolled int8 row again with ``remat="save_all_but_elementwise"``, then
+  ``experiments.compile_cost``: the scanned and the unrolled FORGE step's compile seconds, each
+  twice in a fresh process.
 * ``kernels``: ``experiments.check_mosaic_gpu --quick`` (the Mosaic kernel against its
   reference on the real shapes) and ``experiments.bench_fused_dw`` (per-layer fused dW +
   update against XLA), each at its own defaults.
@@ -76,8 +77,8 @@ HEADLINE_ROWS = (
     "optax_unrolled", "optax_clip_unrolled", "forge_unrolled",
     "optax_unrolled:remat=none:master=float32:mem=0.95",
 )
-# The front suite's rows (README, first bullets): remat none, side by side in one run.
-# The last row: unrolled blocks saving what a scanned stack saves (forge_jax's policy).
+# The front suite's rows (README, first bullets), side by side in one run: remat none, and last
+# the unrolled int8 row whose blocks save what a scanned stack saves (forge_jax's policy).
 FRONT_ROWS = tuple(f"{row}:remat=none" for row in (
     "optax_unrolled", "optax_clip_unrolled", "forge_unrolled", "forge_noguard_unrolled",
     "forge", "forge_noguard", "forge_int8_sr_unrolled", "forge_int8_sr")) + (
