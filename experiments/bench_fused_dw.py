@@ -55,10 +55,10 @@ call is split over several (e.g. ``--tokens 512 1024`` first, then the whole pla
 and ``--remeasure CONFIG...`` drops the named configurations' earlier rows, so that a kernel
 change to one storage (e.g. int8) is measured again while the other rows are kept;
 ``--dry-run`` runs it on CPU with the interpreted Triton kernel in seconds. The table measures
-one representative per class; ``--regret TABLE ROWS...`` checks it on other shapes: measure them
-(``--auto-table --shapes 3072x1024 5120x1024 ...``, the classes' other members), then
-``--regret forge_jax/auto_table_h100.json $OUT/members/auto_table_rows.json --out $OUT/members``
-writes ``auto_regret.md``: each case's time under the table's pick over the faster backend's. On the H200::
+one representative per class; ``--auto-table --members`` checks it on the others: it measures
+the classes' other members (7 of the presets' 27 projections) and writes ``auto_regret.md``,
+each case's time under the pick of the table ``"auto"`` reads on this device over the faster
+backend's (``--regret TABLE ROWS...`` does the same for any table and measured rows). On the H200::
 
     PYTHONPATH=$PWD python -m experiments.bench_fused_dw --auto-table --time-limit 500 --out $OUT
 
@@ -584,6 +584,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "shapes (e.g. --auto-table --shapes with the classes' other members): write "
                     "auto_regret.md in --out, each case's time under TABLE's choice against the "
                     "faster backend's, and exit")
+  auto.add_argument("--members", action="store_true",
+                    help="measure the classes' other members (of the presets, or of --shapes) instead "
+                    "of their representatives, then write auto_regret.md: each case's time under the "
+                    "table \"auto\" reads on this device against the faster backend's")
   auto.add_argument("--rule-table", type=pathlib.Path, default=None, metavar="PATH",
                     help="write the unmeasured table of the rule without one to PATH and exit")
   args = parser.parse_args(argv)
@@ -959,8 +963,14 @@ def auto_table_run(args) -> int:
   workers = args.workers or (1 if interpret else 8)
   if workers < 1:
     raise ValueError(f"--workers={workers} must be >= 1")
-  # The presets' shapes by class, one representative each; shapes given by --shapes each measured.
-  classes = (shape_classes(shapes, first) if args.shapes is None
+  # The presets' shapes by class, one representative each; shapes given by --shapes each measured;
+  # with --members, each shape of a class but its representative (the shapes the table reads
+  # through its nearest entry), measured to check the table on them.
+  if args.members:
+    shapes = class_members(shapes, first)
+    if not shapes:
+      raise SystemExit("--members: every class has one shape; nothing to check the table on")
+  classes = (shape_classes(shapes, first) if args.shapes is None and not args.members
              else [(tuple(kn), [tuple(kn)]) for kn in dict.fromkeys(map(tuple, shapes))])
   plan = auto_plan(classes, tokens, configs)
   folder = _timing.out_dir(args.out)
@@ -1023,7 +1033,24 @@ def auto_table_run(args) -> int:
   _timing.write_table(folder / "auto_table.md", auto_markdown(info, all_rows), folder / "auto_table.json")
   for worker_rows in folder.glob("auto_rows_*.jsonl"):  # all in auto_table_rows.json now
     worker_rows.unlink()
+  if args.members:  # what the table "auto" reads on this device costs on these shapes
+    text, _ = auto_regret(_auto_table_path(info["device"]), [folder / "auto_table_rows.json"])
+    (folder / "auto_regret.md").write_text(text)
+    _timing.log("\n" + text + f"\nwrote {folder / 'auto_regret.md'}")
   return 0
+
+
+def _auto_table_path(device_kind: str) -> pathlib.Path:
+  from forge_jax import _auto  # pylint: disable=g-import-not-at-top
+
+  return _auto.table_path(device_kind)
+
+
+def class_members(shapes: Sequence[tuple[int, int]], first: Sequence[tuple[int, int]] = ()
+                  ) -> list[tuple[int, int]]:
+  """The shapes of :func:`shape_classes` other than their class's representative, in its
+  measuring order: the shapes a table of representatives serves through a nearest entry."""
+  return [m for rep, members in shape_classes(shapes, first) for m in members if m != rep]
 
 
 def merged_rows(paths: Sequence[pathlib.Path], plan,

@@ -1,6 +1,6 @@
 """Reproduces the measurements behind ``experiments/RESULTS.md``, one suite per GPU call.
 
-    python -m experiments.reproduce --suite front|kernels|lowp|models|capacity|convergence --out DIR
+    python -m experiments.reproduce --suite front|kernels|lowp|auto|models|capacity|convergence --out DIR
     python -m experiments.reproduce --suite models --part 1/2 --out DIR   # half of the rows
     python -m experiments.reproduce --suite models --dry-run              # commands and estimate
 
@@ -22,6 +22,11 @@ subprocesses, each with a time limit, so a hang costs that step, not the call:
   (Llama-3.1-8B's four) at T = 1024 and 4096 (fp32 weights with fp32, bf16 or int8 states; bf16 weights,
   rounded to nearest or stochastically, with bf16 or int8 states): int8 states against float
   ones under the same weight.
+* ``auto``: ``experiments.bench_fused_dw --auto-table --members``: the Mosaic kernel against XLA
+  on the presets' projections that ``"auto"``'s table serves through another shape's entry (each
+  shape class's members but its representative) at every T and storage the table has, then
+  ``auto_regret.md``: each case's time under the pick of the table ``"auto"`` reads on this
+  GPU over the faster backend's.
 * ``models``: the headline table, Llama-3.1-8B at 1x1024 in bf16: optax.adamw, optax +
   ``clip_by_global_norm(1.0)``, FORGE (nearest and stochastic rounding) and FORGE with int8
   states (stochastically rounded bf16 weights), each scanned (remat full) and unrolled (remat
@@ -63,7 +68,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SUITES = ("front", "kernels", "lowp", "models", "capacity", "convergence")
+SUITES = ("front", "kernels", "lowp", "auto", "models", "capacity", "convergence")
 CALL_S = 600  # one device call
 BUDGET_S = 560  # what a suite plans to use of it: start-up and copying results take the rest
 
@@ -197,6 +202,20 @@ def lowp_steps(out: pathlib.Path, part, args) -> list[Step]:
                               "--configs", *LOWP_CONFIGS, "--impls", "mosaic"], 130, 300)]
 
 
+def auto_steps(out: pathlib.Path, part, args) -> list[Step]:
+  del part
+  from experiments import bench_fused_dw  # pylint: disable=g-import-not-at-top
+  members = bench_fused_dw.class_members(bench_fused_dw.preset_shapes(),
+                                         bench_fused_dw.block_shapes(args.model))
+  plan = bench_fused_dw.auto_plan([(m, [m]) for m in members], bench_fused_dw.AUTO_TOKENS,
+                                  list(bench_fused_dw.AUTO_CONFIGS))
+  estimate = bench_fused_dw.auto_estimate_s(plan, "mosaic", workers=8)
+  # The tool stops starting cases before its limit and writes what it measured.
+  return [Step("auto_members", ["experiments.bench_fused_dw", "--auto-table", "--members",
+                                "--time-limit", str(BUDGET_S - 40), "--out", str(out / "auto_members")],
+               estimate, BUDGET_S)]
+
+
 def capacity_steps(out: pathlib.Path, part, args) -> list[Step]:
   del part
   steps = []
@@ -221,7 +240,7 @@ def convergence_steps(out: pathlib.Path, part, args) -> list[Step]:
                                "--warmup", "50"], 480, BUDGET_S)]
 
 
-BUILDERS = {"front": front_steps, "kernels": kernels_steps, "lowp": lowp_steps,
+BUILDERS = {"front": front_steps, "kernels": kernels_steps, "lowp": lowp_steps, "auto": auto_steps,
             "models": models_steps, "capacity": capacity_steps, "convergence": convergence_steps}
 
 

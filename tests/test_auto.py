@@ -403,3 +403,25 @@ def test_regret_prices_the_tables_pick_on_other_shapes(tmp_path):
   assert bench_fused_dw.main(["--regret", str(tmp_path / "table.json"), str(tmp_path / "rows.json"),
                               "--out", str(tmp_path / "out")]) == 0
   assert (tmp_path / "out" / "auto_regret.md").read_text() == text
+
+
+def test_auto_table_script_members_measures_the_other_shapes_and_writes_the_regret(tmp_path):
+  """--members: each class's shapes but its representative are measured, and auto_regret.md
+  reads them through the table "auto" would read here; the presets' members are the shapes
+  the table serves through a nearest entry."""
+  members = bench_fused_dw.class_members(bench_fused_dw.preset_shapes(),
+                                         bench_fused_dw.block_shapes("llama-3.1-8b"))
+  reps = [rep for rep, _ in bench_fused_dw.shape_classes(bench_fused_dw.preset_shapes())]
+  assert members and not set(members) & set(reps)
+  assert sorted(members + reps) == sorted(bench_fused_dw.preset_shapes())
+  assert bench_fused_dw.main(["--auto-table", "--dry-run", "--members", "--configs", "bf16",
+                              "--shapes", "64x128", "64x96", "--tokens", "32", "--out", str(tmp_path)]) == 0
+  (member,) = bench_fused_dw.class_members([(64, 128), (64, 96)])  # the other represents the class
+  rows = json.loads((tmp_path / "auto_table_rows.json").read_text())["rows"]
+  assert [(r["k"], r["n"]) for r in rows] == [member]
+  regret = (tmp_path / "auto_regret.md").read_text()
+  assert str(_auto.table_path(jax.devices()[0].device_kind)) in regret
+  assert f"| 32 | {member[0]}x{member[1]} | bf16 |" in regret and "1 cases;" in regret
+  with pytest.raises(SystemExit, match="every class has one shape"):
+    bench_fused_dw.main(["--auto-table", "--dry-run", "--members", "--configs", "bf16",
+                         "--shapes", "64x128", "--tokens", "32", "--out", str(tmp_path / "b")])

@@ -107,6 +107,12 @@ def test_other_suites_call_the_tools_by_module_and_cli(tmp_path):
   from experiments import bench_lowp  # pylint: disable=g-import-not-at-top
   for flag in (a for a in argv if a.startswith("--")):
     assert f'"{flag}"' in inspect.getsource(bench_lowp), flag
+  (auto,) = reproduce.main(["--suite", "auto", "--dry-run", "--out", str(tmp_path)])["steps"]
+  argv = shlex.split(auto["command"])
+  assert argv[2:5] == ["experiments.bench_fused_dw", "--auto-table", "--members"]
+  assert auto["estimate_s"] < auto["timeout_s"] <= reproduce.BUDGET_S
+  for flag in (a for a in argv if a.startswith("--")):
+    assert f'"{flag}"' in inspect.getsource(bench_fused_dw), flag
   capacity = reproduce.main(["--suite", "capacity", "--dry-run", "--out", str(tmp_path)])
   assert sum(s["timeout_s"] for s in capacity["steps"]) <= reproduce.BUDGET_S
   for step in capacity["steps"]:
