@@ -1034,16 +1034,11 @@ def auto_table_run(args) -> int:
   for worker_rows in folder.glob("auto_rows_*.jsonl"):  # all in auto_table_rows.json now
     worker_rows.unlink()
   if args.members:  # what the table "auto" reads on this device costs on these shapes
-    text, _ = auto_regret(_auto_table_path(info["device"]), [folder / "auto_table_rows.json"])
+    from forge_jax import _auto  # pylint: disable=g-import-not-at-top
+    text, _ = auto_regret(_auto.table_path(info["device"]), [folder / "auto_table_rows.json"])
     (folder / "auto_regret.md").write_text(text)
     _timing.log("\n" + text + f"\nwrote {folder / 'auto_regret.md'}")
   return 0
-
-
-def _auto_table_path(device_kind: str) -> pathlib.Path:
-  from forge_jax import _auto  # pylint: disable=g-import-not-at-top
-
-  return _auto.table_path(device_kind)
 
 
 def class_members(shapes: Sequence[tuple[int, int]], first: Sequence[tuple[int, int]] = ()

@@ -203,10 +203,9 @@ def lowp_steps(out: pathlib.Path, part, args) -> list[Step]:
 
 
 def auto_steps(out: pathlib.Path, part, args) -> list[Step]:
-  del part
+  del part, args
   from experiments import bench_fused_dw  # pylint: disable=g-import-not-at-top
-  members = bench_fused_dw.class_members(bench_fused_dw.preset_shapes(),
-                                         bench_fused_dw.block_shapes(args.model))
+  members = bench_fused_dw.class_members(bench_fused_dw.preset_shapes())  # what the tool measures
   plan = bench_fused_dw.auto_plan([(m, [m]) for m in members], bench_fused_dw.AUTO_TOKENS,
                                   list(bench_fused_dw.AUTO_CONFIGS))
   estimate = bench_fused_dw.auto_estimate_s(plan, "mosaic", workers=8)
