@@ -26,10 +26,9 @@ above, unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -109,13 +108,10 @@ def _make(
              for v in rule.step_init_values()]
     return rule.state_cls(jnp.zeros([], jnp.int32), *steps, *slots)
 
-  def update_fn(updates, state, params=None, *, forge_decay_mask=None, forge_in_place=None,
-                **extra_args):
+  def update_fn(updates, state, params=None, *, forge_decay_mask=None, **extra_args):
     # forge_decay_mask: the decay mask of `params`, computed by the caller
     # (forge_jax.train_step evaluates a callable mask on the full params, as
     # optax would, and passes it here for the parameters FORGE does not manage).
-    # forge_in_place (an InPlace, from forge_jax.train_step): the leaves the one-pass kernel
-    # can take come back as Updated(new value) instead of an update (see in_place_kernel).
     del extra_args
     if rule.uses_weight and params is None:
       raise ValueError(
@@ -147,15 +143,10 @@ def _make(
       slots = tuple(s[i] for s in s_leaves)
       if step_trees:  # the stabilizers' scalars come from each leaf's step fields
         scalars = rule.scalars(state.count, *(t[i] for t in st_leaves))
-      if forge_in_place is not None and not step_trees and in_place_kernel(g, p, slots):
-        new_w, slots_out = _kernel_update(rule, g, p, slots, scalars, d, precision, state.count,
-                                          i, forge_in_place)
-        new_u.append(Updated(new_w))
-      else:
-        u, slots_out = apply_rule(
-            rule, g, p, slots, scalars, decay=d, precision=precision, step=state.count, stream=i
-        )
-        new_u.append(u)
+      u, slots_out = apply_rule(
+          rule, g, p, slots, scalars, decay=d, precision=precision, step=state.count, stream=i
+      )
+      new_u.append(u)
       for j, s in enumerate(slots_out):
         new_s[j].append(s)
     new_steps = _next_steps(rule, g_leaves, st_leaves)
@@ -238,71 +229,6 @@ def apply_rule(
     # Both are bfloat16 values: their difference is exact in float32.
     return new_w.astype(compute) - w32, new_slots
   return u.astype(jnp.result_type(g)), new_slots
-
-
-class InPlace(NamedTuple):
-  """``forge_jax.train_step``'s request to its optax form: update the leaves that
-  :func:`in_place_kernel` takes with the one-pass kernel, in place.
-
-  Attributes:
-    apply: bool scalar; where false the kernel stores nothing (the step is skipped).
-    interpret: run the kernel in Pallas interpret mode (tests on a CPU).
-  """
-
-  apply: Any
-  interpret: bool = False
-
-
-class Updated:
-  """A leaf of the updates that is the parameter's new value, not an update to add: the
-  kernel wrote it (and the leaf's state) in place, ``InPlace.apply`` already applied."""
-
-  def __init__(self, value):
-    self.value = value
-
-
-def in_place_kernel(g, w, slots) -> bool:
-  """Whether the optax form's update of this leaf runs as one kernel pass
-  (:func:`pallas_kernels.fused_dw.fused_update`) when ``forge_jax.train_step`` asks for it:
-  a matrix with int8 states (where XLA makes two passes: the blocks' maxima, then the codes)
-  and a float32 or bfloat16 gradient."""
-  slots = tuple(_lowp.from_float_view(s) for s in slots)
-  return (w is not None and jnp.ndim(w) == 2 and jnp.ndim(g) == 2
-          and jnp.result_type(g) in (jnp.float32, jnp.bfloat16)
-          and jnp.issubdtype(jnp.result_type(w), jnp.floating)
-          and any(isinstance(s, numerics.QuantizedArray) for s in slots))
-
-
-@dataclasses.dataclass(frozen=True)
-class _OptaxFormRule:
-  """``rule.update`` as :func:`apply_rule` applies it, for the kernel: ``u`` in the gradient's
-  dtype (as ``apply_rule`` returns it to ``optax.apply_updates``) unless the weight is rounded
-  stochastically, so that the kernel's ``w + u`` is the optax form's. Hashable by value."""
-
-  rule: Any
-  decay: bool
-  u_dtype: Any
-
-  def __call__(self, g, w, slots, s):
-    u, new_slots = self.rule.update(g, w, slots, s, decay=self.decay)
-    if self.u_dtype is not None:
-      u = u.astype(self.u_dtype).astype(u.dtype)
-    return u, new_slots
-
-
-def _kernel_update(rule, g, w, slots, scalars, decay, precision, step, stream, in_place):
-  """``(new w, new slots)`` of one leaf from the one-pass kernel; the same numbers as
-  :func:`apply_rule` followed by ``optax.apply_updates``."""
-  from pallas_kernels import fused_dw  # pylint: disable=g-import-not-at-top
-
-  stored = tuple(_lowp.from_float_view(s) for s in slots)
-  stochastic = precision.stochastic and jnp.result_type(w) != jnp.float32
-  update = _OptaxFormRule(rule, bool(decay), None if stochastic else jnp.dtype(jnp.result_type(g)))
-  new_w, new_slots = fused_dw.fused_update(
-      g, w, stored, scalars, update, interpret=in_place.interpret,
-      weight_codec=_lowp.weight_codec(precision, jnp.result_type(w)),
-      seed=numerics.stream_seed(precision.seed, stream), step=step, apply=in_place.apply)
-  return new_w, tuple(_lowp.view_like(n, like) for n, like in zip(new_slots, slots))
 
 
 def _value_bits(bits, slot, i):

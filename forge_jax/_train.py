@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -233,39 +233,6 @@ def _plain(tree):
   return traverse_util.unflatten_dict(_dense.flat_variables(tree)) if tree else tree
 
 
-# Where the optax form's int8-state matrices (embeddings) run the one-pass kernel: None (XLA),
-# "triton" or "interpret". None picks: the Triton kernel on a single NVIDIA GPU, else XLA.
-IN_PLACE_KERNEL: Optional[str] = None
-
-
-def in_place_kernel() -> Optional[str]:
-  """How ``train_step`` updates the matrices with int8 states that FORGE does not manage
-  (embeddings): ``"triton"`` (one kernel pass, in place: on one NVIDIA GPU, where XLA makes two
-  passes), ``"interpret"`` (the same kernel interpreted: tests) or ``None`` (XLA)."""
-  if IN_PLACE_KERNEL is not None:
-    return None if IN_PLACE_KERNEL == "xla" else IN_PLACE_KERNEL
-  devices = jax.devices()
-  if len(devices) == 1 and devices[0].platform == "gpu" and "NVIDIA" in devices[0].device_kind.upper():
-    return "triton"
-  return None
-
-
-def _apply_update(p, u):
-  """``optax.apply_updates`` of one leaf."""
-  return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
-
-
-def _keep_state_if_skipped(new, old, routed, keep):
-  """``keep(new, old)`` on the optax-form state (a NamedTuple: the count, then trees shaped like
-  the parameters), but for the entries of the leaves in ``routed`` (kept by their kernel)."""
-  if not any(jax.tree.leaves(routed)):
-    return keep(new, old)
-  fields = [keep(n, o) if name == "count" else
-            jax.tree.map(lambda r, a, b: a if r else keep(a, b), routed, n, o)
-            for name, n, o in zip(new._fields, new, old)]
-  return type(new)(*fields)
-
-
 def _apply_cotangents(state: TrainState, paths, cts, finite, kept=frozenset()):
   """The step's new (params, forge_state, opt_state, step, grad_norm, nonfinite_grads) from the
   backward pass's cotangents. FORGE kernels and states come updated (or, where ``finite`` is
@@ -283,18 +250,9 @@ def _apply_cotangents(state: TrainState, paths, cts, finite, kept=frozenset()):
   extra = {}
   if state.optimizer.mask is not None:
     extra["forge_decay_mask"] = _split(state.optimizer.decay_mask(state.params), paths)[1]
-  kernel = in_place_kernel()
-  if kernel is not None:
-    extra["forge_in_place"] = _optimizers.InPlace(finite, interpret=kernel == "interpret")
   updates, opt_state = state.optimizer.update(grads_rest, state.opt_state, params_rest, **extra)
-  # A leaf the one-pass kernel updated came back as its new value, its state written in place
-  # and the skip already applied: selecting against the old value would copy it first.
-  updated = lambda u: isinstance(u, _optimizers.Updated)
-  routed = jax.tree.map(updated, updates, is_leaf=updated)
-  opt_state = _keep_state_if_skipped(opt_state, state.opt_state, routed, keep_if_skipped)
-  params_rest = jax.tree.map(
-      lambda p, u: u.value if updated(u) else keep_if_skipped(_apply_update(p, u), p),
-      params_rest, updates, is_leaf=updated)
+  opt_state = keep_if_skipped(opt_state, state.opt_state)
+  params_rest = keep_if_skipped(optax.apply_updates(params_rest, updates), params_rest)
   params = _merge(params_rest, new_managed)
 
   flat_ct = _dense.flat_variables(ct_forge)

@@ -5,7 +5,6 @@ script in its CPU smoke mode."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 
@@ -282,61 +281,6 @@ def test_train_step_with_sr_and_int8_states_scanned_and_unrolled_kernel_equals_x
   old = _saved_before_block_major(tmp_path / "old", xla)
   assert old.forge_state["Dense_0"]["kernel"].opt.mu.scale.shape == (64, 1)
   _leaves_equal(forge_jax.restore_train_state(tmp_path / "old", xla), xla)
-
-
-class _Embedder(nn.Module):
-  """An embedding and a norm scale (optax form) around a FORGE layer."""
-
-  opt: forge_jax.ForgeOptimizer
-
-  @nn.compact
-  def __call__(self, tokens):
-    h = nn.Embed(96, 128, param_dtype=BF16, dtype=F32)(tokens)
-    h = h * self.param("scale", nn.initializers.ones, (128,), BF16)
-    return forge_jax.Dense(64, optimizer=self.opt, param_dtype=BF16, backend="xla")(h)
-
-
-@pytest.mark.parametrize("precision", [SR_INT8, forge_jax.Precision(state_dtype="int8")],
-                         ids=["sr_int8", "rtn_int8"])
-def test_train_step_updates_int8_embeddings_in_one_kernel_pass_as_xla_does(monkeypatch, precision):
-  from forge_jax import _train  # pylint: disable=g-import-not-at-top
-  opt = forge_jax.adamw(1e-2, weight_decay=0.1, precision=dataclasses.replace(
-      precision, min_quantized_size=4096))
-  model = _Embedder(opt)
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 12), 0, 96)
-  batch = {"x": tokens, "y": jnp.zeros((4, 12, 64))}
-  variables = model.init(jax.random.PRNGKey(0), tokens)
-  loss_fn = functools.partial(_mse, model.apply)
-  from pallas_kernels import fused_dw  # pylint: disable=g-import-not-at-top
-  calls = []
-  real = fused_dw.fused_update
-  monkeypatch.setattr(fused_dw, "fused_update", lambda g, *a, **k: calls.append(g.shape) or real(g, *a, **k))
-  states = {}
-  for kernel in ("xla", "interpret"):
-    monkeypatch.setattr(_train, "IN_PLACE_KERNEL", kernel)
-    jax.clear_caches()  # the step was traced with the other choice
-    state = forge_jax.TrainState.create(model.apply, jax.tree.map(jnp.copy, variables), opt)
-    for _ in range(3):
-      state, _ = forge_jax.train_step(state, batch, loss_fn)
-    # A step whose loss is not finite changes nothing, in the kernel's leaves too.
-    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
-    bad = {"x": tokens, "y": batch["y"].at[0, 0, 0].set(jnp.nan)}
-    state, metrics = forge_jax.train_step(state, bad, loss_fn)
-    assert not np.isfinite(float(metrics["loss"]))
-    _leaves_equal((state.params, state.opt_state), before)
-    states[kernel] = state
-  assert calls and set(calls) == {(96, 128)}  # the embedding, and only under "interpret"
-  xla, kern = states["xla"], states["interpret"]
-  mu = xla.opt_state.mu["Embed_0"]["embedding"]
-  assert isinstance(mu, forge_jax.QuantizedArray) and mu.codes.shape == (96, 128)
-  assert not isinstance(xla.opt_state.mu["scale"], forge_jax.QuantizedArray)  # below the size
-  # The same numbers up to rare one-step roundings (the rule's float32 arithmetic is fused
-  # differently in the kernel and in XLA's passes).
-  for a, b in zip(jax.tree.leaves(xla.opt_state), jax.tree.leaves(kern.opt_state)):
-    assert (np.asarray(a) != np.asarray(b)).mean() <= 2e-3
-  emb = [np.asarray(s.params["Embed_0"]["embedding"], np.float32) for s in (xla, kern)]
-  assert (emb[0] != emb[1]).mean() <= 2e-3
-  assert (emb[0] != np.asarray(variables["params"]["Embed_0"]["embedding"], np.float32)).mean() > 0.05
 
 
 def _saved_before_block_major(path, state):
