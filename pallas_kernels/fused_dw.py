@@ -217,12 +217,41 @@ def _accumulate_grad(
   return lax.fori_loop(0, pl.cdiv(t, bt), body, jnp.zeros((bk, bn), jnp.float32))
 
 
-def _update_tile(g, scalars_ref, ints_ref, in_refs, out_refs, k0, n0, k_mask, n_mask, *, k: int,
-                 n: int, codecs, stacked: bool, gated: bool, scalars_treedef, update_fn,
-                 config) -> None:
-  """The epilogue of one (block_k, block_n) tile whose float32 gradient ``g`` is in registers:
-  decode the weight and slots, run the rule, encode and store (in place)."""
+def _fused_dw_kernel(
+    # Inputs: x [T, K], dy [T, N], packed scalars [S], (ints [3 or 4]), then the
+    # parts of w and of every slot (see `codecs`).
+    x_ref, dy_ref, scalars_ref, *refs,
+    # Outputs: the same parts (aliased to the inputs), then (grad_sq [gk, gn]).
+    t: int,
+    k: int,
+    n: int,
+    codecs: tuple[numerics.Codec, ...],
+    with_ints: bool,
+    stacked: bool,
+    gated: bool,
+    with_norm: bool,
+    scalars_treedef: Any,
+    update_fn: UpdateFn,
+    config: TileConfig,
+    compute_dtype: Any,
+    precision: Any,
+):
+  """One (block_k, block_n) weight tile: gradient, update, write-back."""
+  ints_ref, refs = (refs[0], refs[1:]) if with_ints else (None, refs)
+  num_parts = sum(len(c.col_divisors()) for c in codecs)
+  in_refs, out_refs = refs[:num_parts], refs[num_parts : 2 * num_parts]
+  norm_ref = refs[2 * num_parts] if with_norm else None
   bk, bn = config.block_k, config.block_n
+
+  pid_k, pid_n = pl.program_id(0), pl.program_id(1)
+  k0, n0 = pid_k * bk, pid_n * bn
+  k_mask = _edge_mask(k0, bk, k)
+  n_mask = _edge_mask(n0, bn, n)
+  g = _accumulate_grad(
+      x_ref, dy_ref, k0, n0, k_mask, n_mask,
+      t=t, config=config, compute_dtype=compute_dtype, precision=precision,
+  )
+
   # Where each part's tile lives: a part with one value per `d` columns of the
   # weight (per-block scales) is stored block-major, [..., N // d, K]: its tile
   # is bn // d rows at n0 // d by the weight tile's bk columns.
@@ -268,67 +297,9 @@ def _update_tile(g, scalars_ref, ints_ref, in_refs, out_refs, k0, n0, k_mask, n_
         mask = keep if mask is None else mask & keep
       _store(r.at[tile], part, mask)
     i += m
-
-
-def _fused_dw_kernel(
-    # Inputs: x [T, K], dy [T, N], packed scalars [S], (ints [3 or 4]), then the
-    # parts of w and of every slot (see `codecs`).
-    x_ref, dy_ref, scalars_ref, *refs,
-    # Outputs: the same parts (aliased to the inputs), then (grad_sq [gk, gn]).
-    t: int,
-    k: int,
-    n: int,
-    codecs: tuple[numerics.Codec, ...],
-    with_ints: bool,
-    stacked: bool,
-    gated: bool,
-    with_norm: bool,
-    scalars_treedef: Any,
-    update_fn: UpdateFn,
-    config: TileConfig,
-    compute_dtype: Any,
-    precision: Any,
-):
-  """One (block_k, block_n) weight tile: gradient, update, write-back."""
-  ints_ref, refs = (refs[0], refs[1:]) if with_ints else (None, refs)
-  num_parts = sum(len(c.col_divisors()) for c in codecs)
-  in_refs, out_refs = refs[:num_parts], refs[num_parts : 2 * num_parts]
-  norm_ref = refs[2 * num_parts] if with_norm else None
-  bk, bn = config.block_k, config.block_n
-
-  pid_k, pid_n = pl.program_id(0), pl.program_id(1)
-  k0, n0 = pid_k * bk, pid_n * bn
-  k_mask = _edge_mask(k0, bk, k)
-  n_mask = _edge_mask(n0, bn, n)
-  g = _accumulate_grad(
-      x_ref, dy_ref, k0, n0, k_mask, n_mask,
-      t=t, config=config, compute_dtype=compute_dtype, precision=precision,
-  )
-  _update_tile(g, scalars_ref, ints_ref, in_refs, out_refs, k0, n0, k_mask, n_mask, k=k, n=n,
-               codecs=codecs, stacked=stacked, gated=gated, scalars_treedef=scalars_treedef,
-               update_fn=update_fn, config=config)
   if with_norm:
     # Masked-off rows and columns of g are exact zeros (masked loads).
     norm_ref[pid_k, pid_n] = jnp.sum(grad_sq_terms(g))
-
-
-def _update_kernel(
-    # Inputs: g [K, N], packed scalars [S], (ints [3 or 4]), then the parts of w and of every
-    # slot. Outputs: the same parts (aliased to the inputs).
-    g_ref, scalars_ref, *refs, k: int, n: int, codecs, with_ints: bool, stacked: bool,
-    gated: bool, scalars_treedef: Any, update_fn: UpdateFn, config: TileConfig,
-):
-  """One (block_k, block_n) tile of a gradient that exists in memory: update, write-back."""
-  ints_ref, refs = (refs[0], refs[1:]) if with_ints else (None, refs)
-  num_parts = sum(len(c.col_divisors()) for c in codecs)
-  in_refs, out_refs = refs[:num_parts], refs[num_parts : 2 * num_parts]
-  bk, bn = config.block_k, config.block_n
-  k0, n0 = pl.program_id(0) * bk, pl.program_id(1) * bn
-  k_mask, n_mask = _edge_mask(k0, bk, k), _edge_mask(n0, bn, n)
-  g = _load(g_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], _tile_mask(k_mask, n_mask, (bk, bn)))
-  _update_tile(g.astype(jnp.float32), scalars_ref, ints_ref, in_refs, out_refs, k0, n0, k_mask,
-               n_mask, k=k, n=n, codecs=codecs, stacked=stacked, gated=gated,
-               scalars_treedef=scalars_treedef, update_fn=update_fn, config=config)
 
 
 # ----------------------------------------------------------------------------
@@ -438,34 +409,16 @@ def fused_dw_update(
         f"config.block_n={config.block_n} must be a multiple of the quantization "
         f"block={block}: a tile re-quantizes whole blocks. Use a larger block_n."
     )
+  seed_i32, step_i32 = rounding_ints(codecs, seed, step)
   compute_dtype = jnp.promote_types(x.dtype, dy.dtype)
   # Full fp32 (no TF32) for fp32 inputs, as the reference; bf16 is exact in
   # the tensor cores' products either way.
   precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-  grid = (pl.cdiv(k, config.block_k), pl.cdiv(n, config.block_n))
-  kernel = functools.partial(_fused_dw_kernel, t=t, with_norm=compute_grad_sq_norm,
-                             compute_dtype=compute_dtype, precision=precision)
-  extra_out = [jax.ShapeDtypeStruct(grid, jnp.float32)] if compute_grad_sq_norm else []
-  outs, parts = _launch(kernel, [x, dy], w, slots, codecs, scalars, update_fn, config, grid,
-                        layer=layer, seed=seed, step=step, apply=apply, extra_out=extra_out,
-                        interpret=interpret, name="fused_dw_update")
-  new_w, new_slots = rebuild(codecs, outs[: len(parts)])
-  norm = jnp.sum(outs[-1]) if compute_grad_sq_norm else None
-  return new_w, new_slots, norm
-
-
-def _launch(kernel, lead: list, w: Array, slots: tuple, codecs, scalars, update_fn,
-            config: TileConfig, grid, *, layer, seed, step, apply, extra_out: list,
-            interpret: bool, name: str):
-  """The Triton ``pallas_call`` of a kernel whose first inputs are ``lead``, then the packed
-  scalars, (the ints), and the parts of ``w`` and the slots, aliased to its first outputs.
-  Returns ``(outputs, parts)``."""
-  seed_i32, step_i32 = rounding_ints(codecs, seed, step)
   scalar_vec, scalars_treedef = pack_scalars(scalars)
   stacked = w.ndim == 3
   gated = apply is not None
   with_ints = stacked or gated or any(c.needs_bits for c in codecs)
-  inputs = list(lead) + [scalar_vec]
+  inputs = [x, dy, scalar_vec]
   if with_ints:
     # Clamped: an out-of-range layer must never become an out-of-bounds write.
     layer_i32 = jnp.int32(0) if not stacked else jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
@@ -476,10 +429,24 @@ def _launch(kernel, lead: list, w: Array, slots: tuple, codecs, scalars, update_
   first_state = len(inputs)
   parts = parts_of(codecs, w, slots)
   inputs += parts
-  out_shape = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in parts] + list(extra_out)
+  grid = (pl.cdiv(k, config.block_k), pl.cdiv(n, config.block_n))
+  out_shape = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in parts]
+  if compute_grad_sq_norm:
+    out_shape.append(jax.ShapeDtypeStruct(grid, jnp.float32))
   kernel = functools.partial(
-      kernel, k=w.shape[-2], n=w.shape[-1], codecs=codecs, with_ints=with_ints, stacked=stacked,
-      gated=gated, scalars_treedef=scalars_treedef, update_fn=update_fn, config=config)
+      _fused_dw_kernel,
+      t=t, k=k, n=n,
+      codecs=codecs,
+      with_ints=with_ints,
+      stacked=stacked,
+      gated=gated,
+      with_norm=compute_grad_sq_norm,
+      scalars_treedef=scalars_treedef,
+      update_fn=update_fn,
+      config=config,
+      compute_dtype=compute_dtype,
+      precision=precision,
+  )
   _silence_triton_deprecation()
   outs = pl.pallas_call(
       kernel,
@@ -491,60 +458,8 @@ def _launch(kernel, lead: list, w: Array, slots: tuple, codecs, scalars, update_
           num_warps=config.num_warps, num_stages=config.num_stages
       ),
       interpret=interpret,
-      name=name,
+      name="fused_dw_update",
   )(*inputs)
-  return outs, parts
-
-
-# One quantization block wide, 128 rows: a program's tile is 8192 values (32 KiB of float32),
-# small enough that the int8 epilogue's per-block reduction and hash stay in registers.
-UPDATE_TILE = TileConfig(block_k=128, block_n=64, block_t=_MIN_BLOCK, num_warps=4, num_stages=1)
-
-
-def fused_update(
-    g: Array,
-    w: Array,
-    slots: Sequence[Array],
-    scalars: Any,
-    update_fn: UpdateFn,
-    *,
-    config: Optional[TileConfig] = None,
-    interpret: bool = False,
-    weight_codec: Optional[numerics.Codec] = None,
-    seed: Optional[Any] = None,
-    step: Optional[Any] = None,
-    apply: Optional[Any] = None,
-):
-  """The same tile epilogue as :func:`fused_dw_update` on a gradient ``g`` [K, N] that is
-  already in memory: one pass that reads ``g``, ``w`` and the slots and writes ``w`` and the
-  slots in place.
-
-  For a parameter whose gradient no GEMM produces (an embedding's comes from a scatter-add):
-  with int8 states XLA needs two passes over such a matrix (the blocks' maxima, then the codes,
-  each re-running the rule), where a tile that holds whole blocks needs one. Arguments as
-  :func:`fused_dw_update`'s (``w`` and the slots [K, N], not stacked; ``config.block_t``
-  unused); the result ``(new_w, new_slots)`` is what
-  :func:`~pallas_kernels.reference.fused_dw_update_reference` gives for this gradient.
-  """
-  slots = tuple(slots)
-  if g.ndim != 2 or tuple(g.shape) != tuple(w.shape):
-    raise ValueError(f"g.shape={tuple(g.shape)} and w.shape={tuple(w.shape)} must be the same "
-                     "[K, N] (fused_update does not take stacked weights).")
-  if jnp.dtype(g.dtype) not in _INPUT_DTYPES:
-    raise ValueError(f"g.dtype={g.dtype} is not supported: cast g to float32 or bfloat16.")
-  x, dy = (jax.ShapeDtypeStruct((1, d), g.dtype) for d in g.shape)
-  if why := operand_problem(x, dy, w, slots):
-    raise ValueError(why)
-  codecs = codecs_for(w, slots, weight_codec)
-  block = max(d for c in codecs for d in c.col_divisors())
-  config = config or UPDATE_TILE.replace(block_n=max(UPDATE_TILE.block_n, block))
-  if config.block_n % block:
-    raise ValueError(
-        f"config.block_n={config.block_n} must be a multiple of the quantization "
-        f"block={block}: a tile re-quantizes whole blocks. Use a larger block_n."
-    )
-  grid = (pl.cdiv(w.shape[0], config.block_k), pl.cdiv(w.shape[1], config.block_n))
-  outs, parts = _launch(_update_kernel, [g], w, slots, codecs, scalars, update_fn, config, grid,
-                        layer=None, seed=seed, step=step, apply=apply, extra_out=[],
-                        interpret=interpret, name="fused_update")
-  return rebuild(codecs, outs[: len(parts)])
+  new_w, new_slots = rebuild(codecs, outs[: len(parts)])
+  norm = jnp.sum(outs[-1]) if compute_grad_sq_norm else None
+  return new_w, new_slots, norm

@@ -23,7 +23,6 @@ import pytest
 import forge_jax
 from pallas_kernels import numerics as nm
 from pallas_kernels import TileConfig, fused_dw_update, fused_dw_update_reference
-from pallas_kernels.fused_dw import fused_update
 from tests._lowering import lower_for_cuda
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
@@ -410,35 +409,6 @@ def test_kernel_matches_reference_with_random_inputs_and_adamw():
     assert (np.asarray(a.codes) != np.asarray(b.codes)).mean() <= 1e-3
     assert np.abs(np.asarray(a.codes, np.int32) - np.asarray(b.codes, np.int32)).max() <= 1
     np.testing.assert_allclose(a.scale, b.scale, rtol=1e-5)
-
-
-def test_update_kernel_on_a_stored_gradient_equals_reference_bit_for_bit():
-  # fused_update reads g from memory: the reference's dW = x.T @ dy for x the identity is g.
-  _, dy, w, slots = _int_inputs(5, 96, 96, 320)
-  g = dy.astype(jnp.float32) * 3.0
-  eye = jnp.eye(96, dtype=jnp.float32)
-  kw = dict(weight_codec=nm.StochasticRound(), seed=17, step=jnp.int32(4))
-  want = fused_dw_update_reference(eye, g, w, slots, EXACT_SCALARS, exact_rule, **kw)
-  for tile in (SMALL, OTHER.replace(block_k=16)):
-    got = fused_update(g, w, slots, EXACT_SCALARS, exact_rule, config=tile, interpret=True, **kw)
-    _bits_equal(got, want[:2])
-  assert not np.array_equal(np.asarray(want[0]), np.asarray(w))
-  # apply=False stores nothing.
-  kept = fused_update(g, w, slots, EXACT_SCALARS, exact_rule, config=SMALL, interpret=True,
-                      apply=jnp.bool_(False), **kw)
-  _bits_equal(kept, (w, slots))
-
-
-def test_update_kernel_errors_name_the_value():
-  _, _, w, slots = _int_inputs(6, 8, 64, 128)
-  with pytest.raises(ValueError, match=r"g.shape=\(64, 64\) and w.shape=\(64, 128\)"):
-    fused_update(jnp.zeros((64, 64)), w, slots, EXACT_SCALARS, exact_rule, interpret=True)
-  with pytest.raises(ValueError, match="g.dtype=float16"):
-    fused_update(jnp.zeros((64, 128), jnp.float16), w, slots, EXACT_SCALARS, exact_rule,
-                 interpret=True)
-  with pytest.raises(ValueError, match="block_n=32 must be a multiple"):
-    fused_update(jnp.zeros((64, 128)), w, slots, EXACT_SCALARS, exact_rule, interpret=True,
-                 config=SMALL.replace(block_n=32), seed=1, step=jnp.int32(1))
 
 
 def test_bf16_states_and_nearest_rounding_match_reference():
