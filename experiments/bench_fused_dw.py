@@ -58,7 +58,8 @@ change to one storage (e.g. int8) is measured again while the other rows are kep
 one representative per class; ``--auto-table --members`` checks it on the others: it measures
 the classes' other members (7 of the presets' 27 projections) and writes ``auto_regret.md``,
 each case's time under the pick of the table ``"auto"`` reads on this device over the faster
-backend's (``--regret TABLE ROWS...`` does the same for any table and measured rows). On the H200::
+backend's (``--regret TABLE ROWS...`` does the same for any table and measured rows), and
+``--union TABLE MEMBERS_TABLE --out DIR`` joins its measured cases to the table. On the H200::
 
     PYTHONPATH=$PWD python -m experiments.bench_fused_dw --auto-table --time-limit 500 --out $OUT
 
@@ -588,6 +589,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="measure the classes' other members (of the presets, or of --shapes) instead "
                     "of their representatives, then write auto_regret.md: each case's time under the "
                     "table \"auto\" reads on this device against the faster backend's")
+  auto.add_argument("--union", type=pathlib.Path, nargs="+", default=None, metavar="TABLE",
+                    help="auto_table.json files of one device and jax (a table, then e.g. a --members "
+                    "run's): write their union to --out's auto_table.json (a later file's entry wins "
+                    "on the same case) and exit")
   auto.add_argument("--rule-table", type=pathlib.Path, default=None, metavar="PATH",
                     help="write the unmeasured table of the rule without one to PATH and exit")
   args = parser.parse_args(argv)
@@ -602,6 +607,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     text, _ = auto_regret(args.regret[0], args.regret[1:])
     (folder / "auto_regret.md").write_text(text)
     _timing.log("\n" + text + f"\nwrote {folder / 'auto_regret.md'}")
+    return 0
+  if args.union:
+    folder = _timing.out_dir(args.out)
+    _write_text(folder / "auto_table.json", union_table(args.union).dumps())
+    _timing.log(f"wrote {folder / 'auto_table.json'}")
     return 0
   if args.compare_lowp:
     folder = _timing.out_dir(args.out)
@@ -1119,6 +1129,27 @@ def _auto_table(info: dict, rows: list[dict], interpret: bool, planned: int):
     provenance["merged"] = [{f: run[f] for f in ("commit", "date", "elapsed_s", "cases")}
                             for run in info["merged"]]
   return _auto.Table.from_json({"provenance": provenance, "entries": entries})
+
+
+def union_table(paths: Sequence[pathlib.Path]):
+  """The tables at ``paths`` (one device and jax) as one: every entry of each, a later table's
+  winning on the same case (t, k, n and storage); the first table's provenance, with the others'
+  under ``"added"``. How a ``--members`` run's measurements join the table they checked."""
+  from forge_jax import _auto  # pylint: disable=g-import-not-at-top
+
+  tables = [_auto.read_table(p) for p in paths]
+  first = tables[0].provenance
+  for path, table in zip(paths[1:], tables[1:]):
+    for field in ("device", "jax"):
+      if table.provenance.get(field) != first.get(field):
+        raise SystemExit(f"--union {path}: measured with {field} {table.provenance.get(field)!r}, "
+                         f"{paths[0]} with {first.get(field)!r}: join only tables of one device and jax")
+  entries = {}
+  for table in tables:
+    entries.update(((e.t, e.k, e.n) + e.key, e) for e in table.entries)
+  keep = ("date", "commit", "command", "cases_measured")
+  provenance = dict(first, added=[{f: t.provenance.get(f) for f in keep} for t in tables[1:]])
+  return _auto.Table(provenance, tuple(entries.values()))
 
 
 def _write_text(path: pathlib.Path, text: str) -> None:

@@ -425,3 +425,29 @@ def test_auto_table_script_members_measures_the_other_shapes_and_writes_the_regr
   with pytest.raises(SystemExit, match="every class has one shape"):
     bench_fused_dw.main(["--auto-table", "--dry-run", "--members", "--configs", "bf16",
                          "--shapes", "64x128", "--tokens", "32", "--out", str(tmp_path / "b")])
+
+
+def test_union_joins_a_members_run_to_its_table_and_then_prices_it_at_nothing(tmp_path):
+  """--union: a --members run's measured cases join the table (a later table wins on the same
+  case), so "auto" reads them exactly; tables of another device are refused."""
+  base = _table((1024, 4096, 1024, "bfloat16", "bfloat16", False, "mosaic"),
+                (1024, 4096, 4096, "bfloat16", "bfloat16", False, "mosaic"),
+                device="H", jax="j", date="d1", commit="c1", measured=True)
+  members = _table((1024, 5120, 1024, "bfloat16", "bfloat16", False, "xla"),
+                   (1024, 4096, 4096, "bfloat16", "bfloat16", False, "xla"),
+                   device="H", jax="j", date="d2", commit="c2", measured=True)
+  for name, table in (("base", base), ("members", members)):
+    (tmp_path / f"{name}.json").write_text(table.dumps())
+  assert bench_fused_dw.main(["--union", str(tmp_path / "base.json"), str(tmp_path / "members.json"),
+                              "--out", str(tmp_path / "out")]) == 0
+  union = _auto.read_table(tmp_path / "out" / "auto_table.json")
+  assert len(union.entries) == 3 and union.provenance["date"] == "d1"
+  assert union.provenance["added"] == [{"date": "d2", "commit": "c2", "command": None,
+                                        "cases_measured": None}]
+  assert union.choose(1024, 5120, 1024, "bfloat16", "bfloat16", False) == "xla"  # was 4096x1024's
+  assert union.choose(1024, 4096, 4096, "bfloat16", "bfloat16", False) == "xla"  # the later wins
+  assert union.choose(1024, 4096, 1024, "bfloat16", "bfloat16", False) == "mosaic"
+  other = _table((1024, 64, 64, "bfloat16", "bfloat16", False, "xla"), device="G", jax="j")
+  (tmp_path / "other.json").write_text(other.dumps())
+  with pytest.raises(SystemExit, match="device 'G'"):
+    bench_fused_dw.union_table([tmp_path / "base.json", tmp_path / "other.json"])
