@@ -58,8 +58,9 @@ change to one storage (e.g. int8) is measured again while the other rows are kep
 one representative per class; ``--auto-table --members`` checks it on the others: it measures
 the classes' other members (7 of the presets' 27 projections) and writes ``auto_regret.md``,
 each case's time under the pick of the table ``"auto"`` reads on this device over the faster
-backend's (``--regret TABLE ROWS...`` does the same for any table and measured rows), and
-``--union TABLE MEMBERS_TABLE --out DIR`` joins its measured cases to the table. On the H200::
+backend's (``--regret TABLE ROWS...`` does the same for any table and measured rows), and on a
+GPU ``auto_table_with_members.json``, that table with the measured cases joined (``--union TABLE
+MEMBERS_TABLE --out DIR`` does the same for any tables of one device). On the H200::
 
     PYTHONPATH=$PWD python -m experiments.bench_fused_dw --auto-table --time-limit 500 --out $OUT
 
@@ -1045,9 +1046,16 @@ def auto_table_run(args) -> int:
     worker_rows.unlink()
   if args.members:  # what the table "auto" reads on this device costs on these shapes
     from forge_jax import _auto  # pylint: disable=g-import-not-at-top
-    text, _ = auto_regret(_auto.table_path(info["device"]), [folder / "auto_table_rows.json"])
+    used = _auto.table_path(info["device"])
+    text, _ = auto_regret(used, [folder / "auto_table_rows.json"])
     (folder / "auto_regret.md").write_text(text)
     _timing.log("\n" + text + f"\nwrote {folder / 'auto_regret.md'}")
+    try:  # the table with these cases joined (--union), to ship for this GPU
+      joined = union_table([used, folder / "auto_table.json"])
+    except SystemExit as e:  # the table read was measured on another device (or a CPU run)
+      _timing.log(f"no auto_table_with_members.json: {e}")
+    else:
+      _write_text(folder / "auto_table_with_members.json", joined.dumps())
   return 0
 
 

@@ -26,7 +26,8 @@ subprocesses, each with a time limit, so a hang costs that step, not the call:
   on the presets' projections that ``"auto"``'s table serves through another shape's entry (each
   shape class's members but its representative) at every T and storage the table has, then
   ``auto_regret.md``: each case's time under the pick of the table ``"auto"`` reads on this
-  GPU over the faster backend's.
+  GPU over the faster backend's, and ``auto_table_with_members.json``: that table with the
+  measured cases joined, to ship for that GPU.
 * ``models``: the headline table, Llama-3.1-8B at 1x1024 in bf16: optax.adamw, optax +
   ``clip_by_global_norm(1.0)``, FORGE (nearest and stochastic rounding) and FORGE with int8
   states (stochastically rounded bf16 weights), each scanned (remat full) and unrolled (remat

@@ -422,6 +422,7 @@ def test_auto_table_script_members_measures_the_other_shapes_and_writes_the_regr
   regret = (tmp_path / "auto_regret.md").read_text()
   assert str(_auto.table_path(jax.devices()[0].device_kind)) in regret
   assert f"| 32 | {member[0]}x{member[1]} | bf16 |" in regret and "1 cases;" in regret
+  assert not (tmp_path / "auto_table_with_members.json").exists()  # the table read is another device's
   with pytest.raises(SystemExit, match="every class has one shape"):
     bench_fused_dw.main(["--auto-table", "--dry-run", "--members", "--configs", "bf16",
                          "--shapes", "64x128", "--tokens", "32", "--out", str(tmp_path / "b")])
