@@ -428,7 +428,7 @@ def test_auto_table_script_members_measures_the_other_shapes_and_writes_the_regr
                          "--shapes", "64x128", "--tokens", "32", "--out", str(tmp_path / "b")])
 
 
-def test_union_joins_a_members_run_to_its_table_and_then_prices_it_at_nothing(tmp_path):
+def test_union_joins_a_members_run_to_its_table_so_auto_reads_those_cases_exactly(tmp_path):
   """--union: a --members run's measured cases join the table (a later table wins on the same
   case), so "auto" reads them exactly; tables of another device are refused."""
   base = _table((1024, 4096, 1024, "bfloat16", "bfloat16", False, "mosaic"),
