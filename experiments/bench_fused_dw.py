@@ -610,8 +610,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _timing.log("\n" + text + f"\nwrote {folder / 'auto_regret.md'}")
     return 0
   if args.union:
+    try:
+      joined = union_table(args.union)
+    except ValueError as e:
+      parser.error(f"--union: {e}")
     folder = _timing.out_dir(args.out)
-    _write_text(folder / "auto_table.json", union_table(args.union).dumps())
+    _write_text(folder / "auto_table.json", joined.dumps())
     _timing.log(f"wrote {folder / 'auto_table.json'}")
     return 0
   if args.compare_lowp:
@@ -1052,7 +1056,7 @@ def auto_table_run(args) -> int:
     _timing.log("\n" + text + f"\nwrote {folder / 'auto_regret.md'}")
     try:  # the table with these cases joined (--union), to ship for this GPU
       joined = union_table([used, folder / "auto_table.json"])
-    except SystemExit as e:  # the table read was measured on another device (or a CPU run)
+    except ValueError as e:  # the table read was measured on another device (or a CPU run)
       _timing.log(f"no auto_table_with_members.json: {e}")
     else:
       _write_text(folder / "auto_table_with_members.json", joined.dumps())
@@ -1150,7 +1154,7 @@ def union_table(paths: Sequence[pathlib.Path]):
   for path, table in zip(paths[1:], tables[1:]):
     for field in ("device", "jax"):
       if table.provenance.get(field) != first.get(field):
-        raise SystemExit(f"--union {path}: measured with {field} {table.provenance.get(field)!r}, "
+        raise ValueError(f"{path} was measured with {field} {table.provenance.get(field)!r}, "
                          f"{paths[0]} with {first.get(field)!r}: join only tables of one device and jax")
   entries = {}
   for table in tables:

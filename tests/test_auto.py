@@ -450,5 +450,9 @@ def test_union_joins_a_members_run_to_its_table_so_auto_reads_those_cases_exactl
   assert union.choose(1024, 4096, 1024, "bfloat16", "bfloat16", False) == "mosaic"
   other = _table((1024, 64, 64, "bfloat16", "bfloat16", False, "xla"), device="G", jax="j")
   (tmp_path / "other.json").write_text(other.dumps())
-  with pytest.raises(SystemExit, match="device 'G'"):
+  with pytest.raises(ValueError, match="device 'G'"):
     bench_fused_dw.union_table([tmp_path / "base.json", tmp_path / "other.json"])
+  with pytest.raises(SystemExit):  # the command line: a usage error
+    bench_fused_dw.main(["--union", str(tmp_path / "base.json"), str(tmp_path / "other.json"),
+                         "--out", str(tmp_path / "bad")])
+  assert not (tmp_path / "bad" / "auto_table.json").exists()
