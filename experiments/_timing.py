@@ -65,13 +65,17 @@ def time_steps(
   donates its state (an optimizer step) can run any number of times. With
   ``iters=None`` the count per repeat is picked from the warm-up so that one
   repeat lasts about ``target_repeat_ms`` (between 3 and ``max_iters`` calls).
+  ``warmup=0`` (with ``iters`` given) times the first call with its compile: the smoke runs under
+  an interpreter, whose times mean nothing and whose every call costs seconds.
   """
+  if warmup < 0 or (warmup == 0 and iters is None):
+    raise ValueError(f"warmup={warmup}: needs warmup >= 1 to pick iters, else >= 0")
   start = time.perf_counter()
-  for _ in range(max(warmup, 1)):
+  for _ in range(warmup):
     carry = step(carry)
   jax.block_until_ready(carry)
   if iters is None:
-    per_call_ms = (time.perf_counter() - start) * 1e3 / max(warmup, 1)
+    per_call_ms = (time.perf_counter() - start) * 1e3 / warmup
     iters = int(min(max_iters, max(3, math.ceil(target_repeat_ms / max(per_call_ms, 1e-3)))))
   per_call = []
   for _ in range(repeats):

@@ -527,7 +527,7 @@ def run_plan(args, smoke_shape):
   extra = {"calls": calls} if calls > 1 else {}
   if args.smoke:
     return (interpret, args.tokens or (48,), args.shapes or [smoke_shape],
-            dict(warmup=1, iters=2, repeats=1, **extra))
+            dict(warmup=0, iters=1, repeats=1, **extra))
   timing = dict(warmup=3, iters=args.iters, repeats=args.repeats, **extra)
   return interpret, args.tokens or TOKENS, args.shapes or list(SHAPES_KN), timing
 
@@ -969,7 +969,7 @@ def auto_table_run(args) -> int:
   configs = args.configs or list(AUTO_CONFIGS)
   if args.dry_run:
     tokens, shapes, first = args.tokens or (32,), args.shapes or list(AUTO_SMOKE_SHAPES), ()
-    timing = dict(warmup=1, iters=2, repeats=1)
+    timing = dict(warmup=0, iters=1, repeats=1)
   else:
     tokens, shapes = args.tokens or AUTO_TOKENS, args.shapes or preset_shapes()
     first = block_shapes("llama-3.1-8b")

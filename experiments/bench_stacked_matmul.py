@@ -242,7 +242,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tokens, shapes, layers = args.tokens or (64,), args.shapes or [(128, 128)], args.layers or 2
     # On one block, as SMOKE_CONFIG: the interpreter runs every block of the grid.
     cfgs = [dataclasses.replace(c, num_sms=1, grid_tile_width=2) for c in args.config or [SMOKE_CONFIG]]
-    timing = dict(warmup=1, iters=1, repeats=1)
+    timing = dict(warmup=0, iters=1, repeats=1)
   else:
     tokens, shapes, layers = args.tokens or TOKENS, args.shapes or list(SHAPES_KN), args.layers or LAYERS
     cfgs = args.config or [None]  # None: the kernel's default_config per product

@@ -464,7 +464,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.smoke:
     space, tokens, shapes = SMOKE_SPACE, args.tokens or (48,), args.shapes or [(40, 72), (72, 40)]
     baseline, check_shape, budget = TileConfig(32, 32, 16, 4, 2), (21, 40, 50), args.budget_s or 60.0
-    timing = dict(warmup=1, iters=2, repeats=1)
+    timing = dict(warmup=0, iters=1, repeats=1)
   else:
     space, tokens, shapes = GPU_SPACE, args.tokens or TOKENS, args.shapes or list(SHAPES_KN)
     baseline, check_shape, budget = BASELINE, (77, 200, 333), args.budget_s or 200.0

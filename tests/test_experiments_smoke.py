@@ -114,6 +114,20 @@ def test_bench_floor_counts_minimal_bytes():
   )
 
 
+def test_time_steps_runs_exactly_warmup_plus_iters_times_repeats_calls():
+  """The smoke timings (``warmup=0``) time the first call, with no warm-up call before it; a
+  count picked from the warm-up needs one."""
+  from experiments import _timing  # pylint: disable=g-import-not-at-top
+  calls = []
+  step = lambda c: calls.append(c) or c + 1
+  for warmup, iters, repeats in ((0, 1, 1), (2, 3, 2)):
+    calls.clear()
+    timing, carry = _timing.time_steps(step, 0, warmup=warmup, iters=iters, repeats=repeats)
+    assert len(calls) == carry == warmup + iters * repeats and timing.iters == iters
+  with pytest.raises(ValueError, match="warmup=0"):
+    _timing.time_steps(step, 0, warmup=0, iters=None)
+
+
 def test_dispatched_runs_n_calls_in_one_jit_without_merging_them(tmp_path):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 

@@ -364,21 +364,6 @@ def test_fidelity_bf16_sr_tracks_fp32_while_nearest_stalls_and_int8_tracks():
   assert gap["fp32_int8_rtn_v"] < min(gap["fp32_int8"], 0.0) - 0.004
 
 
-@pytest.fixture
-def one_timed_call(monkeypatch):
-  """The benchmark's smoke timing with one timed call instead of two: what these tests check is
-  each row's status, check against xla and report, not the time (a Mosaic GPU interpreter call
-  takes about 7 s here)."""
-  run_plan = bench_fused_dw.run_plan
-
-  def one_call(*args, **kwargs):
-    interpret, tokens, shapes, timing = run_plan(*args, **kwargs)
-    return interpret, tokens, shapes, dict(timing, warmup=1, iters=1, repeats=1)
-
-  monkeypatch.setattr(bench_fused_dw, "run_plan", one_call)
-
-
-@pytest.mark.usefixtures("one_timed_call")
 def test_bench_lowp_smoke_checks_and_reports_every_configuration(tmp_path):
   configs = ["fp32", "bf16_sr_int8"]
   assert bench_lowp.main(["--smoke", "--configs", *configs, "--out", str(tmp_path)]) == 0
@@ -393,7 +378,6 @@ def test_bench_lowp_smoke_checks_and_reports_every_configuration(tmp_path):
   assert "| 48x40x256 |" in (tmp_path / "bench_lowp.md").read_text()
 
 
-@pytest.mark.usefixtures("one_timed_call")
 def test_bench_lowp_mosaic_rows_are_the_kernel_or_say_why_not(tmp_path):
   """--impls mosaic: the Mosaic kernel (interpreter here) where it runs, checked against xla;
   elsewhere an 'unsupported' row with the kernel's reason, never the fallback timed."""
