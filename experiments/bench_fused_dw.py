@@ -604,10 +604,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.regret:
     if len(args.regret) < 2:
       parser.error("--regret takes a table and at least one auto_table_rows.json")
-    folder = _timing.out_dir(args.out)
-    text, _ = auto_regret(args.regret[0], args.regret[1:])
-    (folder / "auto_regret.md").write_text(text)
-    _timing.log("\n" + text + f"\nwrote {folder / 'auto_regret.md'}")
+    write_regret(_timing.out_dir(args.out), args.regret[0], args.regret[1:])
     return 0
   if args.union:
     try:
@@ -1051,9 +1048,7 @@ def auto_table_run(args) -> int:
   if args.members:  # what the table "auto" reads on this device costs on these shapes
     from forge_jax import _auto  # pylint: disable=g-import-not-at-top
     used = _auto.table_path(info["device"])
-    text, _ = auto_regret(used, [folder / "auto_table_rows.json"])
-    (folder / "auto_regret.md").write_text(text)
-    _timing.log("\n" + text + f"\nwrote {folder / 'auto_regret.md'}")
+    write_regret(folder, used, [folder / "auto_table_rows.json"])
     try:  # the table with these cases joined (--union), to ship for this GPU
       joined = union_table([used, folder / "auto_table.json"])
     except ValueError as e:  # the table read was measured on another device (or a CPU run)
@@ -1223,6 +1218,14 @@ def auto_markdown(info: dict, rows: list[dict]) -> str:
 # AUTO_CONFIGS name -> bench_lowp.CONFIGS name: the same weight dtype and Precision.
 LOWP_CONFIGS = {"fp32": "fp32", "fp32_int8": "fp32_int8", "bf16": "bf16_rtn_bf16",
                 "bf16_int8": "bf16_rtn_int8", "bf16_sr": "bf16_sr_bf16", "bf16_sr_int8": "bf16_sr_int8"}
+
+
+def write_regret(folder: pathlib.Path, table_path: pathlib.Path,
+                 rows_paths: Sequence[pathlib.Path]) -> None:
+  """:func:`auto_regret`'s markdown, logged and written to ``folder``'s ``auto_regret.md``."""
+  text, _ = auto_regret(table_path, rows_paths)
+  (folder / "auto_regret.md").write_text(text)
+  _timing.log("\n" + text + f"\nwrote {folder / 'auto_regret.md'}")
 
 
 def auto_regret(table_path: pathlib.Path, rows_paths: Sequence[pathlib.Path],
