@@ -109,13 +109,16 @@ class LayerUpdate:
   ``carry = (w, state, grad_sq_norm_sum, x, dy)``, all donated: the weight and
   state are updated in place (as a model step's donated train state), and x/dy
   ride along so that the loop neither copies them in nor can hoist the GEMM out
-  of it. Make it with :meth:`init`; :meth:`result` gives ``(w, decoded slots)``.
+  of it. With ``state_sets > 1`` the carry's state is a tuple of that many
+  states, call ``j`` updating set ``j % state_sets``. Make it with :meth:`init`;
+  :meth:`result` gives ``(w, decoded slots)`` (of the first set).
   """
 
   run: Callable[[Any], Any]
   optimizer: Any
   w_dtype: Any
   calls: int
+  state_sets: int = 1
 
   def init(self, x, dy, w0):
     from forge_jax import _lowp  # pylint: disable=g-import-not-at-top
@@ -123,6 +126,8 @@ class LayerUpdate:
     w = jnp.array(w0, self.w_dtype)  # copies: run donates them
     # int8 codes travel as their float view, as forge_jax.train_step hands them to a layer.
     state = _lowp.to_float_view(self.optimizer.init(w))
+    if self.state_sets > 1:
+      state = tuple(jax.tree.map(jnp.copy, state) for _ in range(self.state_sets))
     return w, state, jnp.zeros((), jnp.float32), jnp.copy(x), jnp.copy(dy)
 
   def carry_shapes(self, t: int, k: int, n: int):
@@ -135,12 +140,25 @@ class LayerUpdate:
     from forge_jax import _lowp  # pylint: disable=g-import-not-at-top
 
     w, state = carry[:2]
+    if self.state_sets > 1:
+      state = state[0]
     slots = _lowp.from_float_view(tuple(self.optimizer.rule.slots_of(state)))
     return w, tuple(_lowp.decode_slot(s, jnp.float32) for s in slots)
 
 
+def state_sets_for(state_bytes: int, calls: int = LAYER_CALLS, cold_bytes: float = 256e6) -> int:
+  """How many state sets :func:`layer_update` cycles through so that a set is evicted from the
+  L2 cache (50 MB on an H100 or H200) before its next call: the smallest power of two whose sets
+  hold ``cold_bytes``, at most ``calls``."""
+  sets = 1
+  while sets < calls and sets * state_bytes < cold_bytes:
+    sets *= 2
+  return sets
+
+
 def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
-                 config: Any = None, grad_norm: bool = True, applied: bool = False) -> LayerUpdate:
+                 config: Any = None, grad_norm: bool = True, applied: bool = False,
+                 state_sets: int = 1) -> LayerUpdate:
   """What a model step runs per FORGE layer, ``calls`` times per dispatch.
 
   Each call is ``forge_jax.Dense``'s backward update: ``fused_linear_update``
@@ -151,14 +169,20 @@ def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
   like a scanned model's layers; the same program at every size and backend.
   ``grad_norm=False`` leaves the norm out (its cost, side by side); ``applied`` passes
   ``apply=True`` as a value the kernel reads (train_step's flag for a non-finite loss).
+
+  ``state_sets > 1`` (a divisor of ``calls``) cycles the calls through that many optimizer
+  states, so that a layer whose state fits the L2 cache does not find it there from the call
+  before, as in a model step, where the other layers' work evicts it (:func:`state_sets_for`).
+  The weight, ``x`` and ``dy`` stay shared: in a step, the dX product has just read them.
   """
   import forge_jax  # pylint: disable=g-import-not-at-top
 
   if calls < 1:
     raise ValueError(f"calls={calls} must be >= 1 (layer updates per dispatch)")
+  if state_sets < 1 or calls % state_sets:
+    raise ValueError(f"state_sets={state_sets} must be a divisor of calls={calls}")
 
-  def layer(i, carry):
-    w, state, sq_sum, x, dy = carry
+  def update(i, w, state, sq_sum, x, dy):
     # A traced flag (true at every call), as train_step's isfinite(loss): not folded away.
     flag = {"apply": i >= 0} if applied else {}
     if backend in ("mosaic", "mosaic_interpret"):
@@ -169,8 +193,22 @@ def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
     new_w, new_state, sq = out if grad_norm else (*out, jnp.zeros((), jnp.float32))
     return jax.lax.optimization_barrier((new_w, new_state, sq_sum + sq, x, dy))
 
-  run = jax.jit(lambda carry: jax.lax.fori_loop(0, calls, layer, carry), donate_argnums=(0,))
-  return LayerUpdate(run, optimizer, w_dtype, calls)
+  def layer(i, carry):
+    return update(i, *carry)
+
+  def cycle(i, carry):  # one call per state set
+    w, states, sq_sum, x, dy = carry
+    states = list(states)
+    for j in range(state_sets):
+      w, states[j], sq_sum, x, dy = update(i, w, states[j], sq_sum, x, dy)
+    return w, tuple(states), sq_sum, x, dy
+
+  if state_sets == 1:
+    loop = lambda carry: jax.lax.fori_loop(0, calls, layer, carry)
+  else:
+    loop = lambda carry: jax.lax.fori_loop(0, calls // state_sets, cycle, carry)
+  run = jax.jit(loop, donate_argnums=(0,))
+  return LayerUpdate(run, optimizer, w_dtype, calls, state_sets)
 
 
 def _check_mosaic(optimizer, backend, x, dy, w, state, config) -> None:

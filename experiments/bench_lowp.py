@@ -48,6 +48,15 @@ projections on the H200, against a checkout of an older commit in /tmp/old::
       --configs fp32_bf16 fp32_int8 bf16_rtn_bf16 bf16_sr_bf16 bf16_rtn_int8 bf16_sr_int8 \
       --baseline-tree /tmp/old --baseline-configs fp32_int8 bf16_sr_bf16 bf16_sr_int8
 
+``--cold-states``: the FORGE rows cycle each dispatch's calls through enough optimizer states
+(at least 256 MB, at most one per call) that a layer's state is not in the L2 cache from its call
+before, as in a model step, where the other layers' work evicts it; the weight, x and dy stay
+shared, as the dX product has just read them. Only shapes whose state fits L2 change (on an
+H100, the 4096x1024 k/v projection), e.g.::
+
+    PYTHONPATH=$PWD python -m experiments.bench_lowp --out $OUT --tokens 1024 \
+      --shapes 4096x1024 4096x4096 --impls mosaic xla --configs bf16_rtn_bf16 bf16_sr_int8 --cold-states
+
 What the kernels' non-finite guard costs: each configuration beside its ``_noguard`` twin
 (``Precision(nonfinite="propagate")``; ``_nonorm``: without the gradient norm; ``_applied``:
 with train_step's apply flag, which a non-finite loss sets false), e.g.::
@@ -144,13 +153,15 @@ def mosaic_problem(x, dy, w0, config: str,
   return why, tiling
 
 
-def fused_runner(x, dy, w0, config: str, backend: str, *, tile=None, calls: Optional[int] = None):
+def fused_runner(x, dy, w0, config: str, backend: str, *, tile=None, calls: Optional[int] = None,
+                 state_sets: int = 1):
   """(init, layer update, result) of one configuration: the shared per-layer program
-  (``calls`` per dispatch, default ``_timing.LAYER_CALLS``)."""
+  (``calls`` per dispatch, default ``_timing.LAYER_CALLS``; ``state_sets``: see
+  ``_timing.layer_update``)."""
   w_dtype, precision = CONFIGS[config]
   update = _timing.layer_update(_optimizer(precision), backend, w_dtype, config=tile,
                                 calls=calls or _timing.LAYER_CALLS, grad_norm=_with_norm(config),
-                                applied=config.endswith(APPLIED))
+                                applied=config.endswith(APPLIED), state_sets=state_sets)
   return (lambda: update.init(x, dy, w0)), update, update.result
 
 
@@ -216,9 +227,12 @@ def measure(name: str, runner, shape, flops: float, timing: dict, reference=None
 
 
 def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=None,
-                variants: Optional[dict[str, dict]] = None, calls: Optional[int] = None) -> list[dict]:
+                variants: Optional[dict[str, dict]] = None, calls: Optional[int] = None,
+                cold_states: bool = False) -> list[dict]:
   """Rows of one T x K x N; ``variants``: name -> MosaicTileConfig fields over the Mosaic
-  kernel's default tiling, each timed as impl ``mosaic_<name>``."""
+  kernel's default tiling, each timed as impl ``mosaic_<name>``; ``cold_states``: the FORGE
+  rows cycle through enough optimizer states that none is in L2 from its call before
+  (``_timing.state_sets_for``)."""
   x, dy, w0 = bench_fused_dw.make_inputs(t, k, n)
   shape, flops = f"{t}x{k}x{n}", 2.0 * t * k * n
   kernel = "interpret" if interpret else "pallas"
@@ -232,24 +246,28 @@ def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=
   for config in configs:
     w_dtype, precision = CONFIGS[config]
     try:
-      bpp = _lowp.bytes_per_param(_optimizer(precision), (k, n), w_dtype)["total"]
+      per_param = _lowp.bytes_per_param(_optimizer(precision), (k, n), w_dtype)
     except ValueError as e:  # e.g. N not a multiple of the quantization block
       rows.append({"impl": "-", "config": config, "shape": shape, "status": "error",
                    "bytes_per_param": float("nan"), "error": _timing.short_error(e)})
       continue
-    ref_row = measure("xla", fused_runner(x, dy, w0, config, "xla", calls=calls), shape, flops,
+    bpp = per_param["total"]
+    sets = (_timing.state_sets_for(int(per_param["states"] * k * n), calls or _timing.LAYER_CALLS)
+            if cold_states else 1)
+    runner = functools.partial(fused_runner, x, dy, w0, config, calls=calls, state_sets=sets)
+    ref_row = measure("xla", runner("xla"), shape, flops,
                       timing if "xla" in impls else dict(warmup=0, iters=1, repeats=1))
     reference = ref_row.pop("_result", None)
     todo = [("xla", None)] if "xla" in impls else []
     if "pallas" in impls:
-      todo.append(("pallas", fused_runner(x, dy, w0, config, kernel, tile=tile, calls=calls)))
+      todo.append(("pallas", runner(kernel, tile=tile)))
     mosaic_impls = [("mosaic", None)] if "mosaic" in impls else []
     mosaic_impls += [(f"mosaic_{name}", fields) for name, fields in (variants or {}).items()]
     for impl, fields in mosaic_impls:
       why, tiling = mosaic_problem(x, dy, w0, config, fields)
       if why is None:
         backend = "mosaic_interpret" if interpret else "mosaic"
-        todo.append((impl, fused_runner(x, dy, w0, config, backend, tile=tiling, calls=calls)))
+        todo.append((impl, runner(backend, tile=tiling)))
       else:
         rows.append({"impl": impl, "config": config, "shape": shape, "status": "unsupported",
                      "bytes_per_param": bpp, "error": why})
@@ -257,7 +275,7 @@ def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=
     for impl, runner in todo:
       row = ref_row if impl == "xla" else measure(impl, runner, shape, flops, timing, reference, w0)
       row.pop("_result", None)
-      row.update(config=config, bytes_per_param=bpp)
+      row.update(config=config, bytes_per_param=bpp, state_sets=sets)
       rows.append(row)
       _timing.log(f"  {shape:>18} {config:<18} {impl:<11} {_cell(row)}")
     gc.collect()
@@ -287,6 +305,13 @@ def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
       f"Each cell: median ms per layer update (device time; {info.get('calls_per_dispatch', 1)} per dispatch, each "
       "feeding the next, as experiments/_timing.layer_update runs them), TFLOP/s at 2TKN. bytes/param: "
       "weight + optimizer state. `pallas vs X`: X's ms over this row's pallas ms (above 1: faster). optax rows show their time in the first column.", "",
+  ]
+  sets = sorted({row.get("state_sets", 1) for row in rows if row.get("state_sets", 1) > 1})
+  if sets:
+    out += ["Cold states (--cold-states): the FORGE rows cycle through 1 to "
+            f"{max(sets)} optimizer states per dispatch (`state_sets` per row in the JSON), so that "
+            "a layer's state is not in L2 from its call before.", ""]
+  out += [
       "| T x K x N | config | bytes/param | " + " | ".join(impls)
       + f" | pallas vs {REFERENCE} | pallas vs optax_fp32 |",
       "|---|---|---|" + "---|" * (len(impls) + 2),
@@ -335,6 +360,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--iters", type=int, default=None,
                       help="dispatches per repeat (default: about 20 ms of device work, 3 to 30)")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--cold-states", action="store_true",
+                      help="the FORGE rows cycle through enough optimizer states (>= 256 MB, up to "
+                           "one per call) that a layer's state is not in L2 from its call before, "
+                           "as in a model step (optax rows unchanged)")
   parser.add_argument("--baseline-tree", default=None, type=pathlib.Path, metavar="DIR",
                       help="another checkout whose kernels to time side by side (module docstring)")
   parser.add_argument("--baseline-configs", nargs="+", default=None, choices=list(CONFIGS),
@@ -371,7 +400,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       folder / "bench_lowp.json", info, tokens, shapes,
       lambda t, k, n: bench_shape(t, k, n, args.configs, args.impls, interpret=interpret,
                                   timing=timing, tile=args.tile, variants=variants,
-                                  calls=1 if interpret else _timing.LAYER_CALLS),
+                                  calls=1 if interpret else _timing.LAYER_CALLS,
+                                  cold_states=args.cold_states),
       {"impl": "-", "config": "-", "bytes_per_param": float("nan")},
   )
   impls = [i for i in ("xla", "pallas", "mosaic") if i in args.impls]

@@ -456,3 +456,39 @@ def test_union_joins_a_members_run_to_its_table_so_auto_reads_those_cases_exactl
     bench_fused_dw.main(["--union", str(tmp_path / "base.json"), str(tmp_path / "other.json"),
                          "--out", str(tmp_path / "bad")])
   assert not (tmp_path / "bad" / "auto_table.json").exists()
+
+
+def test_layer_update_cycles_its_calls_through_state_sets():
+  """--cold-states: call j updates state set j % sets (each set in place), the weight shared."""
+  t, k, n, calls, sets = 32, 64, 256, 4, 2
+  opt = bench_fused_dw._auto_optimizer("bf16_int8")
+  update = _timing.layer_update(opt, "xla", BF16, calls=calls, state_sets=sets)
+  x, dy, w0 = bench_fused_dw.make_inputs(t, k, n)
+  carry = update.run(update.init(x, dy, w0))
+  w, states, sq_sum = jnp.asarray(w0, BF16), [opt.init(jnp.asarray(w0, BF16))] * sets, 0.0
+  for j in range(calls):
+    w, states[j % sets], sq = forge_jax.fused_linear_update(
+        x, dy, w, states[j % sets], opt, "xla", return_grad_sq_norm=True, stream=_timing.LAYER_STREAM)
+    sq_sum += float(sq)
+  assert [int(s.count) for s in carry[1]] == [calls // sets] * sets
+  assert float(carry[2]) == pytest.approx(sq_sum, rel=1e-5)
+  got_w, got_slots = update.result(carry)
+  np.testing.assert_allclose(np.asarray(got_w, F32), np.asarray(w, F32), rtol=0, atol=2.0**-9)
+  for got, want in zip(got_slots, opt.rule.slots_of(states[0])):
+    np.testing.assert_allclose(got, _lowp.decode_slot(want, F32), rtol=1e-6, atol=0)
+  with pytest.raises(ValueError, match="state_sets=3 must be a divisor of calls=4"):
+    _timing.layer_update(opt, "xla", BF16, calls=4, state_sets=3)
+
+
+def test_state_sets_reach_the_cold_bytes_in_powers_of_two():
+  assert _timing.state_sets_for(300_000_000) == 1
+  assert _timing.state_sets_for(67_000_000) == 4  # 4096x4096, bf16 states
+  assert _timing.state_sets_for(8_900_000) == 16  # 4096x1024, int8 states: at most one per call
+  assert _timing.state_sets_for(8_900_000, calls=4) == 4
+
+
+def test_bench_lowp_cold_states_rows_record_their_sets():
+  x_rows = bench_lowp.bench_shape(16, 64, 256, ["bf16_rtn_int8"], ["xla"], interpret=False,
+                                  timing=dict(warmup=0, iters=1, repeats=1), calls=4, cold_states=True)
+  (row,) = x_rows
+  assert row["status"] == "ok" and row["state_sets"] == 4 and row["calls_per_dispatch"] == 4
