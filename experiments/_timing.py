@@ -120,6 +120,8 @@ class LayerUpdate:
   calls: int
   state_sets: int = 1
 
+  with_dx: bool = False
+
   def init(self, x, dy, w0):
     from forge_jax import _lowp  # pylint: disable=g-import-not-at-top
 
@@ -128,7 +130,8 @@ class LayerUpdate:
     state = _lowp.to_float_view(self.optimizer.init(w))
     if self.state_sets > 1:
       state = tuple(jax.tree.map(jnp.copy, state) for _ in range(self.state_sets))
-    return w, state, jnp.zeros((), jnp.float32), jnp.copy(x), jnp.copy(dy)
+    dx = (jnp.zeros_like(x),) if self.with_dx else ()
+    return (w, state, jnp.zeros((), jnp.float32), jnp.copy(x), jnp.copy(dy)) + dx
 
   def carry_shapes(self, t: int, k: int, n: int):
     """The carry's shapes and dtypes (lower and compile without device work)."""
@@ -158,7 +161,7 @@ def state_sets_for(state_bytes: int, calls: int = LAYER_CALLS, cold_bytes: float
 
 def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
                  config: Any = None, grad_norm: bool = True, applied: bool = False,
-                 state_sets: int = 1) -> LayerUpdate:
+                 state_sets: int = 1, with_dx: bool = False) -> LayerUpdate:
   """What a model step runs per FORGE layer, ``calls`` times per dispatch.
 
   Each call is ``forge_jax.Dense``'s backward update: ``fused_linear_update``
@@ -174,6 +177,11 @@ def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
   states, so that a layer whose state fits the L2 cache does not find it there from the call
   before, as in a model step, where the other layers' work evicts it (:func:`state_sets_for`).
   The weight, ``x`` and ``dy`` stay shared: in a step, the dX product has just read them.
+
+  ``with_dx``: each call is the whole backward of the layer, the dX product ``dy @ W.T`` with the
+  old weight, then the update ordered after it (``Dense``'s ``after=dx``); dX is written to a
+  carry buffer. A model step runs the update between GEMMs, not back to back with the next
+  layer's update; :func:`dx_product` times the product alone.
   """
   import forge_jax  # pylint: disable=g-import-not-at-top
 
@@ -182,33 +190,54 @@ def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
   if state_sets < 1 or calls % state_sets:
     raise ValueError(f"state_sets={state_sets} must be a divisor of calls={calls}")
 
-  def update(i, w, state, sq_sum, x, dy):
+  def update(i, w, state, sq_sum, x, dy, *dx):
     # A traced flag (true at every call), as train_step's isfinite(loss): not folded away.
     flag = {"apply": i >= 0} if applied else {}
+    if with_dx:
+      dx = (_dx(w, dy, x.dtype),)
+      flag["after"] = dx[0]
     if backend in ("mosaic", "mosaic_interpret"):
       _check_mosaic(optimizer, backend, x, dy, w, state, config)
     out = forge_jax.fused_linear_update(
         x, dy, w, state, optimizer, backend, config=config, return_grad_sq_norm=grad_norm,
         stream=LAYER_STREAM, **flag)
     new_w, new_state, sq = out if grad_norm else (*out, jnp.zeros((), jnp.float32))
-    return jax.lax.optimization_barrier((new_w, new_state, sq_sum + sq, x, dy))
+    return jax.lax.optimization_barrier((new_w, new_state, sq_sum + sq, x, dy, *dx))
 
   def layer(i, carry):
     return update(i, *carry)
 
   def cycle(i, carry):  # one call per state set
-    w, states, sq_sum, x, dy = carry
+    w, states, sq_sum, x, dy, *dx = carry
     states = list(states)
     for j in range(state_sets):
-      w, states[j], sq_sum, x, dy = update(i, w, states[j], sq_sum, x, dy)
-    return w, tuple(states), sq_sum, x, dy
+      w, states[j], sq_sum, x, dy, *dx = update(i, w, states[j], sq_sum, x, dy, *dx)
+    return (w, tuple(states), sq_sum, x, dy, *dx)
 
   if state_sets == 1:
     loop = lambda carry: jax.lax.fori_loop(0, calls, layer, carry)
   else:
     loop = lambda carry: jax.lax.fori_loop(0, calls // state_sets, cycle, carry)
   run = jax.jit(loop, donate_argnums=(0,))
-  return LayerUpdate(run, optimizer, w_dtype, calls, state_sets)
+  return LayerUpdate(run, optimizer, w_dtype, calls, state_sets, with_dx)
+
+
+def _dx(w, dy, dtype):
+  """``Dense``'s dX product with the weight: ``dy @ w.T`` in the compute dtype."""
+  return jax.lax.dot_general(dy, w.astype(dtype), (((1,), (1,)), ((), ()))).astype(dtype)
+
+
+def dx_product(w_dtype, calls: int = LAYER_CALLS):
+  """The dX product of :func:`layer_update` ``(with_dx=True)`` alone, ``calls`` per dispatch:
+  ``(init(x, dy, w0), update)``, ``update.run`` over ``carry = (w, dx, dy)`` (its ``init`` and
+  ``result`` unused), timed by :func:`time_layer_update`."""
+  def layer(_, carry):
+    w, dx, dy = carry
+    return jax.lax.optimization_barrier((w, _dx(w, dy, dx.dtype), dy))
+
+  run = jax.jit(lambda carry: jax.lax.fori_loop(0, calls, layer, carry), donate_argnums=(0,))
+  init = lambda x, dy, w0: (jnp.array(w0, w_dtype), jnp.zeros_like(x), jnp.copy(dy))
+  return init, LayerUpdate(run, None, w_dtype, calls)
 
 
 def _check_mosaic(optimizer, backend, x, dy, w, state, config) -> None:

@@ -154,14 +154,15 @@ def mosaic_problem(x, dy, w0, config: str,
 
 
 def fused_runner(x, dy, w0, config: str, backend: str, *, tile=None, calls: Optional[int] = None,
-                 state_sets: int = 1):
+                 state_sets: int = 1, with_dx: bool = False):
   """(init, layer update, result) of one configuration: the shared per-layer program
   (``calls`` per dispatch, default ``_timing.LAYER_CALLS``; ``state_sets``: see
-  ``_timing.layer_update``)."""
+  ``_timing.layer_update``, as ``with_dx``)."""
   w_dtype, precision = CONFIGS[config]
   update = _timing.layer_update(_optimizer(precision), backend, w_dtype, config=tile,
                                 calls=calls or _timing.LAYER_CALLS, grad_norm=_with_norm(config),
-                                applied=config.endswith(APPLIED), state_sets=state_sets)
+                                applied=config.endswith(APPLIED), state_sets=state_sets,
+                                with_dx=with_dx)
   return (lambda: update.init(x, dy, w0)), update, update.result
 
 
@@ -228,11 +229,12 @@ def measure(name: str, runner, shape, flops: float, timing: dict, reference=None
 
 def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=None,
                 variants: Optional[dict[str, dict]] = None, calls: Optional[int] = None,
-                cold_states: bool = False) -> list[dict]:
+                cold_states: bool = False, with_dx: bool = False) -> list[dict]:
   """Rows of one T x K x N; ``variants``: name -> MosaicTileConfig fields over the Mosaic
   kernel's default tiling, each timed as impl ``mosaic_<name>``; ``cold_states``: the FORGE
   rows cycle through enough optimizer states that none is in L2 from its call before
-  (``_timing.state_sets_for``)."""
+  (``_timing.state_sets_for``); ``with_dx``: each FORGE call is the layer's backward (dX product,
+  then the update), and impl ``dx`` times the product alone."""
   x, dy, w0 = bench_fused_dw.make_inputs(t, k, n)
   shape, flops = f"{t}x{k}x{n}", 2.0 * t * k * n
   kernel = "interpret" if interpret else "pallas"
@@ -254,7 +256,14 @@ def bench_shape(t, k, n, configs, impls, *, interpret: bool, timing: dict, tile=
     bpp = per_param["total"]
     sets = (_timing.state_sets_for(int(per_param["states"] * k * n), calls or _timing.LAYER_CALLS)
             if cold_states else 1)
-    runner = functools.partial(fused_runner, x, dy, w0, config, calls=calls, state_sets=sets)
+    runner = functools.partial(fused_runner, x, dy, w0, config, calls=calls, state_sets=sets,
+                               with_dx=with_dx)
+    if with_dx:
+      init, product = _timing.dx_product(w_dtype, calls or _timing.LAYER_CALLS)
+      row = measure("dx", (lambda: init(x, dy, w0), product, None), shape, flops, timing)
+      row.update(config=config, bytes_per_param=bpp)
+      rows.append(row)
+      _timing.log(f"  {shape:>18} {config:<18} {'dx':<11} {_cell(row)}")
     ref_row = measure("xla", runner("xla"), shape, flops,
                       timing if "xla" in impls else dict(warmup=0, iters=1, repeats=1))
     reference = ref_row.pop("_result", None)
@@ -311,6 +320,9 @@ def markdown(info: dict, rows: list[dict], impls: Sequence[str]) -> str:
     out += ["Cold states (--cold-states): the FORGE rows cycle through 1 to "
             f"{max(sets)} optimizer states per dispatch (`state_sets` per row in the JSON), so that "
             "a layer's state is not in L2 from its call before.", ""]
+  if any(row.get("impl") == "dx" for row in rows):
+    out += ["With dX (--with-dx): each FORGE cell times the layer's whole backward, the dX product "
+            "and then the update, as a model step runs it; column `dx` times the product alone.", ""]
   out += [
       "| T x K x N | config | bytes/param | " + " | ".join(impls)
       + f" | pallas vs {REFERENCE} | pallas vs optax_fp32 |",
@@ -364,6 +376,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="the FORGE rows cycle through enough optimizer states (>= 256 MB, up to "
                            "one per call) that a layer's state is not in L2 from its call before, "
                            "as in a model step (optax rows unchanged)")
+  parser.add_argument("--with-dx", action="store_true",
+                      help="each FORGE call is the layer's whole backward (the dX product, then the "
+                           "update), as a model step runs it between GEMMs; impl dx: the product alone")
   parser.add_argument("--baseline-tree", default=None, type=pathlib.Path, metavar="DIR",
                       help="another checkout whose kernels to time side by side (module docstring)")
   parser.add_argument("--baseline-configs", nargs="+", default=None, choices=list(CONFIGS),
@@ -401,10 +416,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       lambda t, k, n: bench_shape(t, k, n, args.configs, args.impls, interpret=interpret,
                                   timing=timing, tile=args.tile, variants=variants,
                                   calls=1 if interpret else _timing.LAYER_CALLS,
-                                  cold_states=args.cold_states),
+                                  cold_states=args.cold_states, with_dx=args.with_dx),
       {"impl": "-", "config": "-", "bytes_per_param": float("nan")},
   )
   impls = [i for i in ("xla", "pallas", "mosaic") if i in args.impls]
+  impls = (["dx"] if args.with_dx else []) + impls
   impls += [f"mosaic_{name}" for name in variants]
   if any(b in args.impls for b in BASELINES):
     impls = impls or ["pallas"]

@@ -492,3 +492,32 @@ def test_bench_lowp_cold_states_rows_record_their_sets():
                                   timing=dict(warmup=0, iters=1, repeats=1), calls=4, cold_states=True)
   (row,) = x_rows
   assert row["status"] == "ok" and row["state_sets"] == 4 and row["calls_per_dispatch"] == 4
+
+
+def test_layer_update_with_dx_writes_the_old_weights_product_then_updates():
+  t, k, n, calls = 32, 64, 256, 2
+  opt = bench_fused_dw._auto_optimizer("bf16")
+  x, dy, w0 = bench_fused_dw.make_inputs(t, k, n)
+  plain = _timing.layer_update(opt, "xla", BF16, calls=calls)
+  with_dx = _timing.layer_update(opt, "xla", BF16, calls=calls, with_dx=True)
+  before = plain.run(plain.init(x, dy, w0))  # the weight the last call reads
+  w_prev = _timing.layer_update(opt, "xla", BF16, calls=calls - 1)
+  w_prev = w_prev.run(w_prev.init(x, dy, w0))[0]
+  carry = with_dx.run(with_dx.init(x, dy, w0))
+  np.testing.assert_array_equal(np.asarray(carry[0], F32), np.asarray(before[0], F32))
+  want_dx = jnp.dot(dy, w_prev.astype(dy.dtype).T).astype(x.dtype)
+  np.testing.assert_allclose(np.asarray(carry[5], F32), np.asarray(want_dx, F32), rtol=2e-2, atol=1e-3)
+  init, product = _timing.dx_product(BF16, calls)
+  out = product.run(init(x, dy, w0))
+  np.testing.assert_allclose(np.asarray(out[1], F32),
+                             np.asarray(jnp.dot(dy, jnp.asarray(w0, BF16).T).astype(x.dtype), F32),
+                             rtol=2e-2, atol=1e-3)
+
+
+def test_bench_lowp_with_dx_times_the_product_beside_the_backward():
+  rows = bench_lowp.bench_shape(16, 64, 256, ["bf16_rtn_bf16"], ["xla"], interpret=False,
+                                timing=dict(warmup=0, iters=1, repeats=1), calls=2, with_dx=True)
+  assert [(r["impl"], r["status"]) for r in rows] == [("dx", "ok"), ("xla", "ok")]
+  assert "With dX (--with-dx)" in bench_lowp.markdown(
+      {"command": "c", "date": "d", "device": "cpu", "jax": "j", "jaxlib": "j", "triton": None},
+      rows, ["dx", "xla"])
