@@ -57,6 +57,14 @@ H100, the 4096x1024 k/v projection), e.g.::
     PYTHONPATH=$PWD python -m experiments.bench_lowp --out $OUT --tokens 1024 \
       --shapes 4096x1024 4096x4096 --impls mosaic xla --configs bf16_rtn_bf16 bf16_sr_int8 --cold-states
 
+``--with-dx``: each FORGE call is the layer's whole backward, the dX product ``dy @ W.T`` and then
+the update ordered after it, as ``forge_jax.Dense`` runs it; column ``dx`` times the product
+alone, to subtract. Back to back, the updates of one layer meet each other's writes; in a model
+step a GEMM runs between them. On an H100 the back-to-back program put the bf16-state update of
+Llama-3.1-8B's layers 7.5% above what the step's profile shows and the int8 one 2% below; after
+the dX product, within 3% and 0.4% (experiments/results/h100/2026-12-06_decomposition). Compare
+storages with it.
+
 What the kernels' non-finite guard costs: each configuration beside its ``_noguard`` twin
 (``Precision(nonfinite="propagate")``; ``_nonorm``: without the gradient norm; ``_applied``:
 with train_step's apply flag, which a non-finite loss sets false), e.g.::
