@@ -1,6 +1,6 @@
 """Reproduces the measurements behind ``experiments/RESULTS.md``, one suite per GPU call.
 
-    python -m experiments.reproduce --suite front|kernels|lowp|auto|models|capacity|convergence --out DIR
+    python -m experiments.reproduce --suite front|kernels|lowp|storage|auto|models|capacity|convergence --out DIR
     python -m experiments.reproduce --suite models --part 1/2 --out DIR   # half of the rows
     python -m experiments.reproduce --suite models --dry-run              # commands and estimate
 
@@ -22,6 +22,11 @@ subprocesses, each with a time limit, so a hang costs that step, not the call:
   (Llama-3.1-8B's four) at T = 1024 and 4096 (fp32 weights with fp32, bf16 or int8 states; bf16 weights,
   rounded to nearest or stochastically, with bf16 or int8 states): int8 states against float
   ones under the same weight.
+* ``storage``: what each storage choice costs in the step and per layer, side by side: the
+  unrolled Llama-3.1-8B step at 1x1024 without remat for optax and FORGE with bf16 or
+  stochastically rounded bf16 weights and bf16 or int8 states (five rows, profiled: each kernel's
+  time in the step), then ``experiments.bench_lowp --with-dx`` on the model's block shapes at
+  T=1024 for the same four storages (each update after its dX product, as the step runs it).
 * ``auto``: ``experiments.bench_fused_dw --auto-table --members``: the Mosaic kernel against XLA
   on the presets' projections that ``"auto"``'s table serves through another shape's entry (each
   shape class's members but its representative) at every T and storage the table has, then
@@ -69,7 +74,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SUITES = ("front", "kernels", "lowp", "auto", "models", "capacity", "convergence")
+SUITES = ("front", "kernels", "lowp", "storage", "auto", "models", "capacity", "convergence")
 CALL_S = 600  # one device call
 BUDGET_S = 560  # what a suite plans to use of it: start-up and copying results take the rest
 
@@ -203,6 +208,32 @@ def lowp_steps(out: pathlib.Path, part, args) -> list[Step]:
                               "--configs", *LOWP_CONFIGS, "--impls", "mosaic"], 130, 300)]
 
 
+# The storage suite: optax, then FORGE's weight rounding x state storage, unrolled, remat none; and
+# the same four storages per layer (H100, 2026-12-06: the rows 345 s, the per-layer run 67 s).
+STORAGE_ROWS = ("optax_unrolled", "forge_unrolled", "forge_sr_unrolled", "forge_int8_unrolled",
+                "forge_int8_sr_unrolled")
+STORAGE_CONFIGS = ("bf16_rtn_bf16", "bf16_sr_bf16", "bf16_rtn_int8", "bf16_sr_int8")
+STORAGE_S = {"rows": 360.0, "per_layer": 90.0}
+
+
+def storage_steps(out: pathlib.Path, part, args) -> list[Step]:
+  del part
+  from experiments import bench_fused_dw  # pylint: disable=g-import-not-at-top
+  layer_limit = 130
+  rows_limit = BUDGET_S - layer_limit
+  rows = ["experiments.bench_models", "--out", str(out), "--models", args.model, "--batch", "1",
+          "--tokens", str(args.tokens), "--dtype", "bfloat16", "--remat", "none",
+          "--impls", ",".join(STORAGE_ROWS), "--profile", "--mem-fraction", "0.9", "--steps", "5",
+          "--precompile", str(len(STORAGE_ROWS)), "--compile-cache", args.compile_cache,
+          "--timeout", str(rows_limit - 30), "--time-budget", str(rows_limit - 40)]
+  shapes = [f"{k}x{n}" for k, n in bench_fused_dw.block_shapes(args.model)]
+  per_layer = ["experiments.bench_lowp", "--out", str(out / "bench_lowp_with_dx"),
+               "--tokens", str(args.tokens), "--shapes", *shapes, "--configs", *STORAGE_CONFIGS,
+               "--impls", "mosaic", "--with-dx"]
+  return [Step("storage", rows, STORAGE_S["rows"], rows_limit, env={"BENCH_TAG": "storage"}),
+          Step("bench_lowp_with_dx", per_layer, STORAGE_S["per_layer"], layer_limit)]
+
+
 def auto_steps(out: pathlib.Path, part, args) -> list[Step]:
   del part, args
   from experiments import bench_fused_dw  # pylint: disable=g-import-not-at-top
@@ -240,7 +271,8 @@ def convergence_steps(out: pathlib.Path, part, args) -> list[Step]:
                                "--warmup", "50"], 480, BUDGET_S)]
 
 
-BUILDERS = {"front": front_steps, "kernels": kernels_steps, "lowp": lowp_steps, "auto": auto_steps,
+BUILDERS = {"front": front_steps, "kernels": kernels_steps, "lowp": lowp_steps,
+            "storage": storage_steps, "auto": auto_steps,
             "models": models_steps, "capacity": capacity_steps, "convergence": convergence_steps}
 
 

@@ -7,8 +7,10 @@ import inspect
 import json
 import shlex
 
+import jax.numpy as jnp
 import pytest
 
+import forge_jax
 from experiments import bench_models, reproduce, results_tables
 
 
@@ -85,6 +87,34 @@ def test_front_suite_is_the_readmes_rows_in_one_run_then_the_compile_ratio(tmp_p
   from experiments import compile_cost  # pylint: disable=g-import-not-at-top
   for flag in (a for a in cargv + argv if a.startswith("--")):
     assert f'"{flag}"' in inspect.getsource(compile_cost) + inspect.getsource(bench_models), flag
+  assert sum(s["timeout_s"] for s in record["steps"]) <= reproduce.BUDGET_S
+  assert record["estimate_s"] <= reproduce.BUDGET_S
+
+
+def test_storage_suite_is_five_profiled_rows_then_the_same_storages_per_layer_after_dx(tmp_path):
+  """optax and FORGE's four weight-rounding x state storages, unrolled, remat none, profiled in
+  one bench_models run; then bench_lowp --with-dx for those storages on the model's block shapes."""
+  record = reproduce.main(["--suite", "storage", "--dry-run", "--out", str(tmp_path)])
+  rows_step, layer_step = record["steps"]
+  argv = shlex.split(rows_step["command"])
+  value = lambda flag, a=argv: a[a.index(flag) + 1]
+  assert argv[3] == "experiments.bench_models" and "--profile" in argv
+  assert (value("--remat"), value("--tokens"), value("--precompile")) == ("none", "1024", "5")
+  specs = value("--impls").split(",")
+  assert [bench_models.parse_impl(spec) for spec in specs] == [
+      (base, False) for base in ("optax", "forge", "forge_sr", "forge_int8", "forge_int8_sr")]
+  largv = shlex.split(layer_step["command"])
+  assert largv[2] == "experiments.bench_lowp" and "--with-dx" in largv
+  configs = largv[largv.index("--configs") + 1:largv.index("--impls")]
+  from experiments import bench_lowp  # pylint: disable=g-import-not-at-top
+  assert [bench_lowp.CONFIGS[c] for c in configs] == [
+      (jnp.bfloat16, forge_jax.Precision(weight_rounding=r, state_dtype=s))
+      for r, s in (("nearest", None), ("stochastic", None), ("nearest", "int8"),
+                   ("stochastic", "int8"))]
+  for flag in (a for a in argv if a.startswith("--")):
+    assert f'"{flag}"' in inspect.getsource(bench_models), flag
+  for flag in (a for a in largv if a.startswith("--")):
+    assert f'"{flag}"' in inspect.getsource(bench_lowp), flag
   assert sum(s["timeout_s"] for s in record["steps"]) <= reproduce.BUDGET_S
   assert record["estimate_s"] <= reproduce.BUDGET_S
 
