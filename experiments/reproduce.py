@@ -171,16 +171,22 @@ def models_steps(out: pathlib.Path, part, args) -> list[Step]:
   return [Step(tag, argv, estimate, BUDGET_S, env={"BENCH_TAG": tag})]
 
 
+def side_by_side(out: pathlib.Path, args, rows, *, steps: int, limit: int, profile: bool = False) -> list:
+  """``bench_models`` argv: ``rows`` of the model at 1 x ``tokens`` in bf16 without remat, every
+  step compiled first at once, then each row timed (``steps`` a repeat), within ``limit`` s."""
+  return ["experiments.bench_models", "--out", str(out), "--models", args.model, "--batch", "1",
+          "--tokens", str(args.tokens), "--dtype", "bfloat16", "--remat", "none",
+          "--impls", ",".join(rows), *(["--profile"] if profile else []), "--mem-fraction", "0.9",
+          "--steps", str(steps), "--precompile", str(len(rows)), "--compile-cache", args.compile_cache,
+          "--timeout", str(limit - 30), "--time-budget", str(limit - 20)]
+
+
 def front_steps(out: pathlib.Path, part, args) -> list[Step]:
   del part
   import models  # pylint: disable=g-import-not-at-top
   compile_limit = 130
   rows_limit = BUDGET_S - compile_limit
-  rows = ["experiments.bench_models", "--out", str(out), "--models", args.model, "--batch", "1",
-          "--tokens", str(args.tokens), "--dtype", "bfloat16", "--remat", "none",
-          "--impls", ",".join(FRONT_ROWS), "--mem-fraction", "0.9", "--steps", "10",
-          "--precompile", str(len(FRONT_ROWS)), "--compile-cache", args.compile_cache,
-          "--timeout", str(rows_limit - 30), "--time-budget", str(rows_limit - 20)]
+  rows = side_by_side(out, args, FRONT_ROWS, steps=10, limit=rows_limit)
   layers = models.get_config(args.model).num_layers  # the whole model, as the rows run it
   compile_cost = ["experiments.compile_cost", "--out", str(out / "compile_cost"), "--model", args.model,
                   "--layers", str(layers), "--tokens", str(args.tokens),
@@ -221,11 +227,7 @@ def storage_steps(out: pathlib.Path, part, args) -> list[Step]:
   from experiments import bench_fused_dw  # pylint: disable=g-import-not-at-top
   layer_limit = 130
   rows_limit = BUDGET_S - layer_limit
-  rows = ["experiments.bench_models", "--out", str(out), "--models", args.model, "--batch", "1",
-          "--tokens", str(args.tokens), "--dtype", "bfloat16", "--remat", "none",
-          "--impls", ",".join(STORAGE_ROWS), "--profile", "--mem-fraction", "0.9", "--steps", "5",
-          "--precompile", str(len(STORAGE_ROWS)), "--compile-cache", args.compile_cache,
-          "--timeout", str(rows_limit - 30), "--time-budget", str(rows_limit - 40)]
+  rows = side_by_side(out, args, STORAGE_ROWS, steps=5, limit=rows_limit, profile=True)
   shapes = [f"{k}x{n}" for k, n in bench_fused_dw.block_shapes(args.model)]
   per_layer = ["experiments.bench_lowp", "--out", str(out / "bench_lowp_with_dx"),
                "--tokens", str(args.tokens), "--shapes", *shapes, "--configs", *STORAGE_CONFIGS,
