@@ -110,7 +110,8 @@ class LayerUpdate:
   state are updated in place (as a model step's donated train state), and x/dy
   ride along so that the loop neither copies them in nor can hoist the GEMM out
   of it. With ``state_sets > 1`` the carry's state is a tuple of that many
-  states, call ``j`` updating set ``j % state_sets``. Make it with :meth:`init`;
+  states, call ``j`` updating set ``j % state_sets``; with ``with_dx`` the carry
+  ends with the dX buffer each call writes. Make it with :meth:`init`;
   :meth:`result` gives ``(w, decoded slots)`` (of the first set).
   """
 
@@ -119,7 +120,6 @@ class LayerUpdate:
   w_dtype: Any
   calls: int
   state_sets: int = 1
-
   with_dx: bool = False
 
   def init(self, x, dy, w0):
@@ -190,12 +190,12 @@ def layer_update(optimizer, backend: str, w_dtype, *, calls: int = LAYER_CALLS,
   if state_sets < 1 or calls % state_sets:
     raise ValueError(f"state_sets={state_sets} must be a divisor of calls={calls}")
 
-  def update(i, w, state, sq_sum, x, dy, *dx):
+  def update(i, w, state, sq_sum, x, dy, *dx):  # dx: () or the dX buffer, overwritten
     # A traced flag (true at every call), as train_step's isfinite(loss): not folded away.
     flag = {"apply": i >= 0} if applied else {}
     if with_dx:
       dx = (_dx(w, dy, x.dtype),)
-      flag["after"] = dx[0]
+      flag["after"] = dx[0]  # the update reads the old weight after the product, as Dense's
     if backend in ("mosaic", "mosaic_interpret"):
       _check_mosaic(optimizer, backend, x, dy, w, state, config)
     out = forge_jax.fused_linear_update(
