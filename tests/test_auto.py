@@ -515,9 +515,13 @@ def test_layer_update_with_dx_writes_the_old_weights_product_then_updates():
 
 
 def test_bench_lowp_with_dx_times_the_product_beside_the_backward():
-  rows = bench_lowp.bench_shape(16, 64, 256, ["bf16_rtn_bf16"], ["xla"], interpret=False,
-                                timing=dict(warmup=0, iters=1, repeats=1), calls=2, with_dx=True)
-  assert [(r["impl"], r["status"]) for r in rows] == [("dx", "ok"), ("xla", "ok")]
+  rows = bench_lowp.bench_shape(16, 64, 256, ["bf16_rtn_bf16", "bf16_sr_int8"], ["xla"],
+                                interpret=False, timing=dict(warmup=0, iters=1, repeats=1), calls=2,
+                                with_dx=True)
+  assert [(r["impl"], r["config"], r["status"]) for r in rows] == [
+      ("dx", "bf16_rtn_bf16", "ok"), ("xla", "bf16_rtn_bf16", "ok"),
+      ("dx", "bf16_sr_int8", "ok"), ("xla", "bf16_sr_int8", "ok")]
+  assert rows[0]["ms"] == rows[2]["ms"]  # one bf16 weight: the product timed once
   assert "With dX (--with-dx)" in bench_lowp.markdown(
       {"command": "c", "date": "d", "device": "cpu", "jax": "j", "jaxlib": "j", "triton": None},
       rows, ["dx", "xla"])
