@@ -640,6 +640,25 @@ def test_int8_default_tiles_follow_the_sweeps(w_dtype):
     assert mosaic.supports(x, x, w, q, pick(t), compute_grad_sq_norm=True) == (True, "")
 
 
+@pytest.mark.parametrize("t, k, n, few", [(512, 1024, 1024, True), (1024, 4096, 1024, True),
+                                         (2048, 5120, 1024, True), (1024, 4096, 2048, False),
+                                         (4096, 4096, 1024, False)])
+def test_int8_takes_64_row_tiles_where_128x128_gives_few_per_sm(t, k, n, few):
+  """int8 states under a 2-byte weight at short T on at most 2.5 tiles of 128x128 per SM (the
+  k/v projections): 64x128 tiles with 6 stages and two ring slots, which fit with the grad norm;
+  more tiles or long T keep 128x128 tiles, an fp32 weight its 128-row tiles."""
+  precision = forge_jax.Precision(state_dtype="int8")
+  q = [nm.QuantizedArray(_sds((k, n), jnp.int8), _sds((n // 64, k), F32), precision.codec(name))
+       for name in ("mu", "nu")]
+  x, dy = _sds((t, k), BF16), _sds((t, n), BF16)
+  for w_dtype in (BF16, F32):
+    w = _sds((k, n), w_dtype)
+    cfg = mosaic.default_config(x, dy, w, q, compute_grad_sq_norm=True, num_sms=132)
+    got = (cfg.tile_m, cfg.tile_n, cfg.max_concurrent_steps, mcfg.ring_depth(cfg))
+    assert got == ((64, 128, 6, 2) if few and w_dtype == BF16 else (128,) + got[1:]), (w_dtype, got)
+    assert mosaic.supports(x, dy, w, q, cfg, compute_grad_sq_norm=True) == (True, "")
+
+
 @pytest.mark.parametrize("state_dtype", [F32, BF16])
 @pytest.mark.parametrize("n_slots", [0, 1, 2, 3])
 def test_default_config_fits(state_dtype, n_slots):

@@ -83,7 +83,8 @@ SHORT_T = 2048  # T at or below this counts as short (the epilogue, not the main
 # THE default table: default_config takes the first row whose conditions the call meets and
 # that ``supports`` accepts. Conditions: "float" (no int8 state) or "int8"; "short" / "long" T;
 # "two_byte" (weight and every state in 2 bytes); "two_byte_w" (the weight in 2 bytes);
-# "small_grid" (128x128 tiles give the SMs at most 1.5 each). The measurements behind each row:
+# "small_grid" / "few_tiles" (128x128 tiles give the SMs at most 1.5 / 2.5 each). The
+# measurements behind each row:
 # docs/mosaic_kernel.md, "The defaults, and why".
 _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
     (frozenset(when.split()), cfg) for when, cfg in (
@@ -109,6 +110,12 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         # shared memory at T=4096, 0.86-0.88x at 16384; 0.90-1.00x the 128x64 tiles at T=1024
         # under a bf16 weight, where an fp32 weight lost, 1.08-1.25x).
         ("int8 long", _Cfg(epi_n=64, epi_slots=1)),
+        # Few tiles (at most 2.5 of 128x128 per SM: the k/v projections) at short T under a
+        # 2-byte weight: 64x128 tiles, 6 stages, so that each warpgroup has tiles enough for one's
+        # epilogue to overlap the other's main loop (H100, T=512-2048, the update after its dX
+        # product: 0.60-1.02x the 128x128 tiles' time; with more tiles 0.95-1.15x, at T=4096
+        # 1.13x: docs/mosaic_kernel.md).
+        ("int8 short two_byte_w few_tiles", _Cfg(tile_m=64, epi_n=64, max_concurrent_steps=6)),
         ("int8 short two_byte_w", _Cfg(epi_n=64, epi_slots=1)),
         ("int8 long", _Cfg(max_concurrent_steps=3, epi_n=64)),
         ("int8", _Cfg(tile_n=64, epi_n=64)),
@@ -118,6 +125,7 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         ("int8", _Cfg(max_concurrent_steps=3, epi_n=64)),  # blocks of 128
     ))
 _SMALL_GRID_WAVES = 1.5
+_FEW_TILES_WAVES = 2.5
 
 
 def quantized(slot) -> bool:
@@ -272,8 +280,11 @@ def default_config(x: Any, dy: Any, w: Any, slots: Sequence[Any], *,
     traits.add("two_byte")
   if jnp.dtype(w.dtype).itemsize <= 2:
     traits.add("two_byte_w")
-  if -(-k // 128) * -(-n // 128) <= _SMALL_GRID_WAVES * grid_sms:
+  tiles_128 = -(-k // 128) * -(-n // 128)
+  if tiles_128 <= _SMALL_GRID_WAVES * grid_sms:
     traits.add("small_grid")
+  if tiles_128 <= _FEW_TILES_WAVES * grid_sms:
+    traits.add("few_tiles")
   candidates = [cfg for when, cfg in _DEFAULTS if when <= traits]
   if quant_blocks:
     candidates = [dataclasses.replace(c, epi_n=min(quant_blocks)) for c in candidates]
