@@ -237,6 +237,7 @@ def cases(quick: bool, smoke: bool) -> list[tuple]:
   t = QUICK_T if quick else FULL_T
   big, stacked = ((128, 64, 192), (128, 64, 128)) if smoke else ((t, 4096, 4096), (t, 4096, 4096))
   small_grid = (128, 64, 128) if smoke else (t, 1024, 1024)
+  few_tiles = (128, 64, 128) if smoke else (t, 4096, 1024)  # int8: 64x128 tiles at short T
   fallback = (128, 64, 192) if smoke else (t, 1088, 1344)  # K, N multiples of 64, not of 128
   out = [("first_run", "adamw", big, "float32", "float32", None),
          ("stacked_norm", "adamw", stacked, "bfloat16", "bfloat16", 3),
@@ -246,6 +247,7 @@ def cases(quick: bool, smoke: bool) -> list[tuple]:
          ("int8", "adamw", big, "float32", "int8", None),
          ("int8", "lion", big, "bfloat16", "int8", None),
          ("int8_sr", "adamw", big, "bfloat16", "int8_sr", None),
+         ("int8_sr_few_tiles", "adamw", few_tiles, "bfloat16", "int8_sr", None),
          ("sr", "adamw", big, "bfloat16", "bfloat16", None),
          ("sr_stacked", "adamw", stacked, "bfloat16", "bfloat16", 3)]
   out += [("rule", name, big, dt, dt, None) for dt in ("float32", "bfloat16") for name in _rules()]
