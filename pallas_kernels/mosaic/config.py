@@ -42,12 +42,12 @@ class MosaicTileConfig:
     tile_t: tokens per pipeline step (wgmma ``K``); a multiple of 64.
     max_concurrent_steps: stages of ``x``/``dy`` blocks in the shared ring (at least 2).
     epi_m, epi_n: epilogue sub-tile, multiples of 64 / 16 dividing the tile; ``epi_n`` is the
-      quantization block of int8 states. int8 states, and float states at T <= SHORT_T, run
-      the sub-tiles as a loop over one copy of their code (docs/mosaic_kernel.md); float
-      states at longer T unroll them.
+      quantization block of int8 states. int8 states, and float states at T <= SHORT_T
+      without ``epi_l2_lookahead``, run the sub-tiles as a loop over one copy of their code
+      (docs/mosaic_kernel.md); the others unroll them.
     epi_slots: depth of each compute warpgroup's epilogue ring.
-    epi_l2_lookahead: TMA-prefetch into L2 the sub-tile this many beyond the ring, as each
-      sub-tile is stored (0: off; float states only).
+    epi_l2_lookahead: TMA-prefetch into L2 the sub-tile this many beyond the ring (0: off; float
+      states only; it keeps the epilogue unrolled).
     mma_in_flight: keep one ``wgmma`` in flight across main-loop steps.
     no_auto_barriers: lower without Pallas's warpgroup barriers around register -> shared-memory
       stores: each thread rewrites only its own ring elements and ``commit_smem`` orders them
@@ -91,10 +91,7 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         ("float small_grid", _Cfg(tile_m=64, max_concurrent_steps=6)),
         ("float small_grid", _Cfg(tile_m=64, max_concurrent_steps=5)),
         ("float small_grid", _Cfg(tile_m=64)),
-        # bf16 at short T: the next sub-tile beyond the ring prefetched into L2 as each is
-        # stored (H100, each update after its dX product: 0.85-0.93x the time without at
-        # T = 512 / 1024, 0.95-0.98x at 2048; docs/mosaic_kernel.md).
-        ("float two_byte short", _Cfg(epi_n=64, epi_l2_lookahead=1)),
+        ("float two_byte short", _Cfg(epi_n=64)),
         ("float two_byte long", _Cfg(max_concurrent_steps=5)),
         ("float", _Cfg()),
         ("float long", _Cfg(epi_n=16, epi_l2_lookahead=4)),
@@ -230,15 +227,15 @@ def supports(x: Any, dy: Any, w: Any, slots: Sequence[Any],
   return cfg is not None, why
 
 
-def epilogue_loops(t: int, quantized_states: bool) -> bool:
+def epilogue_loops(cfg: MosaicTileConfig, t: int, quantized_states: bool) -> bool:
   """Whether the epilogue's sub-tiles run as a loop over one copy of their code: always for
   int8 states (their straight-line code did not fit the instruction cache), and for float
-  states at short T (0.95-0.98x the straight-line epilogue per layer at T=1024 on the H200,
-  half its compile time; with the bf16 default's L2 prefetch, 0.82-1.02x the straight-line
-  epilogue with the same prefetch on an H100; docs/mosaic_kernel.md). Long T
-  keeps the straight-line epilogue (as a loop, bf16 states took 1.00-1.05x its time at
-  T = 4096 and 16384)."""
-  return quantized_states or t <= SHORT_T
+  states at short T without L2 prefetch (0.95-0.98x the straight-line epilogue per layer at
+  T=1024 on the H200, half its compile time; docs/mosaic_kernel.md). Long T keeps the
+  straight-line epilogue (as a loop, bf16 states took 1.00-1.05x its time at T = 4096 and
+  16384); an L2-prefetching config picks its prefetches per sub-tile in Python, which a loop
+  cannot trace."""
+  return quantized_states or (t <= SHORT_T and not cfg.epi_l2_lookahead)
 
 
 def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> Optional[str]:
@@ -252,8 +249,8 @@ def _tiling_problem(x, dy, w, slots, cfg, with_norm) -> Optional[str]:
       return (f"slot {i} is int8 in blocks of {s.codec.block} columns: epi_n={cfg.epi_n} "
               "must equal the block (one block per sub-tile row)")
     if quantized(s) and cfg.epi_l2_lookahead:
-      return (f"slot {i} is int8, whose epilogue prefetches nothing beyond the ring (no gain "
-              f"measured): epi_l2_lookahead={cfg.epi_l2_lookahead} must be 0")
+      return (f"slot {i} is int8, whose epilogue loop prefetches nothing beyond the ring: "
+              f"epi_l2_lookahead={cfg.epi_l2_lookahead} must be 0")
   for name, dt in [("w", w.dtype)] + [(f"slot {i}", stored_dtype(s)) for i, s in enumerate(slots)]:
     if cfg.epi_n * jnp.dtype(dt).itemsize % 32:  # no 32-, 64- or 128-byte swizzle
       return f"epi_n={cfg.epi_n} gives {name} ({dt}) rows under 32 bytes; raise epi_n"

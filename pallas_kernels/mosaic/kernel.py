@@ -53,7 +53,7 @@ class _Plan:
   @property
   def loop(self) -> bool:
     """Whether the epilogue's sub-tiles run as a loop (:func:`pallas_kernels.mosaic.config.epilogue_loops`)."""
-    return mcfg.epilogue_loops(self.t, any(c is not None for c in self.codecs))
+    return mcfg.epilogue_loops(self.cfg, self.t, any(c is not None for c in self.codecs))
 
   @property
   def needs_bits(self) -> bool:
@@ -138,21 +138,13 @@ class _Epilogue:
     for smem, gmem in self._slot_copies(j, row0, col0, self._slot_refs(slot)):
       plgpu.copy_gmem_to_smem(gmem, smem, barrier)
 
-  def _prefetch_l2(self, j, row0, col0) -> None:
+  def _prefetch_l2(self, j: int, row0, col0) -> None:
     """TMA prefetch of sub-tile ``j`` into L2 (a hint: the interpreter has no L2)."""
-    if self.plan.interpreting or (isinstance(j, int) and j >= len(self.plan.sub_tiles)):
+    if self.plan.interpreting or j >= len(self.plan.sub_tiles):
       return
-
-    def prefetch():
-      plgpu.async_prefetch(self.w_gmem.at[self._window(j, row0, col0)])
-      no_refs = [(None, None) if isinstance(g, tuple) else None for g in self.slot_gmems]
-      for _, gmem in self._slot_copies(j, row0, col0, no_refs):
-        plgpu.async_prefetch(gmem)
-
-    if isinstance(j, int):
-      prefetch()
-    else:
-      pl.when(j < len(self.plan.sub_tiles))(prefetch)
+    win = self._window(j, row0, col0)
+    for src in (self.w_gmem, *(g[0] if isinstance(g, tuple) else g for g in self.slot_gmems)):
+      plgpu.async_prefetch(src.at[win])
 
   def begin(self, row0, col0) -> None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left the ring
