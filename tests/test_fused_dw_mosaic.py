@@ -625,16 +625,17 @@ def test_default_table_rows_for_odd_shapes_and_int8():
 def test_int8_default_tiles_follow_the_sweeps(w_dtype):
   """int8 states: 128x128 tiles, 4 stages and one ring slot at long T (the main loop bounds),
   and at short T under a 2-byte weight; an fp32 weight keeps 128x64 tiles with two slots at
-  short T, where 128x128 lost (H100, docs/mosaic_kernel.md)."""
+  short T, where 128x128 lost; the loop on rotated slices at long T under a 2-byte weight
+  only (H100, docs/mosaic_kernel.md)."""
   w, precision = _sds((4096, 4096), w_dtype), forge_jax.Precision(state_dtype="int8")
   q = [nm.QuantizedArray(_sds((4096, 4096), jnp.int8), _sds((64, 4096), F32), precision.codec(name))
        for name in ("mu", "nu")]
   pick = lambda t: mosaic.default_config(_sds((t, 4096), BF16), _sds((t, 4096), BF16), w, q,
                                          compute_grad_sq_norm=True, num_sms=132)
-  picks = [(pick(t).tile_n, pick(t).max_concurrent_steps, pick(t).epi_slots)
+  picks = [(pick(t).tile_n, pick(t).max_concurrent_steps, pick(t).epi_slots, pick(t).epi_rotate)
            for t in (1024, 2048, 4096)]
-  short = (64, 4, 2) if w_dtype == F32 else (128, 4, 1)
-  assert picks == [short, short, (128, 4, 1)]
+  short = (64, 4, 2, False) if w_dtype == F32 else (128, 4, 1, False)
+  assert picks == [short, short, (128, 4, 1, w_dtype == BF16)]
   for t in (1024, 4096):
     x = _sds((t, 4096), BF16)
     assert mosaic.supports(x, x, w, q, pick(t), compute_grad_sq_norm=True) == (True, "")
@@ -735,22 +736,27 @@ def test_int8_epilogue_loop_matches_reference():
   assert not ok and "epi_l2_lookahead=2 must be 0" in why
 
 
-def test_int8_epilogue_with_one_ring_slot_is_bit_identical():
-  """One ring slot (the int8 default at long T, and under a 2-byte weight at short T): each
-  sub-tile waits for its own refill, and W, the int8 states and the grad norm come out bit for
-  bit as with two slots, with a stochastically rounded bf16 weight."""
+def test_int8_epilogue_ring_slots_and_rotated_loop_are_bit_identical():
+  """On a 128x128 tile's four 64x64 sub-tiles, with a stochastically rounded bf16 weight and a NaN
+  in one sub-tile's gradient: one ring slot (each sub-tile waits for its own refill) and the
+  loop on rotated slices (``epi_rotate``: the int8 default at long T) give W, the int8 states and
+  the grad norm bit for bit as two slots picking each slice from the accumulator."""
   rule = _rules()["adamw"]
-  x, dy, w, slots = _inputs(11, 64, 64, 256, rule, w_dtype=BF16)
+  x, dy, w, slots = _inputs(13, 64, 128, 128, rule, w_dtype=BF16)
+  dy = dy.at[7, 70].set(jnp.nan)
   slots = _int8_slots(rule, slots, stochastic=True)
+  base = dataclasses.replace(INT8, tile_m=128, epi_slots=2)
+  assert mcfg.ring_depth(base) == 2
   run = lambda cfg: jax.jit(functools.partial(
       mosaic.fused_dw_update_mosaic, update_fn=pallas_kernels.skip_non_finite(
           functools.partial(rule.update, decay=True)), config=cfg, interpret=True,
       compute_grad_sq_norm=True, weight_codec=nm.StochasticRound()))(
           x, dy, w, slots, rule.scalars(jnp.int32(3)), seed=jnp.uint32(5), step=jnp.int32(2))
-  assert mcfg.ring_depth(INT8) == 2
-  (w0, s0, n0), (w1, s1, n1) = run(INT8), run(dataclasses.replace(INT8, epi_slots=1))
-  for a, b in zip(jax.tree.leaves((w0, s0, n0)), jax.tree.leaves((w1, s1, n1))):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  want = jax.tree.leaves(run(base))
+  for cfg in (dataclasses.replace(base, epi_slots=1),
+              dataclasses.replace(base, epi_slots=1, epi_rotate=True)):
+    for a, b in zip(want, jax.tree.leaves(run(cfg))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_int8_slots_refusals():

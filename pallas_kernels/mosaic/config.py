@@ -46,6 +46,9 @@ class MosaicTileConfig:
       without ``epi_l2_lookahead``, run the sub-tiles as a loop over one copy of their code
       (docs/mosaic_kernel.md); the others unroll them.
     epi_slots: depth of each compute warpgroup's epilogue ring.
+    epi_rotate: the epilogue loop carries the tile's gradient slices and works on the first,
+      handing the rest down one place an iteration, instead of picking a slice beside the whole
+      live accumulator (int8 states on 128x128 tiles: no register spills; docs/mosaic_kernel.md).
     epi_l2_lookahead: TMA-prefetch into L2 the sub-tile this many beyond the ring (0: off; float
       states only; it keeps the epilogue unrolled).
     mma_in_flight: keep one ``wgmma`` in flight across main-loop steps.
@@ -73,6 +76,7 @@ class MosaicTileConfig:
   grid_tile_width: int = 8
   num_sms: Optional[int] = None
   fast_math: bool = True
+  epi_rotate: bool = False
 
 
 _Cfg = MosaicTileConfig
@@ -109,6 +113,10 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         # under a 2-byte weight (H100: 0.84-0.97x 3 stages with half the accumulator staged in
         # shared memory at T=4096, 0.86-0.88x at 16384; 0.90-1.00x the 128x64 tiles at T=1024
         # under a bf16 weight, where an fp32 weight lost, 1.08-1.25x).
+        # Under a 2-byte weight the loop carries the accumulator's slices (epi_rotate: no
+        # spills; H100, SR bf16 weight, T=4096, the update after its dX product, cold states:
+        # 0.92-0.98x the pick's time in one process, at T=1024 1.02-1.04x).
+        ("int8 long two_byte_w", _Cfg(epi_n=64, epi_slots=1, epi_rotate=True)),
         ("int8 long", _Cfg(epi_n=64, epi_slots=1)),
         # Few tiles (at most 2.5 of 128x128 per SM: the k/v projections) at short T under a
         # 2-byte weight: 64x128 tiles, 6 stages, so that each warpgroup has tiles enough for one's

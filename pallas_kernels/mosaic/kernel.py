@@ -175,9 +175,21 @@ class _Epilogue:
       self._prefetch_l2(j, row0, col0)
     grads = [acc[r:r + cfg.epi_m, c:c + cfg.epi_n] for r, c in plan.sub_tiles]
     row_sums = {}  # row offset -> the gradient's squares summed along N
-    if plan.loop:
+    if plan.loop and cfg.epi_rotate:
+      # One copy of the sub-tile code, run on the first of the slices the loop carries; each
+      # iteration hands the rest down one place, so a slice's registers die once it is used.
+      if plan.with_norm:
+        row_sums[0] = jnp.sum(grad_sq_terms(acc), axis=1)
+
+      def _sub_tile(j, slices):
+        self._sub_tile(j, slices[0], row0, col0, scalar_leaves)
+        return (*slices[1:], slices[-1])
+
+      lax.fori_loop(0, len(grads), _sub_tile, tuple(grads))
+    elif plan.loop:
       # One copy of the sub-tile code, run once per sub-tile: a sub-tile's gradient is picked
-      # from the accumulator's static slices (registers cannot be indexed: _pick).
+      # from the accumulator's static slices (registers cannot be indexed: _pick), the whole
+      # accumulator live through the loop.
       @pl.loop(0, len(plan.sub_tiles))
       def _sub_tile(j):
         self._sub_tile(j, _pick(grads, j), row0, col0, scalar_leaves)
