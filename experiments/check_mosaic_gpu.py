@@ -251,6 +251,8 @@ def cases(quick: bool, smoke: bool) -> list[tuple]:
          ("sr", "adamw", big, "bfloat16", "bfloat16", None),
          ("sr_stacked", "adamw", stacked, "bfloat16", "bfloat16", 3)]
   out += [("rule", name, big, dt, dt, None) for dt in ("float32", "bfloat16") for name in _rules()]
+  if quick and not smoke:  # int8 states' long-T tiling (the loop on rotated slices)
+    out.append(("int8_sr_long_t", "adamw", (FULL_T, 4096, 4096), "bfloat16", "int8_sr", None))
   if not quick and not smoke:
     out += [("llama_8b", "adamw", (t, k, n), w, s, None) for k, n in LLAMA_8B_KN
             for w, s in (("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16"))]
@@ -357,7 +359,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None, help="results folder (default $OUT or ./runs)")
   parser.add_argument("--quick", action="store_true",
-                      help=f"T={QUICK_T} and no Llama-3.1-8B shapes (a few minutes on an H200)")
+                      help=f"T={QUICK_T} (one int8 case at T={FULL_T}) and no Llama-3.1-8B shapes "
+                           "(a few minutes on an H200)")
   parser.add_argument("--smoke", action="store_true", help="CPU: interpreter, tiny shapes")
   parser.add_argument("--cases", nargs="+", default=None, metavar="LABEL",
                       help="run only the cases with these labels (e.g. rule int8 sr)")
