@@ -625,8 +625,8 @@ def test_default_table_rows_for_odd_shapes_and_int8():
 def test_int8_default_tiles_follow_the_sweeps(w_dtype):
   """int8 states: 128x128 tiles, 4 stages and one ring slot at long T (the main loop bounds),
   and at short T under a 2-byte weight; an fp32 weight keeps 128x64 tiles with two slots at
-  short T, where 128x128 lost; the loop on rotated slices at long T under a 2-byte weight
-  only (H100, docs/mosaic_kernel.md)."""
+  short T, where 128x128 lost; the loop on rotated slices at long T (H100,
+  docs/mosaic_kernel.md)."""
   w, precision = _sds((4096, 4096), w_dtype), forge_jax.Precision(state_dtype="int8")
   q = [nm.QuantizedArray(_sds((4096, 4096), jnp.int8), _sds((64, 4096), F32), precision.codec(name))
        for name in ("mu", "nu")]
@@ -635,7 +635,7 @@ def test_int8_default_tiles_follow_the_sweeps(w_dtype):
   picks = [(pick(t).tile_n, pick(t).max_concurrent_steps, pick(t).epi_slots, pick(t).epi_rotate)
            for t in (1024, 2048, 4096)]
   short = (64, 4, 2, False) if w_dtype == F32 else (128, 4, 1, False)
-  assert picks == [short, short, (128, 4, 1, w_dtype == BF16)]
+  assert picks == [short, short, (128, 4, 1, True)]
   for t in (1024, 4096):
     x = _sds((t, 4096), BF16)
     assert mosaic.supports(x, x, w, q, pick(t), compute_grad_sq_norm=True) == (True, "")

@@ -113,11 +113,10 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         # under a 2-byte weight (H100: 0.84-0.97x 3 stages with half the accumulator staged in
         # shared memory at T=4096, 0.86-0.88x at 16384; 0.90-1.00x the 128x64 tiles at T=1024
         # under a bf16 weight, where an fp32 weight lost, 1.08-1.25x).
-        # Under a 2-byte weight the loop carries the accumulator's slices (epi_rotate: no
-        # spills; H100, SR bf16 weight, T=4096, the update after its dX product, cold states:
-        # 0.92-0.98x the pick's time in one process, at T=1024 1.02-1.04x).
-        ("int8 long two_byte_w", _Cfg(epi_n=64, epi_slots=1, epi_rotate=True)),
-        ("int8 long", _Cfg(epi_n=64, epi_slots=1)),
+        # At long T the loop carries the accumulator's slices (epi_rotate: no spills; H100,
+        # T=4096, the update after its dX product, cold states, against the pick in one
+        # process: SR bf16 weight 0.92-0.98x, fp32 weight 0.81-1.00x; at T=1024 1.02-1.04x).
+        ("int8 long", _Cfg(epi_n=64, epi_slots=1, epi_rotate=True)),
         # Few tiles (at most 2.5 of 128x128 per SM: the k/v projections) at short T under a
         # 2-byte weight: 64x128 tiles, 6 stages, so that each warpgroup has tiles enough for one's
         # epilogue to overlap the other's main loop (H100, T=512-2048, the update after its dX
