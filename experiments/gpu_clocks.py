@@ -19,6 +19,7 @@ window) and ``clocks.md``/``.json``: per phase, the SM clock and power of the sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import gzip
@@ -27,6 +28,7 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,31 +127,61 @@ def write_summary(folder: pathlib.Path, busy: int) -> dict:
   return summary
 
 
-def run(out: pathlib.Path, phases: Sequence[tuple[str, str]], interval_ms: int) -> dict:
-  """Runs each phase's command under the sampler; returns the phases' metadata."""
+class Recorder:
+  """The phases of one sampling run: ``with recorder.phase(name, command):`` records the
+  wall-clock window of what runs inside it."""
+
+  def __init__(self, meta: dict):
+    self.meta = meta
+
+  @contextlib.contextmanager
+  def phase(self, name: str, command: str):
+    start = time.time()
+    entry = self.meta["phases"][name] = {"command": command, "window": [start, start]}
+    try:
+      yield entry
+    finally:
+      entry["window"][1] = time.time()
+
+
+def available() -> bool:
+  """Whether ``nvidia-smi`` is on the PATH (what sampling needs)."""
+  return shutil.which("nvidia-smi") is not None
+
+
+@contextlib.contextmanager
+def sampling(out: pathlib.Path, interval_ms: int, argv: str):
+  """``nvidia-smi`` samples the GPU every ``interval_ms`` while the block runs; yields a
+  :class:`Recorder` for its phases. On exit writes ``clocks.csv.gz`` and ``phases.json`` under
+  ``out`` (``write_summary`` then summarizes them); ``argv`` is the command recorded."""
   out.mkdir(parents=True, exist_ok=True)
   raw = out / "clocks.csv"
   device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                           capture_output=True, text=True, check=True).stdout.strip()
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "device": device, "interval_ms": interval_ms, "phases": {},
-          "argv": " ".join(["python -m experiments.gpu_clocks",
-                            *(shlex.quote(a) for a in sys.argv[1:])])}
+          "device": device, "interval_ms": interval_ms, "phases": {}, "argv": argv}
   with open(raw, "w") as f:
     sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader",
                                 f"--loop-ms={interval_ms}"], stdout=f, stderr=subprocess.STDOUT)
     try:
-      for name, command in phases:
-        start = time.time()
-        rc = subprocess.call(command, shell=True)
-        meta["phases"][name] = {"command": command, "window": [start, time.time()], "rc": rc}
+      yield Recorder(meta)
     finally:
       sampler.terminate()
       sampler.wait()
-  (out / "clocks.csv.gz").write_bytes(gzip.compress(raw.read_bytes()))
-  raw.unlink()
-  (out / "phases.json").write_text(json.dumps(meta, indent=1) + "\n")
-  return meta
+      (out / "clocks.csv.gz").write_bytes(gzip.compress(raw.read_bytes()))
+      raw.unlink()
+      (out / "phases.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def run(out: pathlib.Path, phases: Sequence[tuple[str, str]], interval_ms: int) -> dict:
+  """Runs each phase's command (a shell command) under the sampler; returns the phases'
+  metadata."""
+  argv = " ".join(["python -m experiments.gpu_clocks", *(shlex.quote(a) for a in sys.argv[1:])])
+  with sampling(out, interval_ms, argv) as recorder:
+    for name, command in phases:
+      with recorder.phase(name, command) as entry:
+        entry["rc"] = subprocess.call(command, shell=True)
+  return recorder.meta
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -54,12 +54,18 @@ a folder named after the step), and each step's log. The models
 suite also writes ``headline.md`` (``experiments.results_tables``); pointed at
 ``experiments/results/h200/models`` it rewrites RESULTS.md's headline table as well.
 
+``--clocks`` samples the GPU's SM clock, power and throttle reasons with ``nvidia-smi`` while the
+steps run (``experiments.gpu_clocks``, one phase a step) and writes ``clocks/clocks.md``: whether
+a suite's timings ran at the GPU's top clock or at its power cap (a whole step reaches the cap,
+per-layer bursts do not).
+
 The parent process never initializes a JAX backend (the device name comes from a subprocess).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -73,9 +79,12 @@ import subprocess
 import sys
 import time
 
+from experiments import gpu_clocks
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SUITES = ("front", "kernels", "lowp", "storage", "auto", "models", "capacity", "convergence")
 CALL_S = 600  # one device call
+CLOCKS_INTERVAL_MS = 250  # --clocks: about 2,200 samples in a call
 BUDGET_S = 560  # what a suite plans to use of it: start-up and copying results take the rest
 
 MODEL = "llama-3.1-8b"
@@ -325,6 +334,8 @@ def markdown(record: dict) -> str:
     rc = "timeout" if s.get("rc", 0) is None else s.get("rc", "not run")
     secs = f"{s['seconds']:.0f}" if "seconds" in s else ""
     lines.append(f"| {s['name']} | {rc} | {secs} | {s['estimate_s']:.0f} | `{s['command']}` |")
+  if record.get("clocks"):
+    lines += ["", f"GPU clocks while the steps ran: [{record['clocks']}]({record['clocks']})"]
   if record.get("tables"):
     lines += ["", "Tables: " + ", ".join(f"[{t}]({t})" for t in record["tables"])]
   return "\n".join(lines) + "\n"
@@ -346,6 +357,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--compile-cache", default=os.path.join("/tmp", "forge_jax_compile_cache"),
                       help="jax's persistent compilation cache for the front and models suites "
                       "(kept out of --out)")
+  parser.add_argument("--clocks", action="store_true",
+                      help="sample the GPU's clocks and power with nvidia-smi while the steps run "
+                      "(clocks/clocks.md)")
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   try:
@@ -354,6 +368,9 @@ def main(argv=None) -> dict:
     parser.error(str(e))
   if part != (1, 1) and args.suite != "models":
     parser.error(f"--part splits the models suite only (got --suite {args.suite})")
+  if args.clocks and not args.dry_run and not gpu_clocks.available():
+    parser.error("--clocks samples the GPU with nvidia-smi, which is not on the PATH: run on an "
+                 "NVIDIA GPU, or leave --clocks out")
   out = pathlib.Path(args.out).resolve()  # the tools run from the repository root
   args.compile_cache = os.path.abspath(args.compile_cache)
   steps = BUILDERS[args.suite](out, part, args)
@@ -383,10 +400,18 @@ def main(argv=None) -> dict:
     paths["md"].write_text(markdown(record))
 
   write()
-  for i, step in enumerate(steps):
-    record["steps"][i] = run_step(step, out)
-    print(f"[{step.name}] exit {record['steps'][i]['rc']} after {record['steps'][i]['seconds']:.0f} s",
-          flush=True)
+  sampler = (gpu_clocks.sampling(out / "clocks", CLOCKS_INTERVAL_MS, record["command"])
+             if args.clocks else contextlib.nullcontext())
+  with sampler as recorder:
+    for i, step in enumerate(steps):
+      with recorder.phase(step.name, step.command()) if recorder else contextlib.nullcontext():
+        record["steps"][i] = run_step(step, out)
+      print(f"[{step.name}] exit {record['steps'][i]['rc']} after {record['steps'][i]['seconds']:.0f} s",
+            flush=True)
+      write()
+  if recorder is not None:
+    gpu_clocks.write_summary(out / "clocks", busy=90)
+    record["clocks"] = "clocks/clocks.md"
     write()
   if args.suite == "models":
     from experiments import results_tables  # pylint: disable=g-import-not-at-top

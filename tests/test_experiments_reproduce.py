@@ -213,3 +213,47 @@ def test_headline_table_ratios_and_the_pending_note(tmp_path):
   assert "| OOM |" in body[4]
   pending = results_tables.headline_section(tmp_path / "none", tmp_path / "none.json")
   assert pending.startswith(results_tables.PENDING) and "|" not in pending
+
+
+_FAKE_NVIDIA_SMI = """#!/bin/sh
+# nvidia-smi as experiments.gpu_clocks calls it: the name, then a busy, power-capped sample every
+# 50 ms until terminated.
+case "$*" in *--query-gpu=name*) echo "Fake GPU"; exit 0;; esac
+while true; do
+  echo "$(date -u +'%Y/%m/%d %H:%M:%S.%3N'), 1575 MHz, 3201 MHz, 690.00 W, 100 %, 55, 0x0000000000000004"
+  sleep 0.05
+done
+"""
+
+
+def test_clocks_sample_each_step_as_a_phase(tmp_path, monkeypatch, capsys):
+  """--clocks: nvidia-smi samples while the steps run, each step a phase of the summary that the
+  suite's record links; without nvidia-smi on the PATH, a usage error that says so."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  fake = bin_dir / "nvidia-smi"
+  fake.write_text(_FAKE_NVIDIA_SMI)
+  fake.chmod(0o755)
+  sleep = ["timeit", "-n1", "-r1", "import time; time.sleep(0.4)"]  # python -m timeit ...
+  steps = lambda out, part, args: [reproduce.Step("first", sleep, 1, 60),
+                                   reproduce.Step("second", sleep, 1, 60)]
+  monkeypatch.setitem(reproduce.BUILDERS, "kernels", steps)
+  monkeypatch.setattr(reproduce, "device_name", lambda: "Fake GPU")
+  monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+  out = tmp_path / "run"
+  record = reproduce.main(["--suite", "kernels", "--clocks", "--out", str(out)])
+  assert [s["rc"] for s in record["steps"]] == [0, 0]
+  assert record["clocks"] == "clocks/clocks.md"
+  assert "[clocks/clocks.md](clocks/clocks.md)" in (out / "reproduce_kernels.md").read_text()
+  phases = json.loads((out / "clocks" / "phases.json").read_text())["phases"]
+  assert list(phases) == ["first", "second"]
+  (a0, a1), (b0, b1) = phases["first"]["window"], phases["second"]["window"]
+  assert a0 < a1 <= b0 < b1 and a1 - a0 >= 0.4
+  summary = json.loads((out / "clocks" / "clocks.json").read_text())["summary"]
+  for name in ("first", "second"):
+    (band,) = summary[name]["bands"]
+    assert band["samples"] >= 3 and band["reasons"] == ["SW power cap"], summary[name]
+  monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+  with pytest.raises(SystemExit):
+    reproduce.main(["--suite", "kernels", "--clocks", "--out", str(out)])
+  assert "nvidia-smi, which is not on the PATH" in capsys.readouterr().err
