@@ -114,8 +114,8 @@ _DEFAULTS: tuple[tuple[frozenset, MosaicTileConfig], ...] = tuple(
         # shared memory at T=4096, 0.86-0.88x at 16384; 0.90-1.00x the 128x64 tiles at T=1024
         # under a bf16 weight, where an fp32 weight lost, 1.08-1.25x).
         # At long T the loop carries the accumulator's slices (epi_rotate: no spills; H100,
-        # T=4096, the update after its dX product, cold states, against the pick in one
-        # process: SR bf16 weight 0.92-0.98x, fp32 weight 0.81-1.00x; at T=1024 1.02-1.04x).
+        # T=4096, the update after its dX product, cold states, side by side with the pick:
+        # SR bf16 weight 0.92-0.98x, fp32 weight 0.81-1.00x; at T=1024 1.02-1.04x).
         ("int8 long", _Cfg(epi_n=64, epi_slots=1, epi_rotate=True)),
         # Few tiles (at most 2.5 of 128x128 per SM: the k/v projections) at short T under a
         # 2-byte weight: 64x128 tiles, 6 stages, so that each warpgroup has tiles enough for one's
