@@ -14,6 +14,8 @@ writes ``clocks.csv.gz`` (the samples), ``phases.json`` (each phase's command an
 window) and ``clocks.md``/``.json``: per phase, the SM clock and power of the samples at
 ``--busy`` utilization or more, by power band, with the throttle reasons named.
 ``--summarize DIR`` rewrites the summary of an earlier run's files (no GPU needed).
+In a program, ``with sampling(out, interval_ms, argv) as recorder:`` samples around any code and
+``with recorder.phase(name, command):`` marks its phases (``experiments.reproduce --clocks``).
 """
 
 from __future__ import annotations
