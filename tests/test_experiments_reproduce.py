@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import shlex
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -215,14 +216,17 @@ def test_headline_table_ratios_and_the_pending_note(tmp_path):
   assert pending.startswith(results_tables.PENDING) and "|" not in pending
 
 
-_FAKE_NVIDIA_SMI = """#!/bin/sh
+_FAKE_NVIDIA_SMI = """
 # nvidia-smi as experiments.gpu_clocks calls it: the name, then a busy, power-capped sample every
 # 50 ms until terminated.
-case "$*" in *--query-gpu=name*) echo "Fake GPU"; exit 0;; esac
-while true; do
-  echo "$(date -u +'%Y/%m/%d %H:%M:%S.%3N'), 1575 MHz, 3201 MHz, 690.00 W, 100 %, 55, 0x0000000000000004"
-  sleep 0.05
-done
+import datetime, sys, time
+if any(a.startswith("--query-gpu=name") for a in sys.argv[1:]):
+  print("Fake GPU")
+  sys.exit(0)
+while True:
+  now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+  print(f"{now}, 1575 MHz, 3201 MHz, 690.00 W, 100 %, 55, 0x0000000000000004", flush=True)
+  time.sleep(0.05)
 """
 
 
@@ -232,9 +236,9 @@ def test_clocks_sample_each_step_as_a_phase(tmp_path, monkeypatch, capsys):
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
   fake = bin_dir / "nvidia-smi"
-  fake.write_text(_FAKE_NVIDIA_SMI)
+  fake.write_text(f"#!{sys.executable}" + _FAKE_NVIDIA_SMI)
   fake.chmod(0o755)
-  sleep = ["timeit", "-n1", "-r1", "import time; time.sleep(0.4)"]  # python -m timeit ...
+  sleep = ["timeit", "-n1", "-r1", "import time; time.sleep(0.6)"]  # python -m timeit ...
   steps = lambda out, part, args: [reproduce.Step("first", sleep, 1, 60),
                                    reproduce.Step("second", sleep, 1, 60)]
   monkeypatch.setitem(reproduce.BUILDERS, "kernels", steps)
