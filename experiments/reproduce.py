@@ -400,16 +400,17 @@ def main(argv=None) -> dict:
     paths["md"].write_text(markdown(record))
 
   write()
+  # Without --clocks the phases are recorded and dropped.
   sampler = (gpu_clocks.sampling(out / "clocks", CLOCKS_INTERVAL_MS, record["command"])
-             if args.clocks else contextlib.nullcontext())
+             if args.clocks else contextlib.nullcontext(gpu_clocks.Recorder({"phases": {}})))
   with sampler as recorder:
     for i, step in enumerate(steps):
-      with recorder.phase(step.name, step.command()) if recorder else contextlib.nullcontext():
+      with recorder.phase(step.name, step.command()):
         record["steps"][i] = run_step(step, out)
       print(f"[{step.name}] exit {record['steps'][i]['rc']} after {record['steps'][i]['seconds']:.0f} s",
             flush=True)
       write()
-  if recorder is not None:
+  if args.clocks:
     gpu_clocks.write_summary(out / "clocks", busy=90)
     record["clocks"] = "clocks/clocks.md"
     write()
