@@ -1141,7 +1141,8 @@ def _auto_table(info: dict, rows: list[dict], interpret: bool, planned: int):
 def union_table(paths: Sequence[pathlib.Path]):
   """The tables at ``paths`` (one device and jax) as one: every entry of each, a later table's
   winning on the same case (t, k, n and storage); the first table's provenance, with the others'
-  under ``"added"``. How a ``--members`` run's measurements join the table they checked."""
+  under ``"added"`` (after the first's own, where it is a union already). How a ``--members``
+  run's measurements join the table they checked, and a re-measured storage a shipped table."""
   from forge_jax import _auto  # pylint: disable=g-import-not-at-top
 
   tables = [_auto.read_table(p) for p in paths]
@@ -1155,7 +1156,9 @@ def union_table(paths: Sequence[pathlib.Path]):
   for table in tables:
     entries.update(((e.t, e.k, e.n) + e.key, e) for e in table.entries)
   keep = ("date", "commit", "command", "cases_measured")
-  provenance = dict(first, added=[{f: t.provenance.get(f) for f in keep} for t in tables[1:]])
+  # A table that is itself a union keeps its additions: its own, then each later table's.
+  added = list(first.get("added", ())) + [{f: t.provenance.get(f) for f in keep} for t in tables[1:]]
+  provenance = dict(first, added=added)
   return _auto.Table(provenance, tuple(entries.values()))
 
 

@@ -448,6 +448,12 @@ def test_union_joins_a_members_run_to_its_table_so_auto_reads_those_cases_exactl
   assert union.choose(1024, 5120, 1024, "bfloat16", "bfloat16", False) == "xla"  # was 4096x1024's
   assert union.choose(1024, 4096, 4096, "bfloat16", "bfloat16", False) == "xla"  # the later wins
   assert union.choose(1024, 4096, 1024, "bfloat16", "bfloat16", False) == "mosaic"
+  later = _table((1024, 4096, 1024, "bfloat16", "bfloat16", False, "xla"),
+                 device="H", jax="j", date="d3", commit="c3", measured=True)
+  (tmp_path / "later.json").write_text(later.dumps())
+  again = bench_fused_dw.union_table([tmp_path / "out" / "auto_table.json", tmp_path / "later.json"])
+  assert [a["date"] for a in again.provenance["added"]] == ["d2", "d3"]  # the union's own kept
+  assert again.choose(1024, 4096, 1024, "bfloat16", "bfloat16", False) == "xla"
   other = _table((1024, 64, 64, "bfloat16", "bfloat16", False, "xla"), device="G", jax="j")
   (tmp_path / "other.json").write_text(other.dumps())
   with pytest.raises(ValueError, match="device 'G'"):
