@@ -555,8 +555,12 @@ def worker(model_name: str, impl: str, batch: int, tokens: int, dtype: str,
   # after 3 warm-up steps. (Until 2026-11-30 this was one warm-up step and the mean
   # of 5 steps, which read forge_unrolled on qwen3-0.6b as 32.0 ms where this
   # reads 22.0: results/h200/diagnose_unrolled_28.)
+  start = time.time()
   timing, (state, metrics) = _timing.time_steps(lambda c: step(c[0]), (state, metrics),
                                                 warmup=3, iters=steps, repeats=3)
+  # The timed steps' wall-clock window (warm-up included), where GPU clock samples are matched
+  # to this row (experiments.reproduce --clocks).
+  row["steps_window"] = [start, time.time()]
   row["step_ms"] = timing.median_ms
   row["step_ms_repeats"] = list(timing.repeats_ms)
   row["tokens_per_s"] = batch * tokens / (timing.median_ms / 1e3)

@@ -13,7 +13,8 @@ a phase while ``nvidia-smi`` samples every ``--interval-ms``::
 writes ``clocks.csv.gz`` (the samples), ``phases.json`` (each phase's command and wall-clock
 window) and ``clocks.md``/``.json``: per phase, the SM clock and power of the samples at
 ``--busy`` utilization or more, by power band, with the throttle reasons named.
-``--summarize DIR`` rewrites the summary of an earlier run's files (no GPU needed).
+``--summarize DIR`` rewrites the summary of an earlier run's files (no GPU needed);
+``--timeline DIR`` bins its busy samples over time instead, for a run without phase windows.
 In a program, ``with sampling(out, interval_ms, argv) as recorder:`` samples around any code and
 ``with recorder.phase(name, command):`` marks its phases (``experiments.reproduce --clocks``).
 """
@@ -114,6 +115,38 @@ def to_markdown(summary: dict, busy: int, meta: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def timeline(samples: list[dict], bin_s: float, busy: int = 90) -> list[dict]:
+  """The busy samples in ``bin_s``-second bins from the first sample (bins without one left
+  out): each bin's offset, sample count, median SM clock and power, throttle reasons. For a run
+  without phase windows (one killed before it wrote them), where the busy stretches are the
+  phases."""
+  if not samples:
+    return []
+  t0 = samples[0]["t"]
+  bins: dict = {}
+  for s in samples:
+    if s["util"] >= busy:
+      # (A microsecond's slack: the stamps are large floats, and a sample on a bin's edge
+      # belongs to the bin it opens.)
+      bins.setdefault(int((s["t"] - t0) / bin_s + 1e-6), []).append(s)
+  return [{"offset_s": b * bin_s, "samples": len(part),
+           "sm_mhz_median": statistics.median(s["sm_mhz"] for s in part),
+           "power_w_median": statistics.median(s["power_w"] for s in part),
+           "reasons": sorted({n for s in part for n in reason_names(s["reasons"])})}
+          for b, part in sorted(bins.items())]
+
+
+def timeline_markdown(rows: list[dict], bin_s: float, busy: int, source: str) -> str:
+  lines = [f"# GPU clock and power over time: {source}", "",
+           f"Samples at {busy}% utilization or more, in {bin_s:g}-second bins from the first sample "
+           "(`python -m experiments.gpu_clocks --timeline`).", "",
+           "| from s | samples | SM MHz median | power W median | throttle reasons |",
+           "|---|---|---|---|---|"]
+  lines += [f"| {r['offset_s']:g} | {r['samples']} | {r['sm_mhz_median']:.0f} | "
+            f"{r['power_w_median']:.0f} | {', '.join(r['reasons']) or 'none'} |" for r in rows]
+  return "\n".join(lines) + "\n"
+
+
 def _read_samples(folder: pathlib.Path) -> list[dict]:
   gz, plain = folder / "clocks.csv.gz", folder / "clocks.csv"
   text = gzip.decompress(gz.read_bytes()).decode() if gz.exists() else plain.read_text()
@@ -131,19 +164,32 @@ def write_summary(folder: pathlib.Path, busy: int) -> dict:
 
 class Recorder:
   """The phases of one sampling run: ``with recorder.phase(name, command):`` records the
-  wall-clock window of what runs inside it."""
+  wall-clock window of what runs inside it, ``recorder.add(name, command, window)`` one measured
+  elsewhere (a benchmark row's timed steps). With a ``path``, the phases are written there at
+  every change, so a run killed before its end still has the windows of the phases it finished."""
 
-  def __init__(self, meta: dict):
+  def __init__(self, meta: dict, path: Optional[pathlib.Path] = None):
     self.meta = meta
+    self.path = path
+
+  def save(self) -> None:
+    if self.path is not None:
+      self.path.write_text(json.dumps(self.meta, indent=1) + "\n")
 
   @contextlib.contextmanager
   def phase(self, name: str, command: str):
     start = time.time()
     entry = self.meta["phases"][name] = {"command": command, "window": [start, start]}
+    self.save()
     try:
       yield entry
     finally:
       entry["window"][1] = time.time()
+      self.save()
+
+  def add(self, name: str, command: str, window: Sequence[float]) -> None:
+    self.meta["phases"][name] = {"command": command, "window": [float(window[0]), float(window[1])]}
+    self.save()
 
 
 def available() -> bool:
@@ -155,7 +201,9 @@ def available() -> bool:
 def sampling(out: pathlib.Path, interval_ms: int, argv: str):
   """``nvidia-smi`` samples the GPU every ``interval_ms`` while the block runs; yields a
   :class:`Recorder` for its phases. On exit writes ``clocks.csv.gz`` and ``phases.json`` under
-  ``out`` (``write_summary`` then summarizes them); ``argv`` is the command recorded."""
+  ``out`` (``write_summary`` then summarizes them; ``phases.json`` is kept current while it runs,
+  and a run killed midway leaves ``clocks.csv``, which ``--summarize`` reads too); ``argv`` is
+  the command recorded."""
   out.mkdir(parents=True, exist_ok=True)
   raw = out / "clocks.csv"
   device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
@@ -165,14 +213,16 @@ def sampling(out: pathlib.Path, interval_ms: int, argv: str):
   with open(raw, "w") as f:
     sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader",
                                 f"--loop-ms={interval_ms}"], stdout=f, stderr=subprocess.STDOUT)
+    recorder = Recorder(meta, out / "phases.json")
+    recorder.save()
     try:
-      yield Recorder(meta)
+      yield recorder
     finally:
       sampler.terminate()
       sampler.wait()
       (out / "clocks.csv.gz").write_bytes(gzip.compress(raw.read_bytes()))
       raw.unlink()
-      (out / "phases.json").write_text(json.dumps(meta, indent=1) + "\n")
+      recorder.save()
 
 
 def run(out: pathlib.Path, phases: Sequence[tuple[str, str]], interval_ms: int) -> dict:
@@ -197,7 +247,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="the utilization (%%) from which a sample counts (default 90)")
   parser.add_argument("--summarize", type=pathlib.Path, default=None, metavar="DIR",
                       help="rewrite the summary of an earlier run's folder; runs nothing")
+  parser.add_argument("--timeline", type=pathlib.Path, default=None, metavar="DIR",
+                      help="write DIR/timeline.md: an earlier run's busy samples in --bin-s bins "
+                      "(needs no phases.json); runs nothing")
+  parser.add_argument("--bin-s", type=float, default=2.0, help="--timeline's bin (default 2 s)")
   args = parser.parse_args(argv)
+  if args.timeline is not None:
+    if args.run or args.summarize:
+      parser.error("--timeline reads an earlier run: give no --run or --summarize")
+    text = timeline_markdown(timeline(_read_samples(args.timeline), args.bin_s, args.busy),
+                             args.bin_s, args.busy, args.timeline.name)
+    (args.timeline / "timeline.md").write_text(text)
+    print(text)
+    return 0
   if args.summarize is not None:
     if args.run:
       parser.error("--summarize reads an earlier run: give no --run")

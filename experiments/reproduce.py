@@ -55,9 +55,9 @@ suite also writes ``headline.md`` (``experiments.results_tables``); pointed at
 ``experiments/results/h200/models`` it rewrites RESULTS.md's headline table as well.
 
 ``--clocks`` samples the GPU's SM clock, power and throttle reasons with ``nvidia-smi`` while the
-steps run (``experiments.gpu_clocks``, one phase a step) and writes ``clocks/clocks.md``: whether
-a suite's timings ran at the GPU's top clock or at its power cap (a whole step reaches the cap,
-per-layer bursts do not).
+steps run (``experiments.gpu_clocks``, one phase a step, and one for each ``bench_models`` row's
+timed steps) and writes ``clocks/clocks.md``: whether a suite's timings ran at the GPU's top
+clock or at its power cap (a whole step reaches the cap, per-layer bursts do not), row by row.
 
 The parent process never initializes a JAX backend (the device name comes from a subprocess).
 """
@@ -324,6 +324,22 @@ def run_step(step: Step, out: pathlib.Path) -> dict:
           "estimate_s": step.estimate_s, "timeout_s": step.timeout_s, "log": log.name}
 
 
+def row_windows(step: Step) -> list[tuple[str, list]]:
+  """A ``bench_models`` step's rows as clock phases: ``("<step>: <model> <batch>x<tokens>
+  <impl>", the row's timed-steps window)`` for each row of its JSON that has one (none for other
+  tools, or where the step wrote no JSON)."""
+  tag = step.env.get("BENCH_TAG")
+  if not tag or step.argv[:1] != ["experiments.bench_models"] or "--out" not in step.argv:
+    return []
+  path = pathlib.Path(step.argv[step.argv.index("--out") + 1]) / f"{tag}.json"
+  try:
+    rows = json.loads(path.read_text())["rows"]
+  except (OSError, ValueError, KeyError):
+    return []
+  return [(f"{step.name}: {r['model']} {r['batch']}x{r['tokens']} {r['impl']}", r["steps_window"])
+          for r in rows if "steps_window" in r]
+
+
 def markdown(record: dict) -> str:
   lines = [f"# Reproduction: {record['suite']} suite" + (f", part {record['part']}" if record["part"] != "1/1" else ""),
            "", f"Command: `{record['command']}`  ",
@@ -407,6 +423,8 @@ def main(argv=None) -> dict:
     for i, step in enumerate(steps):
       with recorder.phase(step.name, step.command()):
         record["steps"][i] = run_step(step, out)
+      for name, window in row_windows(step):
+        recorder.add(name, step.command(), window)
       print(f"[{step.name}] exit {record['steps'][i]['rc']} after {record['steps'][i]['seconds']:.0f} s",
             flush=True)
       write()

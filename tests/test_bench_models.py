@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import json
 import math
+import time
 
 import pytest
 
@@ -42,6 +43,7 @@ def test_table_row_runs_in_a_worker_process_compiled_into_a_fresh_cache(tmp_path
   in tests/test_experiments_reproduce.py (there its step comes from a precompiled cache, here
   nothing is cached: one such worker, the costlier step, covers it)."""
   impls = ["forge_int8_sr_unrolled:remat=none"]
+  began = time.time()
   bench_models.main(["--out", str(tmp_path), *TINY, "--batch", "2",
                      "--impls", ",".join(impls), "--compile-cache", str(tmp_path / "cold_cache"),
                      "--compile-first"])
@@ -58,6 +60,9 @@ def test_table_row_runs_in_a_worker_process_compiled_into_a_fresh_cache(tmp_path
     assert math.isfinite(r["step_ms"]) and r["step_ms"] > 0
     # Device time: the median of 3 repeats of back-to-back steps.
     assert len(r["step_ms_repeats"]) == 3 and r["step_ms"] == sorted(r["step_ms_repeats"])[1]
+    # The timed steps' wall-clock window, where reproduce --clocks matches the GPU's samples.
+    t0, t1 = r["steps_window"]
+    assert began < t0 and t0 + 3 * r["step_ms"] / 1e3 <= t1 < time.time()
     assert math.isfinite(r["loss"]) and r["wall_s"] > 0
     assert not r["scan"] and r["remat"] == "none"  # the row's options, over the run's
     assert math.isnan(r["peak_gib"])  # CPU: no memory_stats()

@@ -3,6 +3,7 @@ tiny model on the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import shlex
@@ -257,6 +258,15 @@ def test_clocks_sample_each_step_as_a_phase(tmp_path, monkeypatch, capsys):
   for name in ("first", "second"):
     (band,) = summary[name]["bands"]
     assert band["samples"] >= 3 and band["reasons"] == ["SW power cap"], summary[name]
+  # A bench_models step's rows become phases of their own, from their JSON's timed windows.
+  rows = [{"model": "m", "batch": 1, "tokens": 8, "impl": "optax", "steps_window": [1.0, 2.0]},
+          {"model": "m", "batch": 1, "tokens": 8, "impl": "forge", "error": "OOM"}]
+  (out / "rows.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+  bench = reproduce.Step("rows", ["experiments.bench_models", "--out", str(out)], 1, 60,
+                         env={"BENCH_TAG": "rows"})
+  assert reproduce.row_windows(bench) == [("rows: m 1x8 optax", [1.0, 2.0])]
+  assert reproduce.row_windows(reproduce.Step("first", sleep, 1, 60)) == []
+  assert reproduce.row_windows(dataclasses.replace(bench, env={"BENCH_TAG": "absent"})) == []
   monkeypatch.setenv("PATH", str(tmp_path / "empty"))
   with pytest.raises(SystemExit):
     reproduce.main(["--suite", "kernels", "--clocks", "--out", str(out)])

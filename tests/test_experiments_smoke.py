@@ -346,3 +346,18 @@ def test_gpu_clocks_summarizes_busy_samples_by_phase(tmp_path):
       tmp_path / "clocks.md").read_text()
   with pytest.raises(SystemExit):
     gpu_clocks.main([])  # neither --run nor --summarize
+  # --timeline: the busy samples in bins over time, without phases.json.
+  (tmp_path / "phases.json").unlink()
+  assert gpu_clocks.main(["--timeline", str(tmp_path), "--bin-s", "0.1"]) == 0
+  table = (tmp_path / "timeline.md").read_text()
+  assert "| 0 | 2 | 1778 | 460 | SW power cap |" in table  # the first two samples' bin
+  assert "| 0.1 | 1 | 1560 | 688 | SW power cap |" in table and table.count("\n| 0") == 2
+  # A recorder with a path keeps it current: a phase is on file while it runs, and after.
+  path = tmp_path / "live.json"
+  recorder = gpu_clocks.Recorder({"phases": {}}, path)
+  with recorder.phase("a", "cmd"):
+    (start, end) = json.loads(path.read_text())["phases"]["a"]["window"]
+    assert start == end
+  assert json.loads(path.read_text())["phases"]["a"]["window"][1] > start
+  recorder.add("a: row", "cmd", (start, start + 1))
+  assert json.loads(path.read_text())["phases"]["a: row"]["window"] == [start, start + 1]
