@@ -69,6 +69,16 @@ def parse_samples(text: str) -> list[dict]:
   return samples
 
 
+def _stats(part: list[dict]) -> dict:
+  """Samples' count, SM clock (median, min, max), median power and throttle reasons."""
+  return {"samples": len(part),
+          "sm_mhz_median": statistics.median(s["sm_mhz"] for s in part),
+          "sm_mhz_min": min(s["sm_mhz"] for s in part),
+          "sm_mhz_max": max(s["sm_mhz"] for s in part),
+          "power_w_median": statistics.median(s["power_w"] for s in part),
+          "reasons": sorted({n for s in part for n in reason_names(s["reasons"])})}
+
+
 def summarize(samples: list[dict], phases: dict, busy: int = 90) -> dict:
   """Per phase (``{name: {"window": [start, end], ...}}``, unix times of the host whose clock
   stamped the samples), the busy samples' SM clock and power by power band."""
@@ -80,15 +90,8 @@ def summarize(samples: list[dict], phases: dict, busy: int = 90) -> dict:
     bands = []
     for lo, hi in POWER_BANDS:
       part = [s for s in hot if lo <= s["power_w"] < hi]
-      if not part:
-        continue
-      reasons = sorted({n for s in part for n in reason_names(s["reasons"])})
-      bands.append({"power_w": [lo, hi], "samples": len(part),
-                    "sm_mhz_median": statistics.median(s["sm_mhz"] for s in part),
-                    "sm_mhz_min": min(s["sm_mhz"] for s in part),
-                    "sm_mhz_max": max(s["sm_mhz"] for s in part),
-                    "power_w_median": statistics.median(s["power_w"] for s in part),
-                    "reasons": reasons})
+      if part:
+        bands.append({"power_w": [lo, hi], **_stats(part)})
     out[name] = {"command": phase.get("command"), "seconds": end - start,
                  "samples": len(inside), "busy_samples": len(hot), "bands": bands}
   return out
@@ -117,7 +120,7 @@ def to_markdown(summary: dict, busy: int, meta: dict) -> str:
 
 def timeline(samples: list[dict], bin_s: float, busy: int = 90) -> list[dict]:
   """The busy samples in ``bin_s``-second bins from the first sample (bins without one left
-  out): each bin's offset, sample count, median SM clock and power, throttle reasons. For a run
+  out): each bin's offset and its samples' statistics (as a phase's power band). For a run
   without phase windows (one killed before it wrote them), where the busy stretches are the
   phases."""
   if not samples:
@@ -129,11 +132,7 @@ def timeline(samples: list[dict], bin_s: float, busy: int = 90) -> list[dict]:
       # (A microsecond's slack: the stamps are large floats, and a sample on a bin's edge
       # belongs to the bin it opens.)
       bins.setdefault(int((s["t"] - t0) / bin_s + 1e-6), []).append(s)
-  return [{"offset_s": b * bin_s, "samples": len(part),
-           "sm_mhz_median": statistics.median(s["sm_mhz"] for s in part),
-           "power_w_median": statistics.median(s["power_w"] for s in part),
-           "reasons": sorted({n for s in part for n in reason_names(s["reasons"])})}
-          for b, part in sorted(bins.items())]
+  return [{"offset_s": b * bin_s, **_stats(part)} for b, part in sorted(bins.items())]
 
 
 def timeline_markdown(rows: list[dict], bin_s: float, busy: int, source: str) -> str:
