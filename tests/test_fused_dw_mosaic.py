@@ -234,6 +234,7 @@ def test_stochastic_rounding_matches_reference(state, stacked):
       _assert_close(a, e, name)
 
 
+@pytest.mark.gpu  # runs everywhere: the compiled kernel on a GPU, the interpreter elsewhere
 def test_stochastic_rounding_in_the_kernel_is_unbiased():
   """The kernel's stochastic rounding of bf16 weights (the compiled kernel with its default
   tiling on a GPU, the interpreter on small tiles elsewhere): SGD moves every weight of a column group from 1.0 by a fixed fraction

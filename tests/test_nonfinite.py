@@ -25,6 +25,7 @@ import forge_jax
 from forge_jax import _fused
 import pallas_kernels
 from pallas_kernels import numerics
+from tests._gpu import gpu_marks
 
 pytestmark = [
     pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter"),  # tests/conftest.py
@@ -163,7 +164,7 @@ def _assert_close(a, b, where=None):
   np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
 
 
-_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Triton and Mosaic kernels")
+_GPU = gpu_marks("the compiled Triton and Mosaic kernels")
 _COMPILED = [pytest.param("pallas", marks=_GPU), pytest.param("mosaic", marks=_GPU)]
 # The interpreters' cases are CPU tests: on a GPU their thousands of small ops each go to the
 # device (one mosaic_interpret case ran past 200 s on the H200), and the compiled kernels run.

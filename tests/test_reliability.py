@@ -16,6 +16,7 @@ import pytest
 import forge_jax
 from forge_jax import _fused
 from tests._jaxpr import eqns
+from tests._gpu import gpu_marks
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
@@ -652,7 +653,7 @@ def test_non_finite_loss_skip_takes_no_cond(backend):
   assert "conditional(" not in text
 
 
-_ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels: a GPU case")
+_ON_GPU = gpu_marks("the compiled kernels: a GPU case")
 
 
 # Not under the Mosaic GPU interpreter: at these shapes one CPU run of it (jax 0.10.2) stopped

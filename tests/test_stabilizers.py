@@ -17,6 +17,7 @@ from forge_jax import _fused
 from forge_jax import _math
 from pallas_kernels import mosaic as fm
 from tests._lowering import skip_if_cuda_lowering_needs_a_gpu
+from tests._gpu import gpu_case
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")  # tests/conftest.py
 
@@ -330,7 +331,7 @@ def test_mosaic_interpreter_matches_optax_face(case):
     _parity(case[1], "mosaic_interpret", 64, 64, 64, BF16, steps=case[2])
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels need a GPU")
+@gpu_case("the compiled kernels need a GPU")
 @pytest.mark.parametrize("backend", ["mosaic", "pallas"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_gpu_kernels_match_optax_face(case, backend):

@@ -28,6 +28,7 @@ import forge_jax
 
 from pallas_kernels.mosaic.stacked_matmul import StackedMatmulConfig, stacked_matmul
 from tests._lowering import lower_for_cuda
+from tests._gpu import gpu_case
 
 pytestmark = pytest.mark.usefixtures("fast_cpu_compiles", "legacy_cpu_emitter")
 
@@ -293,7 +294,7 @@ def test_scanned_stack_reads_its_layers_in_place_on_a_hopper_gpu(fake_gpu, monke
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel (a GPU case)")
+@gpu_case("the compiled kernel (a GPU case)")
 def test_scanned_stack_with_the_compiled_kernel_trains_as_xla():
   want, want_losses = _train("xla")
   got, got_losses = _train("mosaic")
