@@ -90,7 +90,6 @@ def test_results_table_keeps_limits_apart_and_pairs_the_same_run():
 def test_relative_links_in_the_docs_resolve():
   """Every relative link of the README, docs/ (the kernel's design included) and RESULTS.md names
   a file that exists (results are linked by path: a renamed folder must not leave a dead link)."""
-  import re  # pylint: disable=g-import-not-at-top
   files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "experiments" / "RESULTS.md"]
   dead, count = [], 0
   for f in files:
@@ -187,3 +186,13 @@ def test_no_development_narration_in_the_tree():
   numbers or agent words (say what a measurement is, with its date or commit)."""
   hits = _narration_hits()
   assert not hits, f"{len(hits)} lines narrate development history:\n" + "\n".join(hits)
+
+
+def test_gpu_only_cases_carry_the_gpu_marker():
+  """A case skipped without a GPU is skipped through tests/_gpu.py, which also marks it ``gpu``,
+  so that ``pytest -m gpu`` on a GPU machine (the README's command) runs every such case."""
+  import re  # pylint: disable=g-import-not-at-top
+  pattern = re.compile(r'skipif\(\s*(?:not\s+)?jax\.default_backend\(\)\s*!=\s*"gpu"')
+  bare = [f"{path.name}:{i}" for path in sorted((ROOT / "tests").glob("*.py")) if path.name != "_gpu.py"
+          for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+  assert bare == [], f"GPU-only skips without the gpu marker (use tests._gpu.gpu_marks): {bare}"
