@@ -191,7 +191,6 @@ def test_no_development_narration_in_the_tree():
 def test_gpu_only_cases_carry_the_gpu_marker():
   """A case skipped without a GPU is skipped through tests/_gpu.py, which also marks it ``gpu``,
   so that ``pytest -m gpu`` on a GPU machine (the README's command) runs every such case."""
-  import re  # pylint: disable=g-import-not-at-top
   pattern = re.compile(r'skipif\(\s*(?:not\s+)?jax\.default_backend\(\)\s*!=\s*"gpu"')
   bare = [f"{path.name}:{i}" for path in sorted((ROOT / "tests").glob("*.py")) if path.name != "_gpu.py"
           for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
